@@ -1,0 +1,224 @@
+"""Per-expert host tensors and the device slot buffers they are copied into.
+
+Both are validated here once, at construction, so that the hot path of every
+provider can index them without re-checking shapes, devices or dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rowcache.errors import InvalidInputError
+
+__all__ = [
+    "SOURCE_NAMES",
+    "ExpertSources",
+    "SlotBuffers",
+    "allocate_slot_buffers",
+    "validate_capacity",
+]
+
+SOURCE_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
+"""Fixed order of the six per-expert tensors; slot buffers follow it too."""
+
+
+def _describe(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 0:
+        raise InvalidInputError(
+            f"{name} must be expert-major [E, ...], got a 0-dim tensor ({_describe(t)})"
+        )
+    return t
+
+
+def _needs_pinning(device: torch.device) -> bool:
+    # Only CUDA copies are asynchronous from pinned memory; on other targets
+    # pinning would cost memory for nothing (and needs an accelerator).
+    return device.type == "cuda"
+
+
+class ExpertSources:
+    """Validated bundle of the per-expert host tensors, expert-major ``[E, ...]``.
+
+    ``w13`` and ``w2`` are required; ``w13_scale``/``w2_scale`` are optional;
+    ``w13_scale_2``/``w2_scale_2`` (per-expert global scales, NVFP4) are
+    optional but must be given together. All must live on the CPU and share the
+    same number of experts E.
+
+    For a CUDA target every source must be pinned so that slot fills are
+    asynchronous. A source that is not pinned is pinned here, which makes one
+    pinned copy of it; only that copy is kept, so no second host copy lives in
+    the provider, but the caller's original stays alive as long as the caller
+    holds it. Pass tensors that are already pinned (``pin_memory()`` at load
+    time) to avoid the transient doubling of host memory.
+    """
+
+    __slots__ = ("_tensors", "device", "num_experts")
+
+    def __init__(
+        self,
+        w13: Tensor,
+        w2: Tensor,
+        w13_scale: Tensor | None = None,
+        w2_scale: Tensor | None = None,
+        *,
+        w13_scale_2: Tensor | None = None,
+        w2_scale_2: Tensor | None = None,
+        device: torch.device | str,
+    ) -> None:
+        target = torch.device(device)
+        raw: dict[str, object] = {
+            "w13": w13,
+            "w2": w2,
+            "w13_scale": w13_scale,
+            "w2_scale": w2_scale,
+            "w13_scale_2": w13_scale_2,
+            "w2_scale_2": w2_scale_2,
+        }
+        given = {n: None if t is None else _check_tensor(n, t) for n, t in raw.items()}
+        for required in ("w13", "w2"):
+            if given[required] is None:
+                raise InvalidInputError(f"{required} is required, got None")
+        if (w13_scale_2 is None) != (w2_scale_2 is None):
+            missing = "w13_scale_2" if w13_scale_2 is None else "w2_scale_2"
+            present = "w2_scale_2" if w13_scale_2 is None else "w13_scale_2"
+            raise InvalidInputError(
+                f"{present} was given without {missing}: per-expert global scales "
+                "must be given together"
+            )
+        present_items = [(n, t) for n, t in given.items() if t is not None]
+        off_cpu = [f"{n} is on {t.device}" for n, t in present_items if t.device.type != "cpu"]
+        if off_cpu:
+            raise InvalidInputError(
+                "expert sources must be on the CPU (host memory): " + ", ".join(off_cpu)
+            )
+        experts = {n: t.shape[0] for n, t in present_items}
+        if len(set(experts.values())) != 1:
+            listing = ", ".join(f"{n} has E={e}" for n, e in experts.items())
+            raise InvalidInputError(f"expert sources disagree on the number of experts: {listing}")
+        num_experts = experts["w13"]
+        if num_experts == 0:
+            raise InvalidInputError("expert sources hold no experts (E=0)")
+
+        if _needs_pinning(target):
+            given = {n: None if t is None else _pinned(t) for n, t in given.items()}
+        self._tensors = given
+        self.device = target
+        self.num_experts = num_experts
+
+    @property
+    def w13(self) -> Tensor:
+        t = self._tensors["w13"]
+        assert t is not None
+        return t
+
+    @property
+    def w2(self) -> Tensor:
+        t = self._tensors["w2"]
+        assert t is not None
+        return t
+
+    @property
+    def w13_scale(self) -> Tensor | None:
+        return self._tensors["w13_scale"]
+
+    @property
+    def w2_scale(self) -> Tensor | None:
+        return self._tensors["w2_scale"]
+
+    @property
+    def w13_scale_2(self) -> Tensor | None:
+        return self._tensors["w13_scale_2"]
+
+    @property
+    def w2_scale_2(self) -> Tensor | None:
+        return self._tensors["w2_scale_2"]
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """All six sources in ``SOURCE_NAMES`` order, None where absent."""
+        return tuple(self._tensors[n] for n in SOURCE_NAMES)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory held by the sources (all experts, all six tensors)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values() if t is not None)
+
+
+def _pinned(t: Tensor) -> Tensor:
+    return t if t.is_pinned() else t.pin_memory()
+
+
+def validate_capacity(capacity: object, num_experts: int) -> int:
+    """Return ``capacity`` if it is an int with ``0 < capacity <= num_experts``."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise InvalidInputError(
+            f"capacity must be an int, got {capacity!r} ({type(capacity).__name__})"
+        )
+    if not 0 < capacity <= num_experts:
+        raise InvalidInputError(
+            f"capacity must satisfy 0 < capacity <= num_experts, got capacity={capacity} "
+            f"with num_experts={num_experts}"
+        )
+    return capacity
+
+
+@dataclass(frozen=True)
+class SlotBuffers:
+    """The six device buffers ``[capacity, *row_shape]`` that slots live in.
+
+    Allocated once; providers write into them in place and never replace them,
+    so the addresses captured by kernels stay valid.
+    """
+
+    capacity: int
+    w13: Tensor
+    w2: Tensor
+    w13_scale: Tensor | None
+    w2_scale: Tensor | None
+    w13_scale_2: Tensor | None
+    w2_scale_2: Tensor | None
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """All six buffers in ``SOURCE_NAMES`` order, None where absent."""
+        return (self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_scale_2, self.w2_scale_2)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of device memory held by all slot buffers together."""
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+
+def allocate_slot_buffers(
+    sources: ExpertSources, capacity: int, device: torch.device | str
+) -> SlotBuffers:
+    """Allocate one ``[capacity, *row_shape]`` buffer per present source on ``device``.
+
+    ``device`` must be the one the sources were prepared for, because pinning
+    was decided by it.
+    """
+    target = torch.device(device)
+    if target != sources.device:
+        raise InvalidInputError(
+            f"slot buffers requested on {target} but the sources were prepared for {sources.device}"
+        )
+    validate_capacity(capacity, sources.num_experts)
+
+    # torch.empty on the target device is the only allocation: device-generic,
+    # so that the CUDA specifics stay in the CUDA backend.
+    def alloc(src: Tensor | None) -> Tensor | None:
+        if src is None:
+            return None
+        return torch.empty((capacity, *src.shape[1:]), dtype=src.dtype, device=target)
+
+    bufs = [alloc(t) for t in sources.tensors()]
+    w13, w2 = bufs[0], bufs[1]
+    assert w13 is not None and w2 is not None
+    return SlotBuffers(capacity, w13, w2, bufs[2], bufs[3], bufs[4], bufs[5])
