@@ -1,0 +1,77 @@
+"""Splitting a forward whose experts do not fit in the slots.
+
+Two plans, one per ``Split``: token chunks (row ranges each needing at most
+``capacity`` experts) and expert groups (the routed experts cut into groups of
+at most ``capacity``). Planning does not range-check expert ids (it does not
+know E); ``prepare`` does, for every piece.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rowcache.errors import InvalidInputError
+from rowcache.validation import check_topk_ids
+
+__all__ = ["plan_chunks", "plan_expert_groups"]
+
+
+def _check_capacity(capacity: object, op: str) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise InvalidInputError(
+            f"{op}: capacity must be an int, got {capacity!r} ({type(capacity).__name__})"
+        )
+    if capacity <= 0:
+        raise InvalidInputError(f"{op}: capacity must be positive, got {capacity}")
+    return capacity
+
+
+def plan_chunks(topk_ids: Tensor, capacity: int) -> list[tuple[int, int]]:
+    """Cut the token rows into half-open ranges whose distinct experts fit ``capacity``.
+
+    Greedy: each chunk extends until the next row would push its distinct
+    experts past ``capacity``, so chunks are maximal and as few as a
+    front-to-back scan can make them. Empty ``topk_ids`` gives ``[]``. A single
+    row that routes to more distinct experts than ``capacity`` cannot be
+    served by any chunk and is rejected.
+    """
+    check_topk_ids(topk_ids, "plan_chunks")
+    _check_capacity(capacity, "plan_chunks")
+    num_rows = topk_ids.shape[0]
+    if num_rows == 0:
+        return []
+    # Decode batches usually fit whole: one unique/transfer instead of a row scan.
+    if torch.unique(topk_ids).numel() <= capacity:
+        return [(0, num_rows)]
+
+    chunks: list[tuple[int, int]] = []
+    start = 0
+    seen: set[int] = set()
+    rows: list[list[int]] = topk_ids.tolist()
+    for index, row in enumerate(rows):
+        row_experts = set(row)
+        if len(row_experts) > capacity:
+            raise InvalidInputError(
+                f"plan_chunks: token row {index} routes to {len(row_experts)} distinct "
+                f"experts but capacity is {capacity}"
+            )
+        seen |= row_experts
+        if len(seen) > capacity:
+            chunks.append((start, index))
+            start = index
+            seen = row_experts
+    chunks.append((start, num_rows))
+    return chunks
+
+
+def plan_expert_groups(topk_ids: Tensor, capacity: int) -> list[list[int]]:
+    """Cut the sorted distinct experts of ``topk_ids`` into consecutive groups.
+
+    Every group but the last holds exactly ``capacity`` experts; empty
+    ``topk_ids`` gives ``[]``.
+    """
+    check_topk_ids(topk_ids, "plan_expert_groups")
+    _check_capacity(capacity, "plan_expert_groups")
+    experts: list[int] = torch.unique(topk_ids).tolist()
+    return [experts[i : i + capacity] for i in range(0, len(experts), capacity)]
