@@ -1,0 +1,198 @@
+"""ExpertSources and SlotBuffers: validation, pinning, allocation."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from rowcache.errors import InvalidInputError
+from rowcache.sources import (
+    SOURCE_NAMES,
+    ExpertSources,
+    allocate_slot_buffers,
+    validate_capacity,
+)
+
+E = 5
+CPU = torch.device("cpu")
+
+
+def six(num_experts: int = E) -> dict[str, torch.Tensor]:
+    return {
+        "w13": torch.randn(num_experts, 6, 4),
+        "w2": torch.randn(num_experts, 4, 3),
+        "w13_scale": torch.ones(num_experts, 6, 1, dtype=torch.float16),
+        "w2_scale": torch.ones(num_experts, 4, 1, dtype=torch.float16),
+        "w13_scale_2": torch.ones(num_experts),
+        "w2_scale_2": torch.ones(num_experts, 1),
+    }
+
+
+def build(tensors: dict[str, torch.Tensor], device: torch.device | str = CPU) -> ExpertSources:
+    return ExpertSources(**tensors, device=device)  # type: ignore[arg-type]
+
+
+def rejected(match: str) -> pytest.RaisesExc[InvalidInputError]:
+    return pytest.raises(InvalidInputError, match=re.escape(match))
+
+
+def test_all_six_kept_in_order_without_copies() -> None:
+    given = six()
+    sources = build(given)
+    assert sources.num_experts == E
+    assert all(s is given[n] for s, n in zip(sources.tensors(), SOURCE_NAMES, strict=True))
+    assert sources.w13 is given["w13"] and sources.w2_scale_2 is given["w2_scale_2"]
+
+
+def test_optional_sources_absent() -> None:
+    given = six()
+    sources = ExpertSources(given["w13"], given["w2"], device=CPU)
+    assert sources.tensors()[2:] == (None, None, None, None)
+    assert sources.host_bytes == given["w13"].nbytes + given["w2"].nbytes
+
+
+def test_host_bytes_counts_every_source() -> None:
+    given = six()
+    assert build(given).host_bytes == sum(t.nbytes for t in given.values())
+
+
+@pytest.mark.parametrize(
+    ("present", "missing"), [("w13_scale_2", "w2_scale_2"), ("w2_scale_2", "w13_scale_2")]
+)
+def test_scale_2_must_come_together(present: str, missing: str) -> None:
+    given = six()
+    del given[missing]
+    with rejected(f"{present} was given without {missing}"):
+        build(given)
+
+
+def test_expert_counts_must_agree_and_each_is_named() -> None:
+    given = six()
+    given["w2_scale"] = torch.ones(E + 1, 4, 1)
+    given["w13_scale_2"] = torch.ones(E - 1)
+    with rejected(
+        f"w13 has E={E}, w2 has E={E}, w13_scale has E={E}, w2_scale has E={E + 1}, "
+        f"w13_scale_2 has E={E - 1}, w2_scale_2 has E={E}"
+    ):
+        build(given)
+
+
+def test_sources_must_be_on_cpu_and_the_device_is_named() -> None:
+    given = six()
+    given["w2_scale"] = torch.empty(E, 4, 1, device="meta")
+    with rejected("expert sources must be on the CPU (host memory): w2_scale is on meta"):
+        build(given)
+
+
+def test_zero_dim_and_non_tensor_rejected() -> None:
+    given = six()
+    given["w13_scale_2"] = torch.tensor(1.0)
+    with rejected("w13_scale_2 must be expert-major [E, ...], got a 0-dim tensor"):
+        build(given)
+    with rejected("w2 must be a torch.Tensor, got list"):
+        ExpertSources(torch.ones(E, 1), [[1.0]] * E, device=CPU)  # type: ignore[arg-type]
+    with rejected("w13 is required, got None"):
+        ExpertSources(None, torch.ones(E, 1), device=CPU)  # type: ignore[arg-type]
+
+
+def test_no_experts_rejected() -> None:
+    with rejected("expert sources hold no experts (E=0)"):
+        build(six(0))
+
+
+class FakePinning:
+    """Stands in for pinned memory on a CPU-only build: records what was pinned."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pinned: set[int] = set()
+        self.pin_calls = 0
+        fake = self
+
+        def is_pinned(t: torch.Tensor) -> bool:
+            return t.data_ptr() in fake.pinned
+
+        def pin_memory(t: torch.Tensor) -> torch.Tensor:
+            fake.pin_calls += 1
+            copy = t.clone()
+            fake.pinned.add(copy.data_ptr())
+            return copy
+
+        monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+def test_cuda_target_pins_only_unpinned_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakePinning(monkeypatch)
+    given = six()
+    fake.pinned.add(given["w13"].data_ptr())
+    sources = build(given, device="cuda")
+    assert fake.pin_calls == len(given) - 1
+    assert sources.w13 is given["w13"]
+    for name, kept in zip(SOURCE_NAMES, sources.tensors(), strict=True):
+        assert kept is not None and kept.is_pinned(), name
+        assert torch.equal(kept, given[name])
+    assert sources.w2 is not given["w2"]
+
+
+def test_cpu_target_never_pins(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakePinning(monkeypatch)
+    given = six()
+    build(given)
+    assert fake.pin_calls == 0
+
+
+def test_rejected_sources_are_never_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakePinning(monkeypatch)
+    given = six()
+    given["w2"] = torch.ones(E + 1, 1)
+    with rejected("disagree on the number of experts"):
+        build(given, device="cuda")
+    assert fake.pin_calls == 0
+
+
+# -- slot buffers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_slot_buffers_shape_dtype_device(device: str) -> None:
+    given = six()
+    # Sources stay on the CPU whatever the target; only the buffers go there.
+    sources = build(given, device=device)
+    buffers = allocate_slot_buffers(sources, 3, device)
+    for name, buf in zip(SOURCE_NAMES, buffers.tensors(), strict=True):
+        src = given[name]
+        assert buf is not None
+        assert buf.shape == (3, *src.shape[1:]), name
+        assert buf.dtype == src.dtype and buf.device.type == device
+    assert buffers.capacity == 3
+    assert buffers.slot_bytes == sum(3 * t[0].nbytes for t in given.values())
+
+
+def test_absent_sources_have_no_buffers() -> None:
+    given = six()
+    buffers = allocate_slot_buffers(ExpertSources(given["w13"], given["w2"], device=CPU), 2, CPU)
+    assert buffers.tensors()[2:] == (None, None, None, None)
+    assert buffers.slot_bytes == 2 * (given["w13"][0].nbytes + given["w2"][0].nbytes)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, E + 1])
+def test_capacity_out_of_range_names_both_values(capacity: int) -> None:
+    with rejected(f"got capacity={capacity} with num_experts={E}"):
+        allocate_slot_buffers(build(six()), capacity, CPU)
+
+
+@pytest.mark.parametrize("capacity", [True, 2.0, "2", None])
+def test_capacity_must_be_an_int(capacity: object) -> None:
+    with rejected("capacity must be an int"):
+        validate_capacity(capacity, E)
+
+
+def test_capacity_equal_to_num_experts_allowed() -> None:
+    assert validate_capacity(E, E) == E
+
+
+def test_slots_must_be_on_the_device_the_sources_were_prepared_for() -> None:
+    with rejected("slot buffers requested on meta but the sources were prepared for cpu"):
+        allocate_slot_buffers(build(six()), 2, "meta")
