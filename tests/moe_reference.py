@@ -150,3 +150,26 @@ def cached_moe(
 ) -> Tensor:
     """The layer evaluated through ``provider``'s slots (any provider with the shared surface)."""
     return run_with_expert_cache(provider, topk_ids, cached_run(layer, x, topk_ids, topk_weights))
+
+
+def term_magnitude(layer: MoELayer, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> float:
+    """Largest sum of |term| over a row (routed terms and shared), in float32.
+
+    Bounds every partial sum either path can form, hence the size of one
+    rounding step in the error analysis of the expert split.
+    """
+    shared = _shared(layer)
+    x32 = x.float()
+    total = 0.0
+    for token, experts in enumerate(topk_ids.tolist()):
+        row = x32[token : token + 1]
+        acc = torch.zeros(x.shape[1])
+        for j, e in enumerate(experts):
+            term = topk_weights[token, j].float() * _mlp(
+                row, layer.w13[e].float(), layer.w2[e].float()
+            )
+            acc += term[0].abs()
+        if shared is not None:
+            acc += _mlp(row, shared[0].float(), shared[1].float())[0].abs()
+        total = max(total, float(acc.max()))
+    return total
