@@ -10,6 +10,7 @@ not read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ def make_layer(
     gen = torch.Generator().manual_seed(seed)
 
     def weight(*shape: int) -> Tensor:
-        return (torch.randn(*shape, generator=gen) / shape[-1] ** 0.5).to(dtype)
+        return torch.randn(*shape, generator=gen).div_(math.sqrt(shape[-1])).to(dtype)
 
     return MoELayer(
         w13=weight(num_experts, 2 * intermediate, hidden),

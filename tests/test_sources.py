@@ -31,7 +31,7 @@ def six(num_experts: int = E) -> dict[str, torch.Tensor]:
 
 
 def build(tensors: dict[str, torch.Tensor], device: torch.device | str = CPU) -> ExpertSources:
-    return ExpertSources(**tensors, device=device)  # type: ignore[arg-type]
+    return ExpertSources(**tensors, device=device)
 
 
 def rejected(match: str) -> pytest.RaisesExc[InvalidInputError]:
