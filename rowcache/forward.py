@@ -14,6 +14,7 @@ rows in ``rows``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
@@ -24,7 +25,8 @@ from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 
 __all__ = ["RunFn", "run_with_expert_cache"]
 
-RunFn = Callable[[ExpertWeightResult, slice, bool], Tensor]
+RunFn: TypeAlias = Callable[[ExpertWeightResult, slice, bool], Tensor]
+"""``run(weights, rows, include_shared) -> output rows``; see the module docstring."""
 
 
 def _check_rows(output: Tensor, rows: slice, expected: int) -> None:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 from torch import Tensor
 
 __all__ = ["ExpertWeightProvider", "ExpertWeightResult", "Split", "UniqueIds"]
 
-Split = Literal["token", "expert"]
+Split: TypeAlias = Literal["token", "expert"]
 """How a forward that needs more experts than slots is broken up: by token rows
 (each chunk's experts fit) or by expert groups (partial outputs are summed)."""
 
-UniqueIds = Tensor | Sequence[int]
+UniqueIds: TypeAlias = Tensor | Sequence[int]
 """Accepted forms of ``prepare``'s explicit expert set."""
 
 
