@@ -1,0 +1,263 @@
+"""Reference semantics of the host side: guards and effects named by the table.
+
+These functions are the specification of what the provider's host bookkeeping does (LRU order,
+slot assignment, the resident-map mirror, the forward map, counters). The explorer, the z3
+encoding and the hypothesis machines call them; the provider in rowcache/ is a separate fast
+implementation that the conformance tests compare against them step by step.
+
+Alternative versions used only by mutants live here too, registered under their own names, so
+that a mutant is a change of a name in the table and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+NO_SLOT = -1
+NO_STREAM = -1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The parameters of one model configuration."""
+
+    num_experts: int
+    capacity: int
+    consumer_streams: int = 2
+    staging_buffers: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.capacity <= self.num_experts:
+            raise ValueError(
+                f"capacity {self.capacity} must be in 1..num_experts ({self.num_experts})"
+            )
+
+
+class HostState(NamedTuple):
+    """Host-visible provider state (the part both the model and the provider keep)."""
+
+    lru: tuple[int, ...]  # resident experts, least recently used first
+    slot_of: tuple[int, ...]  # resident-map mirror: slot of each expert, NO_SLOT if absent
+    owner: int  # stream of the previous accepted prepare, NO_STREAM before the first
+    forward: tuple[tuple[int, int], ...] | None  # (expert, slot) exposed by the last prepare
+
+
+class Counters(NamedTuple):
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prepare_calls: int = 0
+    owner_changes: int = 0
+    invalidations: int = 0
+
+
+class Effect(NamedTuple):
+    """What an accepted call does to the host state, and what the device steps need."""
+
+    host: HostState
+    copies: tuple[tuple[int, int], ...]  # (expert, slot) to copy, in order
+    victims: tuple[int, ...]
+    hits: tuple[int, ...]
+    changed: bool  # the resident map changed
+    counters: Counters
+
+
+def initial_host(bounds: Bounds) -> HostState:
+    return HostState(
+        lru=(), slot_of=(NO_SLOT,) * bounds.num_experts, owner=NO_STREAM, forward=None
+    )
+
+
+Args = tuple[object, ...]
+Guard = Callable[[HostState, Bounds, Args], "str | None"]
+EffectFn = Callable[[HostState, Counters, Bounds, Args, int], Effect]
+PreGuard = Callable[[HostState, Bounds, Args], HostState]
+
+
+# ---------------------------------------------------------------- guards
+
+
+def valid_prepare(host: HostState, bounds: Bounds, args: Args) -> str | None:
+    ids = args[0]
+    assert isinstance(ids, tuple)
+    for e in ids:
+        if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
+            return f"expert id {e} out of range [0, {bounds.num_experts})"
+    if len(set(ids)) != len(ids):
+        dup = next(e for e in ids if ids.count(e) > 1)
+        return f"expert id {dup} given twice"
+    if len(ids) > bounds.capacity:
+        return f"{len(ids)} unique experts requested but capacity is {bounds.capacity}"
+    return None
+
+
+def valid_invalidate(host: HostState, bounds: Bounds, args: Args) -> str | None:
+    e = args[0]
+    if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
+        return f"expert id {e} out of range [0, {bounds.num_experts})"
+    return None
+
+
+def has_forward(host: HostState, bounds: Bounds, args: Args) -> str | None:
+    return None if host.forward is not None else "no accepted prepare to read from"
+
+
+def always(host: HostState, bounds: Bounds, args: Args) -> str | None:
+    return None
+
+
+GUARDS: dict[str, Guard] = {
+    "valid_prepare": valid_prepare,
+    "valid_invalidate": valid_invalidate,
+    "has_forward": has_forward,
+    "always": always,
+}
+
+
+# ---------------------------------------------------------------- effects
+
+
+def _plan_prepare(
+    host: HostState,
+    counters: Counters,
+    bounds: Bounds,
+    ids: Sequence[int],
+    stream: int,
+    *,
+    protect_requested: bool = True,
+    forward_from_resident: bool = False,
+    clear_victim_entry: bool = True,
+) -> Effect:
+    ids = sorted(ids)
+    requested = set(ids)
+    slot_of = list(host.slot_of)
+    used = {s for s in slot_of if s != NO_SLOT}
+    free = [s for s in range(bounds.capacity) if s not in used]
+    lru = list(host.lru)
+    hits = tuple(e for e in ids if slot_of[e] != NO_SLOT)
+    # Slots are looked up for hits before misses are placed, as an implementation would.
+    placed = {e: slot_of[e] for e in hits}
+    misses = [e for e in ids if slot_of[e] == NO_SLOT]
+    # Victims: least recently used first, never one this call asks for.
+    candidates = [e for e in lru if e not in requested] if protect_requested else list(lru)
+    copies: list[tuple[int, int]] = []
+    victims: list[int] = []
+    for e in misses:
+        if free:
+            slot = free.pop(0)
+        else:
+            victim = candidates.pop(0)
+            victims.append(victim)
+            slot = slot_of[victim]
+            if clear_victim_entry:
+                slot_of[victim] = NO_SLOT
+            lru.remove(victim)
+        slot_of[e] = slot
+        placed[e] = slot
+        copies.append((e, slot))
+    # Requested experts become most recently used, in id order.
+    lru = [e for e in lru if e not in requested] + [e for e in ids if e in lru or e in misses]
+    if forward_from_resident:
+        forward = tuple(sorted((e, s) for e, s in enumerate(slot_of) if s != NO_SLOT))
+    else:
+        forward = tuple((e, placed[e]) for e in ids)
+    changed = tuple(slot_of) != host.slot_of
+    owner_change = host.owner not in (NO_STREAM, stream)
+    return Effect(
+        host=HostState(lru=tuple(lru), slot_of=tuple(slot_of), owner=host.owner, forward=forward),
+        copies=tuple(copies),
+        victims=tuple(victims),
+        hits=hits,
+        changed=changed,
+        counters=counters._replace(
+            hits=counters.hits + len(hits),
+            misses=counters.misses + len(misses),
+            evictions=counters.evictions + len(victims),
+            prepare_calls=counters.prepare_calls + 1,
+            owner_changes=counters.owner_changes + int(owner_change),
+        ),
+    )
+
+
+def plan_prepare(
+    host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
+) -> Effect:
+    ids = args[0]
+    assert isinstance(ids, tuple)
+    return _plan_prepare(host, counters, bounds, ids, stream)
+
+
+def plan_invalidate(
+    host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
+) -> Effect:
+    e = args[0]
+    assert isinstance(e, int)
+    if host.slot_of[e] == NO_SLOT:
+        return Effect(host, (), (), (), False, counters)
+    slot_of = list(host.slot_of)
+    slot_of[e] = NO_SLOT
+    lru = tuple(x for x in host.lru if x != e)
+    new = host._replace(lru=lru, slot_of=tuple(slot_of))
+    return Effect(
+        new, (), (), (), True, counters._replace(invalidations=counters.invalidations + 1)
+    )
+
+
+def no_change(
+    host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
+) -> Effect:
+    return Effect(host, (), (), (), False, counters)
+
+
+# Mutant effects: each is the reference effect with one seeded bug.
+
+
+def plan_prepare_unprotected_victim(
+    host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
+) -> Effect:
+    ids = args[0]
+    assert isinstance(ids, tuple)
+    return _plan_prepare(host, counters, bounds, ids, stream, protect_requested=False)
+
+
+def plan_prepare_forward_from_resident(
+    host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
+) -> Effect:
+    ids = args[0]
+    assert isinstance(ids, tuple)
+    return _plan_prepare(host, counters, bounds, ids, stream, forward_from_resident=True)
+
+
+def plan_prepare_keep_victim_mapped(
+    host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
+) -> Effect:
+    ids = args[0]
+    assert isinstance(ids, tuple)
+    return _plan_prepare(host, counters, bounds, ids, stream, clear_victim_entry=False)
+
+
+EFFECTS: dict[str, EffectFn] = {
+    "plan_prepare": plan_prepare,
+    "plan_invalidate": plan_invalidate,
+    "no_change": no_change,
+    "plan_prepare_unprotected_victim": plan_prepare_unprotected_victim,
+    "plan_prepare_forward_from_resident": plan_prepare_forward_from_resident,
+    "plan_prepare_keep_victim_mapped": plan_prepare_keep_victim_mapped,
+}
+
+
+# ---------------------------------------------------------------- pre-guard effects (mutants)
+
+
+def touch_requested(host: HostState, bounds: Bounds, args: Args) -> HostState:
+    """Move every requested resident expert to most recently used (before validation)."""
+    ids = args[0]
+    assert isinstance(ids, tuple)
+    touched = [e for e in ids if isinstance(e, int) and e in host.lru]
+    lru = tuple(e for e in host.lru if e not in touched) + tuple(dict.fromkeys(touched))
+    return host._replace(lru=lru)
+
+
+PRE_GUARD_EFFECTS: dict[str, PreGuard] = {"touch_requested": touch_requested}
