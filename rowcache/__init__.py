@@ -1,0 +1,26 @@
+"""rowcache: a GPU expert-weight cache for mixture-of-experts inference.
+
+``RowCacheWeightProvider`` is the row-level provider whose stream and event ordering is
+generated from the model-checked transition table (``spec/table.toml``);
+``CachedWeightProvider`` is the LFRU baseline. Both serve ``run_with_expert_cache``.
+"""
+
+from rowcache.cached import CachedWeightProvider
+from rowcache.errors import ConcurrentCallError, InvalidInputError, RowCacheError
+from rowcache.forward import run_with_expert_cache
+from rowcache.planning import plan_chunks, plan_expert_groups
+from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.types import ExpertWeightProvider, ExpertWeightResult
+
+__all__ = [
+    "CachedWeightProvider",
+    "ConcurrentCallError",
+    "ExpertWeightProvider",
+    "ExpertWeightResult",
+    "InvalidInputError",
+    "RowCacheError",
+    "RowCacheWeightProvider",
+    "plan_chunks",
+    "plan_expert_groups",
+    "run_with_expert_cache",
+]

@@ -1,0 +1,349 @@
+"""``RowCacheWeightProvider``: the row-level provider whose device schedules come from the table.
+
+Two halves, each checked against the model:
+
+* Host bookkeeping (this module): a plain LRU over a fixed set of slots, kept in an
+  ``OrderedDict`` (least recently used first), a list ``slot_of`` (expert -> slot, -1 when not
+  resident) and a heap of free slots. It computes exactly what
+  ``model_check.reference.plan_prepare`` / ``plan_invalidate`` compute: misses are placed in
+  ascending id order, each into the lowest free slot, then into the slot of the least recently
+  used resident expert *not requested by this call*; the requested experts then become the
+  most recently used, in ascending id order. The conformance tests compare the two step by
+  step (LRU order, slots, maps, counters).
+* Device work: the generated ``rowcache.schedules.run_prepare`` / ``run_invalidate``
+  (``python -m model_check.codegen`` writes them from ``spec/table.toml``) call a ``Backend``
+  in the table's step order: the release event on the previous owner's stream, the copy
+  stream's wait on it, the copies and the resident-map upload on the copy stream, the ready
+  event, the current stream's wait on it and the forward-map upload there. The stream a
+  ``prepare`` is made on then becomes the owner (the table's ``set_owner``).
+
+The backend is chosen by the device (CPU: synchronous copies; CUDA: streams and events) unless
+one is given (tests pass ``rowcache.backends.RecordingBackend``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rowcache.backends.base import Backend, Plan, Roles
+from rowcache.backends.cpu import CpuBackend
+from rowcache.errors import InvalidInputError
+from rowcache.guard import CallGuard
+from rowcache.schedules import run_invalidate, run_prepare
+from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
+from rowcache.types import ExpertWeightResult, Split, UniqueIds
+from rowcache.validation import requested_experts
+
+__all__ = ["RowCacheWeightProvider", "default_backend"]
+
+_SPLITS: tuple[Split, ...] = ("token", "expert")
+
+
+def _check_split(split: object) -> Split:
+    for known in _SPLITS:
+        if split == known:
+            return known
+    raise InvalidInputError(f"split must be one of {list(_SPLITS)}, got {split!r}")
+
+
+def default_backend(device: torch.device) -> Backend[Any]:
+    """The backend for ``device``: CPU (synchronous) or CUDA (streams and events)."""
+    if device.type == "cpu":
+        return CpuBackend()
+    if device.type == "cuda":
+        from rowcache.backends.cuda import CudaBackend
+
+        return CudaBackend(device)
+    raise InvalidInputError(
+        f"no backend for device {device} (supported: cpu, cuda); pass backend= explicitly"
+    )
+
+
+class RowCacheWeightProvider:
+    """LRU expert-weight cache with ``capacity`` device slots, ordered by the table.
+
+    Same surface as ``rowcache.cached.CachedWeightProvider``. Host calls must be sequential
+    (a concurrent call raises ``ConcurrentCallError``). Every consumer read of the buffers a
+    ``prepare`` returns must be enqueued on the stream that ``prepare`` was called on, before
+    the next ``prepare``; the calls themselves may come from any stream.
+    """
+
+    def __init__(
+        self,
+        w13: Tensor,
+        w2: Tensor,
+        w13_scale: Tensor | None = None,
+        w2_scale: Tensor | None = None,
+        *,
+        capacity: int,
+        split: Split = "token",
+        device: torch.device | str,
+        w13_scale_2: Tensor | None = None,
+        w2_scale_2: Tensor | None = None,
+        backend: Backend[Any] | None = None,
+    ) -> None:
+        self._split = _check_split(split)
+        self._device = torch.device(device)
+        if backend is None and self._device.type not in ("cpu", "cuda"):
+            raise InvalidInputError(
+                f"no backend for device {self._device} (supported: cpu, cuda); "
+                "pass backend= explicitly"
+            )
+        self._sources = ExpertSources(
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            w13_scale_2=w13_scale_2,
+            w2_scale_2=w2_scale_2,
+            device=self._device,
+        )
+        self._slots: SlotBuffers = allocate_slot_buffers(self._sources, capacity, self._device)
+        self._capacity = capacity
+        num_experts = self._sources.num_experts
+        self._num_experts = num_experts
+        self._backend: Backend[Any] = default_backend(self._device) if backend is None else backend
+        self._backend.bind(self._sources, self._slots)
+        # The generated schedules, as attributes so that a test can substitute a mutant.
+        self._run_prepare = run_prepare
+        self._run_invalidate = run_invalidate
+
+        self._lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._slot_of = [-1] * num_experts  # the resident-map host mirror
+        self._free = list(range(capacity))  # a heap: lowest free slot first
+        self._owner: Any = None  # stream of the previous accepted prepare
+        self._forward: tuple[tuple[int, int], ...] | None = None
+
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._prepare_calls = 0
+        self._owner_changes = 0
+        self._invalidations = 0
+        self._guard = CallGuard(type(self).__name__)
+
+    # -- surface -----------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def split(self) -> Split:
+        return self._split
+
+    @property
+    def num_experts(self) -> int:
+        return self._num_experts
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend(self) -> Backend[Any]:
+        return self._backend
+
+    @property
+    def buf_w13(self) -> Tensor:
+        return self._slots.w13
+
+    @property
+    def buf_w2(self) -> Tensor:
+        return self._slots.w2
+
+    @property
+    def buf_w13_scale(self) -> Tensor | None:
+        return self._slots.w13_scale
+
+    @property
+    def buf_w2_scale(self) -> Tensor | None:
+        return self._slots.w2_scale
+
+    @property
+    def buf_w13_scale_2(self) -> Tensor | None:
+        return self._slots.w13_scale_2
+
+    @property
+    def buf_w2_scale_2(self) -> Tensor | None:
+        return self._slots.w2_scale_2
+
+    def prepare(self, topk_ids: Tensor, unique_ids: UniqueIds | None = None) -> ExpertWeightResult:
+        """Make the requested experts resident and return a map exposing exactly them.
+
+        The request is validated in full first (``rowcache.validation.requested_experts``); a
+        rejected call changes nothing. The returned tensors are live buffers: reads of them
+        must be enqueued on the current stream before the next ``prepare``.
+        """
+        with self._guard("prepare"):
+            requested = requested_experts(
+                topk_ids, unique_ids, self._num_experts, self._capacity, device=self._device
+            )
+            backend = self._backend
+            current = backend.current_stream()
+            owner = self._owner
+            plan = self._plan_prepare(requested)
+            if owner is not None and owner != current:
+                self._owner_changes += 1
+            roles = Roles(current, current if owner is None else owner, backend.copy_stream)
+            try:
+                new_owner = self._run_prepare(backend, roles, plan)
+            except BaseException:
+                self._forget(plan.copies)
+                raise
+            if new_owner is not None:
+                self._owner = new_owner
+            slots = self._slots
+            return ExpertWeightResult(
+                w1=slots.w13,
+                w2=slots.w2,
+                expert_map=backend.forward_map,
+                w1_scale=slots.w13_scale,
+                w2_scale=slots.w2_scale,
+            )
+
+    def invalidate(self, expert_id: int) -> None:
+        """Free ``expert_id``'s slot so its next request copies it again.
+
+        A non-resident expert is a no-op; an id outside ``[0, E)`` is rejected. The resident
+        map is rewritten on the owner stream, behind the last forward's reads; the forward map
+        the last ``prepare`` returned is left as it is (its slots keep their contents until the
+        next ``prepare``, whose release event orders their reuse).
+        """
+        with self._guard("invalidate"):
+            if isinstance(expert_id, bool) or not isinstance(expert_id, int):
+                raise InvalidInputError(
+                    f"invalidate: expert_id must be an int, got {expert_id!r} "
+                    f"({type(expert_id).__name__})"
+                )
+            if not 0 <= expert_id < self._num_experts:
+                raise InvalidInputError(
+                    f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
+                )
+            backend = self._backend
+            current = backend.current_stream()
+            slot = self._slot_of[expert_id]
+            changed = slot >= 0
+            if changed:
+                self._slot_of[expert_id] = -1
+                del self._lru[expert_id]
+                heapq.heappush(self._free, slot)
+                self._invalidations += 1
+            owner = self._owner
+            roles = Roles(current, current if owner is None else owner, backend.copy_stream)
+            new_owner = self._run_invalidate(
+                backend, roles, Plan(changed=changed, resident=self._slot_of)
+            )
+            if new_owner is not None:
+                self._owner = new_owner
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "evictions": self._evictions,
+            "resident": len(self._lru),
+            "capacity": self._capacity,
+            "prepare_calls": self._prepare_calls,
+            "owner_changes": self._owner_changes,
+            "invalidations": self._invalidations,
+            "slot_bytes": self._slots.slot_bytes,
+            "host_bytes": self._sources.host_bytes,
+        }
+
+    # -- inspection (tests, debugging) ---------------------------------------
+
+    def resident_experts(self) -> dict[int, int]:
+        """Resident expert id -> slot."""
+        return {e: self._slot_of[e] for e in self._lru}
+
+    def lru_order(self) -> tuple[int, ...]:
+        """Resident experts, least recently used first."""
+        return tuple(self._lru)
+
+    def slot_of(self) -> tuple[int, ...]:
+        """The resident-map host mirror: the slot of every expert, -1 when not resident."""
+        return tuple(self._slot_of)
+
+    @property
+    def owner(self) -> Any:
+        """The stream of the last accepted ``prepare`` (None before the first)."""
+        return self._owner
+
+    @property
+    def forward_pairs(self) -> tuple[tuple[int, int], ...] | None:
+        """(expert, slot) exposed by the last accepted ``prepare``, ascending."""
+        return self._forward
+
+    # -- host bookkeeping ------------------------------------------------------
+
+    def _victims(self, count: int, requested: set[int]) -> list[int]:
+        """The ``count`` least recently used residents that this call does not request."""
+        victims: list[int] = []
+        for expert in self._lru:
+            if expert not in requested:
+                victims.append(expert)
+                if len(victims) == count:
+                    break
+        return victims
+
+    def _forward_pairs(self, requested: list[int]) -> tuple[tuple[int, int], ...]:
+        """(expert, slot) that the forward map exposes: exactly the requested experts."""
+        slot_of = self._slot_of
+        return tuple((e, slot_of[e]) for e in requested)
+
+    def _plan_prepare(self, requested: list[int]) -> Plan:
+        """Commit the host side of an accepted ``prepare`` and return its plan."""
+        slot_of, lru, free = self._slot_of, self._lru, self._free
+        misses = [e for e in requested if slot_of[e] < 0]
+        copies: list[tuple[int, int]] = []
+        if misses:
+            shortfall = len(misses) - len(free)
+            victims = self._victims(shortfall, set(requested)) if shortfall > 0 else []
+            self._evictions += len(victims)
+            next_victim = iter(victims)
+            for expert in misses:
+                if free:
+                    slot = heapq.heappop(free)
+                else:
+                    victim = next(next_victim)
+                    slot = slot_of[victim]
+                    slot_of[victim] = -1
+                    del lru[victim]
+                slot_of[expert] = slot
+                copies.append((expert, slot))
+        for expert in requested:
+            if expert in lru:
+                lru.move_to_end(expert)
+            else:
+                lru[expert] = None
+        forward_pairs = self._forward_pairs(requested)
+        forward = [-1] * self._num_experts
+        for expert, slot in forward_pairs:
+            forward[expert] = slot
+        self._forward = forward_pairs
+        self._hits += len(requested) - len(misses)
+        self._misses += len(misses)
+        self._prepare_calls += 1
+        return Plan(
+            copies=copies,
+            changed=bool(misses),
+            resident=slot_of,
+            forward=forward,
+            forward_pairs=forward_pairs,
+        )
+
+    def _forget(self, copies: Sequence[tuple[int, int]]) -> None:
+        """After a failed schedule: the copied experts' slots may hold anything, so they
+        become free and their experts are copied again on their next request."""
+        for expert, slot in copies:
+            if self._slot_of[expert] == slot:
+                self._slot_of[expert] = -1
+                self._lru.pop(expert, None)
+                heapq.heappush(self._free, slot)
