@@ -1,0 +1,382 @@
+"""The provider conforms to the model: host state, counters and device calls, step by step.
+
+A hypothesis state machine drives a ``RowCacheWeightProvider`` (on the recording backend) and
+the model (``model_check.semantics``, the table's executable semantics) side by side with the
+same host calls: prepares and invalidates on two consumer streams, bad inputs of every kind,
+and, model side, consumer reads, device steps and host synchronizations. After every call it
+compares what both can observe: the LRU order, each expert's slot, the forward map, the
+owner, every counter, and the device calls of the call, line by line against the model's
+``Outcome.trace``. Every whole trace is also replayed through PyTorch's CUDA stream sanitizer
+(``tests/sanitizer_oracle.py``), which must find no unordered access.
+
+Then mutants of the provider (host bookkeeping changed, or schedules generated from a mutated
+table) must be caught by the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from sanitizer_oracle import races
+
+from model_check import codegen
+from model_check.reference import NO_STREAM, Bounds, Counters
+from model_check.semantics import (
+    State,
+    device_step,
+    host_call,
+    initial_state,
+    is_idle,
+    resume,
+    runnable,
+)
+from model_check.table import Step, Table, load_table
+from rowcache import InvalidInputError, RowCacheWeightProvider
+from rowcache import row_provider as row_provider_module
+from rowcache.backends import RecordingBackend
+from rowcache.backends.base import Plan, Roles
+from rowcache.schedules import _generated
+
+E = 5
+STREAMS = 2
+TABLE = load_table()
+
+SETTINGS = settings(
+    max_examples=500,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=bool(os.environ.get("CI")),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+MUTANT_SETTINGS = settings(
+    max_examples=300,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.generate],
+    report_multiple_bugs=False,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+ID_LISTS = st.lists(st.integers(0, E - 1), unique=True, max_size=E)
+
+
+def sources() -> tuple[torch.Tensor, torch.Tensor]:
+    e = torch.arange(E, dtype=torch.float32)
+    return e.view(-1, 1, 1).expand(E, 2, 2).clone(), (e + 100).view(-1, 1).expand(E, 2).clone()
+
+
+class Conformance(RuleBasedStateMachine):
+    """The provider and the model, fed the same host calls."""
+
+    table: Table = TABLE
+    model_checks = True  # fail on the model's own property violations
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.capacity = 0
+        self.log: list[str] = []  # every device call of the run, for the sanitizer
+
+    # -- setup -------------------------------------------------------------
+
+    @initialize(capacity=st.integers(1, E))
+    def setup(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.bounds = Bounds(num_experts=E, capacity=capacity, consumer_streams=STREAMS)
+        self.backend = RecordingBackend(STREAMS, {s: s for s in range(STREAMS)})
+        w13, w2 = sources()
+        self.provider = RowCacheWeightProvider(
+            w13, w2, capacity=capacity, device="cpu", backend=self.backend
+        )
+        self.state: State = initial_state(self.bounds)
+        self.counters = Counters()
+
+    # -- helpers -----------------------------------------------------------
+
+    def model(self, op: str, args: tuple[object, ...], stream: int) -> tuple[str, ...]:
+        """Run one host call in the model; returns its trace (empty when rejected)."""
+        out = host_call(self.table, self.bounds, self.state, op, args, stream, self.counters)
+        if self.model_checks:
+            assert out.violation is None, f"model: {op}{args} on {stream}: {out.violation}"
+        self.state, self.counters = out.state, out.counters
+        return out.trace
+
+    def provider_trace(self) -> list[str]:
+        lines = self.backend.take()
+        self.log += lines
+        return lines
+
+    def same_trace(self, expected: tuple[str, ...]) -> None:
+        got = self.provider_trace()
+        assert got == list(expected), f"trace: provider {got}, model {list(expected)}"
+
+    def roles(self, stream: int) -> Roles[Any]:
+        owner = self.provider.owner
+        return Roles(stream, stream if owner is None else owner, self.backend.copy_stream)
+
+    def drain_model(self) -> None:
+        """Run device steps in the model until it is idle (lowest runnable stream first)."""
+        while not is_idle(self.state):
+            ready = [s for s in range(STREAMS + 1) if runnable(self.state, s)]
+            assert ready, "model: pending operations remain and none can run"
+            out = device_step(self.state, ready[0])
+            if self.model_checks:
+                assert out.violation is None, f"model device step: {out.violation}"
+            self.state = out.state
+
+    # -- provider calls ----------------------------------------------------
+
+    @rule(ids=ID_LISTS, stream=st.integers(0, STREAMS - 1), form=st.integers(0, 2), data=st.data())
+    def prepare(self, ids: list[int], stream: int, form: int, data: st.DataObject) -> None:
+        """form 0: one row per id; 1: one wide row; 2: unique_ids, topk_ids with extra ids."""
+        if len(ids) > self.capacity:
+            ids = ids[: self.capacity]
+        unique: list[int] | None = None
+        if form == 0:
+            topk = torch.tensor([[e] for e in ids], dtype=torch.int64).view(len(ids), 1)
+        elif form == 1:
+            topk = torch.tensor([ids], dtype=torch.int64).view(1 if ids else 0, len(ids))
+        else:
+            extra = data.draw(st.lists(st.integers(0, E - 1), max_size=3), label="extra")
+            topk = torch.tensor([ids + extra or [0]], dtype=torch.int64)
+            unique = data.draw(st.permutations(ids), label="unique order")
+        self.backend.current = stream
+        result = self.provider.prepare(topk, unique)
+        expected = self.model("prepare", (tuple(sorted(ids)),), stream)
+        self.same_trace(expected)
+        assert result.expert_map is self.backend.forward_map
+
+    @rule(expert=st.integers(0, E - 1), stream=st.integers(0, STREAMS - 1))
+    def invalidate(self, expert: int, stream: int) -> None:
+        self.backend.current = stream
+        self.provider.invalidate(expert)
+        self.same_trace(self.model("invalidate", (expert,), stream))
+
+    @rule(kind=st.integers(0, 6), stream=st.integers(0, STREAMS - 1))
+    def bad_input(self, kind: int, stream: int) -> None:
+        """Each rejected call: the provider raises, the model rejects, nothing changes."""
+        self.backend.current = stream
+        cap = self.capacity
+        calls: list[tuple[Callable[[], object], str, tuple[object, ...]]] = [
+            (
+                lambda: self.provider.prepare(torch.tensor([list(range(min(cap + 1, E)))])),
+                "prepare",
+                (tuple(range(cap + 1)),),
+            ),
+            (lambda: self.provider.prepare(torch.tensor([[0, E]])), "prepare", ((0, E),)),
+            (lambda: self.provider.prepare(torch.tensor([[-1]])), "prepare", ((-1,),)),
+            (
+                lambda: self.provider.prepare(torch.tensor([[0]]), unique_ids=[0, 0]),
+                "prepare",
+                ((0, 0),),
+            ),
+            (lambda: self.provider.prepare(torch.zeros(1, 1)), "", ()),  # float ids
+            (lambda: self.provider.invalidate(E), "invalidate", (E,)),
+            (lambda: self.provider.invalidate(-1), "invalidate", (-1,)),
+        ]
+        call, op, args = calls[kind]
+        if kind == 0 and cap + 1 > E:
+            call = calls[1][0]  # with capacity E, too many ids means an id out of range
+        before = self.state
+        with pytest.raises(InvalidInputError):
+            call()
+        if op:
+            assert self.model(op, args, stream) == ()
+            assert self.state == before
+        self.same_trace(())
+
+    # -- consumer and device (model side; the trace lines come from the generated schedules)
+
+    @precondition(lambda self: self.capacity and self.state.host.forward is not None)
+    @rule(stream=st.integers(0, STREAMS - 1))
+    def read(self, stream: int) -> None:
+        self.backend.current = stream
+        pairs = self.provider.forward_pairs
+        assert pairs is not None
+        _generated.run_read(self.backend, self.roles(stream), Plan(forward_pairs=pairs))
+        self.same_trace(self.model("read", (), stream))
+
+    @precondition(lambda self: self.capacity)
+    @rule(stream=st.integers(0, STREAMS))
+    def device(self, stream: int) -> None:
+        if runnable(self.state, stream):
+            out = device_step(self.state, stream)
+            if self.model_checks:
+                assert out.violation is None, f"model device step: {out.violation}"
+            self.state = out.state
+
+    @precondition(lambda self: self.capacity)
+    @rule(stream=st.integers(0, STREAMS - 1))
+    def synchronize(self, stream: int) -> None:
+        self.backend.current = stream
+        _generated.run_synchronize(self.backend, self.roles(stream), Plan())
+        out = host_call(self.table, self.bounds, self.state, "synchronize", (), stream)
+        assert out.violation is None or not self.model_checks, out.violation
+        self.state, trace = out.state, list(out.trace)
+        if self.state.blocked is not None:
+            self.drain_model()
+            out = resume(self.table, self.bounds, self.state)
+            assert out.violation is None or not self.model_checks, out.violation
+            self.state = out.state
+            trace += out.trace
+        self.same_trace(tuple(trace))
+
+    # -- what both can observe -----------------------------------------------
+
+    @invariant()
+    def same_host_state(self) -> None:
+        if not self.capacity:
+            return
+        p, host = self.provider, self.state.host
+        assert p.lru_order() == host.lru, f"LRU order {p.lru_order()}, model {host.lru}"
+        assert p.slot_of() == host.slot_of, f"slots {p.slot_of()}, model {host.slot_of}"
+        assert p.forward_pairs == host.forward, f"forward {p.forward_pairs}, model {host.forward}"
+        forward = [-1] * E
+        for e, s in host.forward or ():
+            forward[e] = s
+        assert self.backend.forward_map.tolist() == forward, "forward map tensor"
+        assert self.backend.resident_map.tolist() == list(host.slot_of), "resident map tensor"
+        owner = NO_STREAM if p.owner is None else self.backend.stream_index(p.owner)
+        assert owner == host.owner, f"owner {owner}, model {host.owner}"
+        stats = p.stats()
+        counters = {k: stats[k] for k in Counters._fields}
+        assert counters == self.counters._asdict(), f"counters {counters}, model {self.counters}"
+        assert stats["resident"] == len(host.lru), "resident count"
+        for e, s in enumerate(host.slot_of):
+            if s >= 0:
+                assert self.backend.slot_experts[s] == e, f"slot {s} does not hold expert {e}"
+
+    def teardown(self) -> None:
+        found = races(self.log)
+        assert not found, "sanitizer: " + "; ".join(map(str, found))
+
+
+def test_provider_conforms_to_the_model() -> None:
+    run_state_machine_as_test(Conformance, settings=SETTINGS)
+
+
+# -- mutants: the same machine must reject each ------------------------------------
+
+
+def schedules_from(table: Table) -> types.ModuleType:
+    """The schedules codegen writes for `table`, loaded as a module."""
+    module = types.ModuleType("mutant_schedules")
+    exec(compile(codegen.generate(table), "<mutant_schedules>", "exec"), module.__dict__)
+    return module
+
+
+def without_step(table: Table, op: str, drop: Callable[[Step], bool]) -> Table:
+    operation = table.op(op)
+    return table.with_op(replace(operation, steps=tuple(s for s in operation.steps if not drop(s))))
+
+
+def ready_before_copies(table: Table) -> Table:
+    prepare = table.op("prepare")
+    steps = list(prepare.steps)
+    ready = next(i for i, s in enumerate(steps) if (s.kind, s.event) == ("record_event", "ready"))
+    copy = next(i for i, s in enumerate(steps) if s.kind == "copy_rows")
+    steps.insert(copy, steps.pop(ready))
+    return table.with_op(replace(prepare, steps=tuple(steps)))
+
+
+def no_release_wait(table: Table) -> Table:
+    return without_step(
+        table, "prepare", lambda s: (s.kind, s.stream, s.event) == ("wait_event", "copy", "release")
+    )
+
+
+def unprotected_victims(self: RowCacheWeightProvider, count: int, requested: set[int]) -> list[int]:
+    return list(self.lru_order()[:count])
+
+
+def forward_from_resident(
+    self: RowCacheWeightProvider, requested: list[int]
+) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted(self.resident_experts().items()))
+
+
+@contextmanager
+def mutant(name: str) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        if name == "victim_not_protected":
+            patch.setattr(RowCacheWeightProvider, "_victims", unprotected_victims)
+        elif name == "forward_from_resident":
+            patch.setattr(RowCacheWeightProvider, "_forward_pairs", forward_from_resident)
+        elif name == "ready_before_copies":
+            module = schedules_from(ready_before_copies(TABLE))
+            patch.setattr(row_provider_module, "run_prepare", module.run_prepare)
+        elif name == "no_release_wait":
+            module = schedules_from(no_release_wait(TABLE))
+            patch.setattr(row_provider_module, "run_prepare", module.run_prepare)
+        else:
+            raise KeyError(name)
+        yield
+
+
+MUTANTS = [
+    "victim_not_protected",
+    "forward_from_resident",
+    "ready_before_copies",
+    "no_release_wait",
+]
+CAUGHT_BY = {
+    "victim_not_protected": "trace: provider",  # its copies go to other slots than the model's
+    "forward_from_resident": "forward",
+    "ready_before_copies": "trace: provider",
+    "no_release_wait": "trace: provider",
+}
+
+# Explicit counterexamples: (capacity, calls) with calls ("prepare", ids, stream) etc.
+COUNTEREXAMPLES: dict[str, tuple[int, list[tuple[str, Any, int]]]] = {
+    # 0 is least recently used but requested again with a miss: the mutant evicts it.
+    "victim_not_protected": (2, [("prepare", [0], 0), ("prepare", [1], 0), ("prepare", [0, 2], 0)]),
+    # 0 stays resident; the second forward must expose only 1.
+    "forward_from_resident": (2, [("prepare", [0], 0), ("prepare", [1], 0)]),
+    "ready_before_copies": (1, [("prepare", [0], 0)]),
+    "no_release_wait": (1, [("prepare", [0], 0)]),
+}
+
+
+def replay(machine: Conformance, capacity: int, calls: list[tuple[str, Any, int]]) -> None:
+    machine.setup(capacity=capacity)
+    for op, arg, stream in calls:
+        if op == "prepare":
+            machine.prepare(ids=arg, stream=stream, form=1, data=None)
+        machine.same_host_state()
+    machine.teardown()
+
+
+def test_counterexamples_pass_on_the_real_provider() -> None:
+    for capacity, calls in COUNTEREXAMPLES.values():
+        replay(Conformance(), capacity, calls)
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_caught_by_its_counterexample(name: str) -> None:
+    capacity, calls = COUNTEREXAMPLES[name]
+    with mutant(name), pytest.raises(AssertionError, match=CAUGHT_BY[name]):
+        replay(Conformance(), capacity, calls)
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_found_by_the_machine(name: str) -> None:
+    with mutant(name), pytest.raises(AssertionError):
+        run_state_machine_as_test(Conformance, settings=MUTANT_SETTINGS)

@@ -1,0 +1,196 @@
+"""PyTorch's stream sanitizer as an independent oracle over recorded traces.
+
+The conformance machine (tests/test_conformance.py) replays every run's trace through
+``sanitizer_oracle`` and requires it clean. Here: the adapter itself, and proof that the
+oracle is awake: traces of mutated tables, whose missing or misplaced event is exactly what
+lets a copy overwrite a slot under a pending read (or a map write race another), are reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis.stateful import run_state_machine_as_test
+from sanitizer_oracle import races
+from test_conformance import MUTANT_SETTINGS, Conformance, no_release_wait, schedules_from
+
+from model_check.reference import Bounds
+from model_check.semantics import host_call, initial_state
+from model_check.table import Step, Table, load_table
+from rowcache import RowCacheWeightProvider
+from rowcache import row_provider as row_provider_module
+from rowcache.backends import RecordingBackend
+from rowcache.backends.base import Plan, Roles
+from rowcache.schedules import _generated
+
+TABLE = load_table()
+
+Call = tuple[str, tuple[object, ...], int]
+
+
+def model_trace(table: Table, capacity: int, calls: list[Call], experts: int = 3) -> list[str]:
+    """The device calls of a sequence of host calls, as the model records them."""
+    bounds = Bounds(num_experts=experts, capacity=capacity, consumer_streams=2)
+    state = initial_state(bounds)
+    lines: list[str] = []
+    for op, args, stream in calls:
+        out = host_call(table, bounds, state, op, args, stream)
+        state = out.state
+        lines += out.trace
+    return lines
+
+
+def replace_step(table: Table, op: str, match: Callable[[Step], bool], **changes: str) -> Table:
+    operation = table.op(op)
+    steps = tuple(replace(s, **changes) if match(s) else s for s in operation.steps)
+    return table.with_op(replace(operation, steps=steps))
+
+
+def drop_step(table: Table, op: str, match: Callable[[Step], bool]) -> Table:
+    operation = table.op(op)
+    return table.with_op(
+        replace(operation, steps=tuple(s for s in operation.steps if not match(s)))
+    )
+
+
+# A read is pending on slot 0 when the next prepare refills it (capacity 1).
+REFILL_UNDER_READ: list[Call] = [
+    ("prepare", ((0,),), 0),
+    ("read", (), 0),
+    ("prepare", ((1,),), 0),
+]
+# The same, with the second prepare made on another stream (owner change).
+REFILL_AFTER_OWNER_CHANGE: list[Call] = [
+    ("prepare", ((0,),), 0),
+    ("read", (), 0),
+    ("prepare", ((1,),), 1),
+    ("read", (), 1),
+]
+# A map written by invalidate on a stream that is not the owner.
+INVALIDATE_FROM_OTHER_STREAM: list[Call] = [
+    ("prepare", ((0,),), 0),
+    ("read", (), 0),
+    ("invalidate", (0,), 1),
+    ("prepare", ((1,),), 1),
+]
+SCENARIOS = [REFILL_UNDER_READ, REFILL_AFTER_OWNER_CHANGE, INVALIDATE_FROM_OTHER_STREAM]
+
+
+def is_release_wait(s: Step) -> bool:
+    return (s.kind, s.stream, s.event) == ("wait_event", "copy", "release")
+
+
+def is_release_record(s: Step) -> bool:
+    return (s.kind, s.event) == ("record_event", "release")
+
+
+def is_ready_wait(s: Step) -> bool:
+    return (s.kind, s.stream, s.event) == ("wait_event", "current", "ready")
+
+
+def is_invalidate_upload(s: Step) -> bool:
+    return s.kind in ("upload_map", "release_staging")
+
+
+MUTATED: dict[str, tuple[Table, list[Call], str]] = {
+    "drop the copy stream's wait on release": (
+        drop_step(TABLE, "prepare", is_release_wait),
+        REFILL_UNDER_READ,
+        "slot 0",
+    ),
+    "record release on the current stream": (
+        replace_step(TABLE, "prepare", is_release_record, stream="current"),
+        REFILL_AFTER_OWNER_CHANGE,
+        "slot 0",
+    ),
+    "skip the owner's wait on ready": (
+        drop_step(TABLE, "prepare", is_ready_wait),
+        REFILL_UNDER_READ[:2],
+        "slot 0",
+    ),
+    "invalidate's map write on the current stream": (
+        replace_step(TABLE, "invalidate", is_invalidate_upload, stream="current"),
+        INVALIDATE_FROM_OTHER_STREAM,
+        "resident map",
+    ),
+}
+
+
+@pytest.mark.parametrize("calls", SCENARIOS)
+def test_real_table_traces_are_clean(calls: list[Call]) -> None:
+    trace = model_trace(TABLE, 1, calls)
+    assert any(line.startswith("read") for line in trace)
+    assert races(trace) == []
+
+
+@pytest.mark.parametrize("name", list(MUTATED))
+def test_mutated_table_is_reported(name: str) -> None:
+    table, calls, pointer = MUTATED[name]
+    assert races(model_trace(TABLE, 1, calls)) == []
+    found = races(model_trace(table, 1, calls))
+    assert found, f"{name}: the sanitizer found nothing"
+    assert any(r.pointer == pointer for r in found), [str(r) for r in found]
+
+
+def test_mutated_provider_trace_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The provider running schedules generated from a table without the release wait."""
+
+    def trace(backend: RecordingBackend) -> list[str]:
+        w13 = torch.arange(3.0).view(3, 1, 1).expand(3, 2, 2).clone()
+        p = RowCacheWeightProvider(w13, w13.clone(), capacity=1, device="cpu", backend=backend)
+        p.prepare(torch.tensor([[0]]))
+        pairs = p.forward_pairs
+        assert pairs is not None
+        roles = Roles(0, p.owner, backend.copy_stream)
+        _generated.run_read(backend, roles, Plan(forward_pairs=pairs))
+        p.prepare(torch.tensor([[1]]))
+        return backend.take()
+
+    clean = trace(RecordingBackend())
+    assert races(clean) == []
+    mutant = schedules_from(no_release_wait(TABLE))
+    monkeypatch.setattr(row_provider_module, "run_prepare", mutant.run_prepare)
+    found = races(trace(RecordingBackend()))
+    assert [str(r) for r in found] == [
+        "slot 0: `copy expert 1 to slot 0 on 2` is not ordered after `read {0->slot0} on 0`"
+    ]
+
+
+def test_host_sync_orders_everything() -> None:
+    lines = [
+        "copy expert 0 to slot 0 on 2",
+        "host_sync all",
+        "read {0->slot0} on 0",
+        "copy expert 1 to slot 0 on 2",
+    ]
+    assert [str(r) for r in races(lines)] == [
+        "slot 0: `copy expert 1 to slot 0 on 2` is not ordered after `read {0->slot0} on 0`"
+    ]
+    assert races(lines[:3]) == []
+
+
+def test_unknown_lines_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown trace line"):
+        races(["launch the missiles"])
+    with pytest.raises(ValueError, match="names the role"):
+        races(["host_sync copy"])
+
+
+class AgainstMutatedTable(Conformance):
+    """Provider and model both run the table without the release wait, so they agree on
+    every trace line; only the sanitizer, replaying the traces, can tell."""
+
+    table = no_release_wait(TABLE)
+    model_checks = False
+
+
+def test_the_machine_s_sanitizer_catches_what_conformance_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mutant = schedules_from(AgainstMutatedTable.table)
+    monkeypatch.setattr(row_provider_module, "run_prepare", mutant.run_prepare)
+    with pytest.raises(AssertionError, match="sanitizer: "):
+        run_state_machine_as_test(AgainstMutatedTable, settings=MUTANT_SETTINGS)
