@@ -15,17 +15,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from model_check.reference import NO_STREAM, Bounds
+from model_check.core import Action, Outcome, Violation, host_actions
+from model_check.hb import HbState, Places, hb_host_call, initial_hb_state, live_places
+from model_check.reference import NO_STREAM, Bounds, HostState
 from model_check.semantics import (
-    Action,
-    Outcome,
     State,
-    Violation,
     can_resume,
     deadlocked,
     device_step,
-    host_actions,
     host_call,
     initial_state,
     resume,
@@ -59,7 +58,8 @@ class Result:
     max_depth_reached: int = 0
     seconds: float = 0.0
     violation: Violation | None = None
-    trace: list[tuple[Action, Outcome]] = field(default_factory=list)
+    model: str = "interleavings"
+    trace: list[tuple[Action, Outcome[Any]]] = field(default_factory=list)
     tags: set[str] = field(default_factory=set)
 
     @property
@@ -70,79 +70,164 @@ class Result:
         return sorted(set(REACHABILITY) - self.tags)
 
 
-def _swap_streams(state: State, a: int, b: int) -> State:
-    def s(x: int) -> int:
-        return b if x == a else a if x == b else x
-
-    def ref(r: tuple[int, int] | None) -> tuple[int, int] | None:
-        return None if r is None else (s(r[0]), r[1])
-
-    queues = list(state.queues)
-    queues[a], queues[b] = queues[b], queues[a]
-    queues = [
-        tuple((op[0], op[1], op[2], tuple((s(r[0]), r[1]) for r in op[3]), op[4]) for op in q)
-        for q in queues
-    ]
-    owner = state.host.owner
-    blocked = state.blocked
-    if blocked is not None:
-        blocked = (blocked[0], s(blocked[1]), *blocked[2:])  # type: ignore[arg-type]
-    return state._replace(
-        host=state.host._replace(owner=s(owner) if owner != NO_STREAM else owner),
-        queues=tuple(queues),
-        events=tuple(ref(e) for e in state.events),
-        staging=tuple(
-            tuple(b._replace(reader=ref(b.reader), reuse=ref(b.reuse)) for b in ring)
-            for ring in state.staging
-        ),
-        blocked=blocked,
-    )
+def _swap(x: int) -> int:
+    return 1 - x if x in (0, 1) else x
 
 
-def canonical(state: State, bounds: Bounds) -> State:
-    if bounds.consumer_streams != 2:
-        return state
-    swapped = _swap_streams(state, 0, 1)
-    return min(state, swapped, key=repr) if swapped != state else state
+def _swap_ref(r: tuple[int, int] | None) -> tuple[int, int] | None:
+    return None if r is None else (_swap(r[0]), r[1])
 
 
-def successors(table: Table, bounds: Bounds, state: State) -> list[tuple[Action, Outcome, int]]:
-    """(action, outcome, cost): cost 1 for a host call, 0 for device steps and resumes."""
-    out: list[tuple[Action, Outcome, int]] = []
-    for sid in range(len(state.queues)):
-        if runnable(state, sid):
-            out.append((Action("device", stream=sid), device_step(state, sid), 0))
-    if state.blocked is not None:
-        if can_resume(state, bounds, table):
-            out.append((Action("resume"), resume(table, bounds, state), 0))
+def _swap_host(host: HostState) -> HostState:
+    return host._replace(owner=_swap(host.owner) if host.owner != NO_STREAM else NO_STREAM)
+
+
+class QueueModel:
+    """The explicit model: FIFO queues, every interleaving of device steps."""
+
+    name = "interleavings"
+
+    def __init__(self, table: Table, bounds: Bounds) -> None:
+        self.table, self.bounds = table, bounds
+        self.actions = host_actions(bounds)
+
+    def initial(self) -> State:
+        return initial_state(self.bounds)
+
+    def canonical(self, state: State) -> State:
+        """The consumer streams are interchangeable: keep the smaller of the two namings."""
+        if self.bounds.consumer_streams != 2:
+            return state
+        queues = list(state.queues)
+        queues[0], queues[1] = queues[1], queues[0]
+        blocked = state.blocked
+        if blocked is not None:
+            blocked = (blocked[0], _swap(blocked[1]), *blocked[2:5], _swap_host(blocked[5]))  # type: ignore[arg-type]
+        swapped = state._replace(
+            host=_swap_host(state.host),
+            queues=tuple(
+                tuple((o[0], o[1], o[2], tuple((_swap(r[0]), r[1]) for r in o[3]), o[4]) for o in q)
+                for q in queues
+            ),
+            events=tuple(_swap_ref(e) for e in state.events),
+            staging=tuple(
+                tuple(
+                    b._replace(reader=_swap_ref(b.reader), reuse=_swap_ref(b.reuse)) for b in ring
+                )
+                for ring in state.staging
+            ),
+            blocked=blocked,
+        )
+        return min(state, swapped, key=repr)
+
+    def stuck(self, state: State) -> Violation | None:
+        if deadlocked(state):
+            return Violation("P7_no_deadlock", "pending operations remain and none can run")
+        return None
+
+    def successors(self, state: State) -> list[tuple[Action, Outcome[State], int]]:
+        """(action, outcome, cost): cost 1 for a host call, 0 for device steps and resumes."""
+        out: list[tuple[Action, Outcome[State], int]] = []
+        for sid in range(len(state.queues)):
+            if runnable(state, sid):
+                out.append((Action("device", stream=sid), device_step(state, sid), 0))
+        if state.blocked is not None:
+            if can_resume(state, self.bounds, self.table):
+                out.append((Action("resume"), resume(self.table, self.bounds, state), 0))
+            return out
+        for action in self.actions:
+            if action.op == "read" and state.read_issued:
+                continue  # one read per forward map bounds the consumer
+            outcome = host_call(
+                self.table, self.bounds, state, action.op, action.args, action.stream
+            )
+            out.append((action, outcome, 1))
         return out
-    for action in host_actions(bounds):
-        if action.op == "read" and state.read_issued:
-            continue  # one read per forward map bounds the consumer
-        outcome = host_call(table, bounds, state, action.op, action.args, action.stream)
-        out.append((action, outcome, 1))
-    return out
 
 
-def explore(table: Table, bounds: Bounds, depth: int, *, stop_at_first: bool = True) -> Result:
+class HbModel:
+    """The happens-before summary: every host-call sequence, device order decided by masks."""
+
+    name = "happens-before"
+
+    def __init__(self, table: Table, bounds: Bounds) -> None:
+        self.table, self.bounds = table, bounds
+        self.actions = host_actions(bounds)
+        self.places = Places(bounds)
+        # Reads ordered before every stream matter only to P8, i.e. only if some provider
+        # operation can block the host.
+        self.live = live_places(table, self.places)
+        self.keep_reads = any(
+            step.kind == "host_sync" for op in table.operations if op.provider for step in op.steps
+        )
+
+    def initial(self) -> HbState:
+        return initial_hb_state(self.bounds)
+
+    def canonical(self, state: HbState) -> HbState:
+        if self.bounds.consumer_streams != 2:
+            return state
+
+        def swap_mask(m: int) -> int:
+            return (m & ~3) | ((m & 1) << 1) | ((m & 2) >> 1)
+
+        swapped = state._replace(
+            host=_swap_host(state.host),
+            pending=frozenset((k, w, swap_mask(m)) for k, w, m in state.pending),
+        )
+        return min(state, swapped, key=lambda s: (s.host, sorted(s.pending)))
+
+    def stuck(self, state: HbState) -> Violation | None:
+        return None
+
+    def successors(self, state: HbState) -> list[tuple[Action, Outcome[HbState], int]]:
+        out: list[tuple[Action, Outcome[HbState], int]] = []
+        for action in self.actions:
+            if action.op == "read" and state.read_issued:
+                continue  # one read per forward map bounds the consumer
+            for outcome in hb_host_call(
+                self.table,
+                self.bounds,
+                state,
+                action.op,
+                action.args,
+                action.stream,
+                keep_reads=self.keep_reads,
+                live=self.live,
+            ):
+                out.append((action, outcome, 1))
+        return out
+
+
+def explore(
+    table: Table,
+    bounds: Bounds,
+    depth: int,
+    *,
+    model: str = "interleavings",
+    stop_at_first: bool = True,
+    symmetry: bool = True,
+) -> Result:
+    """Explore every host-call sequence of up to `depth` calls with the chosen device model."""
+    m: Any = QueueModel(table, bounds) if model == "interleavings" else HbModel(table, bounds)
     start = time.perf_counter()
-    result = Result(bounds=bounds, depth=depth)
-    init = canonical(initial_state(bounds), bounds)
-    best: dict[State, int] = {init: 0}
-    parent: dict[State, tuple[State, Action, Outcome] | None] = {init: None}
-    work: deque[tuple[State, int]] = deque([(init, 0)])
+    result = Result(bounds=bounds, depth=depth, model=m.name)
+    canon = m.canonical if symmetry else (lambda s: s)
+    init = canon(m.initial())
+    best: dict[Any, int] = {init: 0}
+    parent: dict[Any, tuple[Any, Action, Outcome[Any]] | None] = {init: None}
+    work: deque[tuple[Any, int]] = deque([(init, 0)])
     while work:
         state, d = work.popleft()
         if best[state] < d:
             continue
         result.max_depth_reached = max(result.max_depth_reached, d)
-        if deadlocked(state):
-            result.violation = Violation(
-                "P7_no_deadlock", "pending operations remain and none can run"
-            )
+        stuck = m.stuck(state)
+        if stuck is not None:
+            result.violation = stuck
             result.trace = _trace(parent, state)
             break
-        for action, outcome, cost in successors(table, bounds, state):
+        for action, outcome, cost in m.successors(state):
             result.transitions += 1
             result.tags |= outcome.tags
             if outcome.violation is not None and result.violation is None:
@@ -153,7 +238,7 @@ def explore(table: Table, bounds: Bounds, depth: int, *, stop_at_first: bool = T
             nd = d + cost
             if nd > depth:
                 continue
-            nxt = canonical(outcome.state, bounds)
+            nxt = canon(outcome.state)
             old = best.get(nxt)
             if old is None or nd < old:
                 best[nxt] = nd
@@ -166,13 +251,18 @@ def explore(table: Table, bounds: Bounds, depth: int, *, stop_at_first: bool = T
             break
     result.states = len(best)
     result.seconds = time.perf_counter() - start
+    if result.violation is not None and symmetry:
+        # Parent links cross renamed states; search again without renaming for a trace that
+        # reads straight (same violation depth, since renaming preserves it).
+        plain = explore(table, bounds, depth, model=model, symmetry=False)
+        result.trace, result.violation = plain.trace, plain.violation
     return result
 
 
 def _trace(
-    parent: dict[State, tuple[State, Action, Outcome] | None], state: State
-) -> list[tuple[Action, Outcome]]:
-    steps: list[tuple[Action, Outcome]] = []
+    parent: dict[Any, tuple[Any, Action, Outcome[Any]] | None], state: Any
+) -> list[tuple[Action, Outcome[Any]]]:
+    steps: list[tuple[Action, Outcome[Any]]] = []
     link = parent.get(state)
     while link is not None:
         prev, action, outcome = link

@@ -21,23 +21,33 @@ provider call blocks the host, P9 when a call is rejected.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
+from model_check.core import (
+    PROPERTIES,
+    Action,
+    DeviceCall,
+    Outcome,
+    Pairs,
+    Rejected,
+    Violation,
+    begin_call,
+    finish_host,
+    host_actions,
+    pairs_text,
+)
 from model_check.reference import (
-    EFFECTS,
-    GUARDS,
     NO_SLOT,
     NO_STREAM,
-    PRE_GUARD_EFFECTS,
     Bounds,
     Counters,
     Effect,
     HostState,
     initial_host,
 )
-from model_check.table import EVENTS, RINGS, Operation, Step, Table
+from model_check.table import EVENTS, RINGS, Operation, Table
+
+__all__ = ["PROPERTIES", "Action", "Outcome", "State", "Violation", "host_actions", "host_call"]
 
 Ref = tuple[int, int]  # (stream index, number of its pending operations that must run first)
 
@@ -65,55 +75,6 @@ class State(NamedTuple):
     dmap: tuple[int, ...]  # device resident map
     read_issued: bool  # the consumer already read the current forward map
     blocked: tuple[object, ...] | None  # a host call waiting in host_sync: its continuation
-
-
-PROPERTIES: dict[str, str] = {
-    "P1_no_overwrite_under_reader": "a copy into a slot never runs before an earlier-enqueued "
-    "read of that slot finished",
-    "P2_no_stale_read": "a read runs after every earlier-enqueued copy into its slots and finds "
-    "exactly the experts its forward map names",
-    "P3_forward_map_exact": "the forward map exposes exactly the requested experts, each in "
-    "its own slot, and agrees with the resident map",
-    "P4_map_convergence": "when the device is idle the device resident map equals the host "
-    "mirror and every mapped slot holds its expert",
-    "P5_victim_protection": "no expert requested by a call is evicted by it",
-    "P6_staging_lifetime": "the host never rewrites a staging buffer an enqueued upload still "
-    "reads",
-    "P7_no_deadlock": "the device can always run some pending operation",
-    "P8_no_host_block_on_reader": "no provider call blocks the host on consumer work",
-    "P9_validation_first": "a rejected call leaves the whole state unchanged",
-}
-
-
-@dataclass(frozen=True)
-class Violation:
-    prop: str
-    detail: str
-
-
-class Action(NamedTuple):
-    """A transition label: a host call (op, args, stream), a device step, or a resume."""
-
-    kind: str  # "host", "device", "resume"
-    op: str = ""
-    args: tuple[object, ...] = ()
-    stream: int = -1
-
-    def __str__(self) -> str:
-        if self.kind == "device":
-            return f"device runs head of stream {self.stream}"
-        if self.kind == "resume":
-            return "host resumes after host_sync"
-        shown = ", ".join(map(str, self.args))
-        return f"{self.op}({shown}) on stream {self.stream}"
-
-
-class Outcome(NamedTuple):
-    state: State
-    violation: Violation | None
-    tags: frozenset[str]  # reachability observations ("sometimes" properties)
-    trace: tuple[str, ...]  # device calls made by a host call, in the recording format
-    counters: Counters
 
 
 NO_COUNTS = Counters()
@@ -226,7 +187,7 @@ def _run_head(state: State, stream: int) -> tuple[State, Violation | None]:
         if head[3]:
             violation = Violation(
                 "P2_no_stale_read",
-                f"read of {_pairs(pairs)} ran before an earlier copy into its slots",
+                f"read of {pairs_text(pairs)} ran before an earlier copy into its slots",
             )
         else:
             for expert, slot in pairs:
@@ -277,10 +238,6 @@ def deadlocked(state: State) -> bool:
     return not is_idle(state) and not any(runnable(state, s) for s in range(len(state.queues)))
 
 
-def _pairs(pairs: tuple[tuple[int, int], ...]) -> str:
-    return "{" + ", ".join(f"{e}->slot{s}" for e, s in pairs) + "}"
-
-
 def _map(m: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in m) + "]"
 
@@ -288,31 +245,17 @@ def _map(m: tuple[int, ...]) -> str:
 # ---------------------------------------------------------------- host calls
 
 
-class _Call:
-    """Mutable scratch space for running one host call's steps."""
+class QueueCall(DeviceCall):
+    """One host call's effect on the explicit FIFO device."""
 
     def __init__(self, state: State, bounds: Bounds, stream: int, effect: Effect) -> None:
-        self.bounds = bounds
-        self.stream = stream
-        self.copy_stream = bounds.consumer_streams
-        self.effect = effect
+        super().__init__(bounds, stream, effect, state.host)
         self.queues = [list(q) for q in state.queues]
         self.events = list(state.events)
         self.staging = [list(r) for r in state.staging]
         self.chosen = [-1] * len(RINGS)  # staging buffer chosen per ring in this call
         self.read_issued = state.read_issued
-        self.violation: Violation | None = None
-        self.tags: set[str] = set()
-        self.trace: list[str] = []
-        self.owner = state.host.owner
         self.open_groups: set[int] = set()
-
-    def role(self, role: str) -> int:
-        if role == "copy":
-            return self.copy_stream
-        if role == "owner" and self.owner != NO_STREAM:
-            return self.owner
-        return self.stream
 
     def enqueue(self, stream: int, kind: str, a: object, b: int, refs: tuple[Ref, ...]) -> None:
         """Append an operation; glue it to the previous one when this call enqueued that one
@@ -327,10 +270,6 @@ class _Call:
         self.open_groups.discard(stream)
         n = len(self.queues[stream])
         return (stream, n) if n else None
-
-    def flag(self, violation: Violation) -> None:
-        if self.violation is None:
-            self.violation = violation
 
     def pending_refs(self, kind: str, slots: set[int]) -> tuple[Ref, ...]:
         """References to pending operations of `kind` touching any of `slots`."""
@@ -373,150 +312,107 @@ class _Call:
                         frontier.append((dep_stream, k))
         return False
 
+    def record(self, stream: int, event: str) -> None:
+        self.events[EVENTS.index(event)] = self.snapshot(stream)
 
-def _run_step(call: _Call, step: Step, state: State, op: Operation) -> bool:
-    """Run one step; returns False when the host must block (host_sync not yet satisfied)."""
-    effect = call.effect
-    if step.when == "misses" and not effect.copies:
-        return True
-    if step.when == "changed" and not effect.changed:
-        return True
-    kind = step.kind
-    if kind == "record_event":
-        sid = call.role(step.stream)
-        call.events[EVENTS.index(step.event)] = call.snapshot(sid)
-        call.trace.append(f"record {step.event} on {sid}")
-    elif kind == "wait_event":
-        sid = call.role(step.stream)
-        snap = call.events[EVENTS.index(step.event)]
-        call.trace.append(f"wait {step.event} on {sid}")
-        if snap is not None and snap[0] != sid:
-            call.enqueue(sid, "wait", 0, 0, (snap,))
-            call.tags.add("wait_enqueued")
-            if step.event == "release" and call.blocks_on_reader([snap[0]]):
-                call.tags.add("copy_waits_on_reader")
-    elif kind == "wait_flag":
-        sid = call.role(step.stream)
-        call.enqueue(sid, "flag", EVENTS.index(step.event), 0, ())
-        call.trace.append(f"waitflag {step.event} on {sid}")
-    elif kind == "copy_rows":
-        sid = call.role(step.stream)
-        for expert, slot in effect.copies:
-            reads = call.pending_refs("read", {slot})
-            if reads:
-                call.tags.add("copy_while_slot_read_pending")
-                if slot not in {state.host.slot_of[v] for v in effect.victims}:
-                    call.tags.add("freed_slot_reused_while_read_pending")
-            call.enqueue(sid, "copy", slot, expert, reads)
-            call.trace.append(f"copy expert {expert} to slot {slot} on {sid}")
-    elif kind == "write_staging":
-        ring = RINGS.index(step.ring)
-        buffers = call.staging[ring]
+    def wait(self, stream: int, event: str) -> None:
+        snap = self.events[EVENTS.index(event)]
+        if snap is not None and snap[0] != stream:
+            self.enqueue(stream, "wait", 0, 0, (snap,))
+            self.tags.add("wait_enqueued")
+            if event == "release" and self.blocks_on_reader([snap[0]]):
+                self.tags.add("copy_waits_on_reader")
+
+    def wait_flag(self, stream: int, event: str) -> None:
+        self.enqueue(stream, "flag", EVENTS.index(event), 0, ())
+
+    def copy(self, stream: int, slot: int, expert: int) -> None:
+        reads = self.pending_refs("read", {slot})
+        if reads:
+            self.tags.add("copy_while_slot_read_pending")
+            if slot not in {self.before.slot_of[v] for v in self.effect.victims}:
+                self.tags.add("freed_slot_reused_while_read_pending")
+        self.enqueue(stream, "copy", slot, expert, reads)
+
+    def read(self, stream: int, pairs: Pairs) -> None:
+        copies = self.pending_refs("copy", {s for _, s in pairs})
+        self.enqueue(stream, "read", pairs, 0, copies)
+        self.read_issued = True
+
+    def stage(self, ring: str) -> None:
+        r = RINGS.index(ring)
+        buffers = self.staging[r]
         index = next((i for i, b in enumerate(buffers) if b.reuse is None), -1)
-        call.chosen[ring] = index
+        self.chosen[r] = index
         if index == -1:
-            call.tags.add(f"staging_{step.ring}_fresh_buffer")
-        else:
-            if buffers[index].reader is not None:
-                call.flag(
-                    Violation(
-                        "P6_staging_lifetime",
-                        f"host rewrote {step.ring} staging buffer {index} "
-                        "while its upload is still pending",
-                    )
+            self.tags.add(f"staging_{ring}_fresh_buffer")
+            return
+        if buffers[index].reader is not None:
+            self.flag(
+                Violation(
+                    "P6_staging_lifetime",
+                    f"host rewrote {ring} staging buffer {index} while its upload is pending",
                 )
-            call.tags.add(f"staging_{step.ring}_buffer_reused")
-        call.trace.append(f"stage {step.ring}")
-    elif kind == "upload_map":
-        sid = call.role(step.stream)
-        ring = RINGS.index(step.ring)
-        content: tuple[object, ...]
-        if step.ring == "resident":
-            content = effect.host.slot_of
-        else:
-            assert effect.host.forward is not None
-            content = effect.host.forward
-        call.enqueue(sid, "map", content, ring, ())
-        index = call.chosen[ring]
-        if index >= 0:
-            call.staging[ring][index] = call.staging[ring][index]._replace(
-                reader=(sid, len(call.queues[sid]))
             )
-        call.trace.append(f"upload {step.ring} map on {sid}")
-    elif kind == "release_staging":
-        sid = call.role(step.stream)
-        ring = RINGS.index(step.ring)
-        index = call.chosen[ring]
+        self.tags.add(f"staging_{ring}_buffer_reused")
+
+    def upload(self, stream: int, ring: str, content: tuple[object, ...]) -> None:
+        r = RINGS.index(ring)
+        self.enqueue(stream, "map", content, r, ())
+        index = self.chosen[r]
         if index >= 0:
-            call.staging[ring][index] = call.staging[ring][index]._replace(
-                reuse=call.snapshot(sid)
+            self.staging[r][index] = self.staging[r][index]._replace(
+                reader=(stream, len(self.queues[stream]))
             )
-        call.trace.append(f"record {step.ring} staging reuse on {sid}")
-    elif kind == "consumer_read":
-        sid = call.role(step.stream)
-        pairs = effect.host.forward
-        assert pairs is not None
-        copies = call.pending_refs("copy", {s for _, s in pairs})
-        call.enqueue(sid, "read", pairs, 0, copies)
-        call.read_issued = True
-        call.trace.append(f"read {_pairs(pairs)} on {sid}")
-    elif kind == "host_sync":
-        streams = (
-            list(range(len(call.queues))) if step.stream == "all" else [call.role(step.stream)]
-        )
-        call.trace.append(f"host_sync {step.stream}")
-        if op.provider and call.blocks_on_reader(streams):
-            call.flag(
+
+    def release_staging(self, stream: int, ring: str) -> None:
+        r = RINGS.index(ring)
+        index = self.chosen[r]
+        if index >= 0:
+            self.staging[r][index] = self.staging[r][index]._replace(reuse=self.snapshot(stream))
+
+    def host_sync(self, streams: list[int], provider: bool, op_name: str) -> bool:
+        if provider and self.blocks_on_reader(streams):
+            self.flag(
                 Violation(
                     "P8_no_host_block_on_reader",
-                    f"{op.name} blocks the host on stream(s) {streams} behind a consumer read",
+                    f"{op_name} blocks the host on stream(s) {streams} behind a consumer read",
                 )
             )
-        if any(call.queues[s] for s in streams):
-            return False
-    return True
+        return not any(self.queues[s] for s in streams)
 
-
-def _finish(call: _Call, state: State, op: Operation, start: int, tags: set[str]) -> Outcome:
-    """Run op's steps from index `start` on; may stop in host_sync (blocked)."""
-    for index in range(start, len(op.steps)):
-        if not _run_step(call, op.steps[index], state, op):
-            blocked = (op.name, call.stream, index, call.effect, tuple(call.chosen))
-            return _outcome(call, state, op, blocked, tags, finished=False)
-    return _outcome(call, state, op, None, tags, finished=True)
-
-
-def _outcome(
-    call: _Call,
-    state: State,
-    op: Operation,
-    blocked: tuple[object, ...] | None,
-    tags: set[str],
-    *,
-    finished: bool,
-) -> Outcome:
-    host = call.effect.host
-    read_issued = call.read_issued
-    if finished:
-        if op.set_owner == "current":
-            host = host._replace(owner=call.stream)
-        if op.name == "prepare":
-            read_issued = False
-    new = State(
-        host=host,
-        queues=tuple(tuple(q) for q in call.queues),
-        events=tuple(call.events),
-        staging=tuple(tuple(r) for r in call.staging),
-        slots=state.slots,
-        dmap=state.dmap,
-        read_issued=read_issued,
-        blocked=blocked,
-    )
-    violation = call.violation
-    if violation is None and finished and is_idle(new):
-        violation = check_idle(new)
-    return Outcome(new, violation, frozenset(tags | call.tags), tuple(call.trace),
-                   call.effect.counters)
+    def outcome(
+        self, state: State, op: Operation, blocked_at: int, tags: frozenset[str]
+    ) -> Outcome[State]:
+        finished = blocked_at < 0
+        host = finish_host(op, self.effect, self.stream) if finished else self.effect.host
+        read_issued = self.read_issued and not (finished and op.name == "prepare")
+        blocked = None
+        if not finished:
+            blocked = (
+                op.name,
+                self.stream,
+                blocked_at,
+                self.effect,
+                tuple(self.chosen),
+                self.before,
+            )
+        new = State(
+            host=host,
+            queues=tuple(tuple(q) for q in self.queues),
+            events=tuple(self.events),
+            staging=tuple(tuple(r) for r in self.staging),
+            slots=state.slots,
+            dmap=state.dmap,
+            read_issued=read_issued,
+            blocked=blocked,
+        )
+        violation = self.violation
+        if violation is None and finished and is_idle(new):
+            violation = check_idle(new)
+        return Outcome(
+            new, violation, tags | frozenset(self.tags), tuple(self.trace), self.effect.counters
+        )
 
 
 def host_call(
@@ -527,111 +423,46 @@ def host_call(
     args: tuple[object, ...],
     stream: int,
     counters: Counters = NO_COUNTS,
-) -> Outcome:
+) -> Outcome[State]:
     """Run one host call of the table on `state`."""
+    begun = begin_call(table, bounds, state.host, counters, op_name, args, stream)
+    if isinstance(begun, Rejected):
+        new = state._replace(host=begun.host)
+        return Outcome(new, begun.violation, frozenset({"rejected_" + op_name}), (), counters)
     op = table.op(op_name)
-    host = state.host
-    for name in op.before_guard:
-        host = PRE_GUARD_EFFECTS[name](host, bounds, args)
-    error = GUARDS[op.guard](host, bounds, args)
-    if error is not None:
-        new = state._replace(host=host)
-        violation = None
-        if new != state and op.provider:
-            violation = Violation(
-                "P9_validation_first", f"rejected {op.name}{args} ({error}) changed the state"
-            )
-        return Outcome(new, violation, frozenset({"rejected_" + op.name}), (), counters)
-    effect = EFFECTS[op.effect](host, counters, bounds, args, stream)
-    tags: set[str] = set()
-    violation = _check_plan(op, effect, host, args)
-    if op.name == "prepare":
-        tags.add("prepare_all_hits" if not effect.copies else "prepare_with_misses")
-        if effect.victims:
-            tags.add("eviction")
-        if host.owner not in (NO_STREAM, stream):
-            tags.add("owner_change")
-    if op.name == "invalidate" and effect.changed:
-        tags.add("invalidate_resident")
-    call = _Call(state._replace(host=host), bounds, stream, effect)
-    if violation is not None:
-        call.flag(violation)
-    return _finish(call, state, op, 0, tags)
+    call = QueueCall(state._replace(host=begun.host), bounds, stream, begun.effect)
+    if begun.violation is not None:
+        call.flag(begun.violation)
+    return call.outcome(state, op, call.run_steps(op), begun.tags)
 
 
-def resume(table: Table, bounds: Bounds, state: State) -> Outcome:
+def resume(table: Table, bounds: Bounds, state: State) -> Outcome[State]:
     """Continue a host call blocked in host_sync, once its streams drained."""
     assert state.blocked is not None
-    name, stream, index, effect, chosen = state.blocked
+    name, stream, index, effect, chosen, before = state.blocked
     assert isinstance(name, str) and isinstance(stream, int) and isinstance(index, int)
     assert isinstance(effect, Effect) and isinstance(chosen, tuple)
+    assert isinstance(before, HostState)
     op = table.op(name)
-    call = _Call(state, bounds, stream, effect)
+    call = QueueCall(state._replace(host=before, blocked=None), bounds, stream, effect)
     call.chosen = list(chosen)
-    return _finish(call, state._replace(blocked=None), op, index + 1, {"host_resumed"})
+    return call.outcome(
+        state._replace(blocked=None), op, call.run_steps(op, index + 1), frozenset({"host_resumed"})
+    )
 
 
 def can_resume(state: State, bounds: Bounds, table: Table) -> bool:
     if state.blocked is None:
         return False
-    name, stream, index, _effect, _chosen = state.blocked
+    name, stream, index = state.blocked[0], state.blocked[1], state.blocked[2]
     assert isinstance(name, str) and isinstance(stream, int) and isinstance(index, int)
     step = table.op(name).steps[index]
-    owner = state.host.owner
     if step.stream == "all":
         return is_idle(state)
+    before = state.blocked[5]
+    assert isinstance(before, HostState)
+    owner = before.owner
     role = {"copy": bounds.consumer_streams, "current": stream}.get(
         step.stream, owner if owner != NO_STREAM else stream
     )
     return not state.queues[role]
-
-
-def _check_plan(
-    op: Operation, effect: Effect, host: HostState, args: tuple[object, ...]
-) -> Violation | None:
-    if op.name != "prepare":
-        return None
-    ids = args[0]
-    assert isinstance(ids, tuple)
-    evicted = set(effect.victims) & set(ids)
-    if evicted:
-        return Violation(
-            "P5_victim_protection", f"prepare{ids} evicted requested expert(s) {sorted(evicted)}"
-        )
-    forward = effect.host.forward
-    assert forward is not None
-    experts = [e for e, _ in forward]
-    slots = [s for _, s in forward]
-    if sorted(experts) != sorted(ids) or len(set(slots)) != len(slots):
-        return Violation(
-            "P3_forward_map_exact",
-            f"prepare{ids} returned forward map {_pairs(forward)}",
-        )
-    for e, s in forward:
-        if effect.host.slot_of[e] != s:
-            return Violation(
-                "P3_forward_map_exact",
-                f"forward map puts expert {e} in slot {s}, resident map in "
-                f"slot {effect.host.slot_of[e]}",
-            )
-    return None
-
-
-def host_actions(bounds: Bounds) -> Iterator[Action]:
-    """Every host call the explorer tries in every state, bad inputs included."""
-    from itertools import combinations
-
-    n, cap = bounds.num_experts, bounds.capacity
-    for stream in range(bounds.consumer_streams):
-        for size in range(1, cap + 1):
-            for ids in combinations(range(n), size):
-                yield Action("host", "prepare", (ids,), stream)
-        for e in range(n):
-            yield Action("host", "invalidate", (e,), stream)
-        # One representative of each way validation can reject a call.
-        yield Action("host", "prepare", (tuple(range(cap + 1)),), stream)
-        yield Action("host", "invalidate", (n,), stream)
-    yield Action("host", "prepare", ((0, 0),), 0)
-    yield Action("host", "prepare", ((n,),), 0)
-    yield Action("host", "read", (), 0)
-    yield Action("host", "synchronize", (), 0)
