@@ -207,8 +207,12 @@ def explore(
     model: str = "interleavings",
     stop_at_first: bool = True,
     symmetry: bool = True,
+    only: str | None = None,
 ) -> Result:
-    """Explore every host-call sequence of up to `depth` calls with the chosen device model."""
+    """Explore every host-call sequence of up to `depth` calls with the chosen device model.
+
+    With `only`, violations of other properties are ignored (used to show that a mutant
+    breaks the property it was seeded against, not just some property)."""
     m: Any = QueueModel(table, bounds) if model == "interleavings" else HbModel(table, bounds)
     start = time.perf_counter()
     result = Result(bounds=bounds, depth=depth, model=m.name)
@@ -223,15 +227,18 @@ def explore(
             continue
         result.max_depth_reached = max(result.max_depth_reached, d)
         stuck = m.stuck(state)
-        if stuck is not None:
+        if stuck is not None and only in (None, stuck.prop):
             result.violation = stuck
             result.trace = _trace(parent, state)
             break
         for action, outcome, cost in m.successors(state):
             result.transitions += 1
             result.tags |= outcome.tags
-            if outcome.violation is not None and result.violation is None:
-                result.violation = outcome.violation
+            found = outcome.violation
+            if found is not None and only is not None and found.prop != only:
+                found = None
+            if found is not None and result.violation is None:
+                result.violation = found
                 result.trace = [*_trace(parent, state), (action, outcome)]
                 if stop_at_first:
                     break
@@ -254,7 +261,7 @@ def explore(
     if result.violation is not None and symmetry:
         # Parent links cross renamed states; search again without renaming for a trace that
         # reads straight (same violation depth, since renaming preserves it).
-        plain = explore(table, bounds, depth, model=model, symmetry=False)
+        plain = explore(table, bounds, depth, model=model, symmetry=False, only=only)
         result.trace, result.violation = plain.trace, plain.violation
     return result
 

@@ -1,0 +1,223 @@
+"""Hypothesis stateful testing of the table's semantics.
+
+A rule-based machine drives random host calls (bad inputs included) and random device steps
+through the explicit FIFO model, and runs the happens-before summary in lockstep on the same
+host calls. After every step it checks the properties (the invariants are the model's own
+violation reports), and that the two device models agree: same host state, same recorded
+call trace, and the summary, which decides ordering for all interleavings at once, has
+reported a violation whenever the explicit model ran into one.
+
+The machine is a third, randomized checker: it reaches far deeper call sequences than the
+exhaustive bounds, at the price of not covering everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from model_check.core import Outcome, Violation
+from model_check.hb import (
+    HbState,
+    NotExpressible,
+    Places,
+    hb_host_call,
+    initial_hb_state,
+    live_places,
+)
+from model_check.reference import Bounds
+from model_check.semantics import (
+    State,
+    can_resume,
+    device_step,
+    host_call,
+    initial_state,
+    resume,
+    runnable,
+)
+from model_check.table import Table
+
+
+class PropertyViolated(AssertionError):
+    def __init__(self, violation: Violation, checker: str) -> None:
+        super().__init__(f"{checker}: {violation.prop}: {violation.detail}")
+        self.violation = violation
+
+
+def machine_for(
+    table: Table, bounds: Bounds, *, lockstep: bool = True
+) -> type[RuleBasedStateMachine]:
+    """A state machine class over `table` (a mutant's table makes it fail)."""
+    n = bounds.num_experts
+    streams = st.integers(0, bounds.consumer_streams - 1)
+    id_sets = st.lists(st.integers(-1, n), min_size=0, max_size=bounds.capacity + 1).map(tuple)
+    places = Places(bounds)
+    live = live_places(table, places)
+    keep_reads = any(
+        s.kind == "host_sync" for op in table.operations if op.provider for s in op.steps
+    )
+
+    class ModelMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.state: State = initial_state(bounds)
+            self.hb: HbState | None = initial_hb_state(bounds) if lockstep else None
+
+        @initialize()
+        def start(self) -> None:
+            pass
+
+        def _check(self, outcome: Outcome[Any]) -> None:
+            found = outcome.violation
+            if found is None:
+                return
+            if self.hb is not None:
+                # The summary decides every ordering when the second operation is enqueued,
+                # so it must have stopped the run before the explicit model got here.
+                raise AssertionError(
+                    f"the happens-before summary missed {found.prop}: {found.detail}"
+                )
+            raise PropertyViolated(found, "interleavings")
+
+        def _host(self, op: str, args: tuple[object, ...], stream: int) -> None:
+            outcome = host_call(table, bounds, self.state, op, args, stream)
+            if self.hb is not None:
+                self._lockstep(outcome, op, args, stream)
+            self._check(outcome)
+            self.state = outcome.state
+
+        def _lockstep(
+            self, outcome: Outcome[State], op: str, args: tuple[object, ...], stream: int
+        ) -> None:
+            assert self.hb is not None
+            try:
+                options = hb_host_call(
+                    table, bounds, self.hb, op, args, stream, keep_reads=keep_reads, live=live
+                )
+            except NotExpressible:
+                self.hb = None
+                return
+            # The summary branches on what the host observes of device progress (staging
+            # reuse); follow the branch the explicit model took.
+            staging = {t for t in outcome.tags if t.startswith("staging_")}
+            same = [
+                o for o in options if {t for t in o.tags if t.startswith("staging_")} == staging
+            ]
+            chosen = same[0] if same else options[0]
+            assert chosen.state.host == outcome.state.host or outcome.state.blocked is not None, (
+                f"host states differ: {chosen.state.host} vs {outcome.state.host}"
+            )
+            assert chosen.trace[: len(outcome.trace)] == outcome.trace, (
+                f"traces differ: {chosen.trace} vs {outcome.trace}"
+            )
+            if chosen.violation is not None:
+                raise PropertyViolated(chosen.violation, "happens-before")
+            self.hb = chosen.state
+
+        @precondition(lambda self: self.state.blocked is None)
+        @rule(ids=id_sets, stream=streams)
+        def prepare(self, ids: tuple[int, ...], stream: int) -> None:
+            self._host("prepare", (ids,), stream)
+
+        @precondition(lambda self: self.state.blocked is None)
+        @rule(expert=st.integers(-1, n), stream=streams)
+        def invalidate(self, expert: int, stream: int) -> None:
+            self._host("invalidate", (expert,), stream)
+
+        @precondition(
+            lambda self: self.state.blocked is None and self.state.host.forward is not None
+        )
+        @rule()
+        def read(self) -> None:
+            self._host("read", (), 0)
+
+        @precondition(lambda self: self.state.blocked is None)
+        @rule()
+        def synchronize(self) -> None:
+            # The consumer's own host sync blocks until idle: drain the device first.
+            self.drain()
+            self._host("synchronize", (), 0)
+
+        @rule(data=st.data())
+        def device(self, data: st.DataObject) -> None:
+            ready = [s for s in range(len(self.state.queues)) if runnable(self.state, s)]
+            if not ready:
+                return
+            outcome = device_step(self.state, data.draw(st.sampled_from(ready)))
+            self._check(outcome)
+            self.state = outcome.state
+
+        @precondition(lambda self: self.state.blocked is not None)
+        @rule()
+        def resume_host(self) -> None:
+            if can_resume(self.state, bounds, table):
+                outcome = resume(table, bounds, self.state)
+                self._check(outcome)
+                self.state = outcome.state
+            else:
+                self.drain_one()
+
+        def drain_one(self) -> None:
+            ready = [s for s in range(len(self.state.queues)) if runnable(self.state, s)]
+            if not ready:
+                raise PropertyViolated(
+                    Violation("P7_no_deadlock", "pending operations remain and none can run"),
+                    "interleavings",
+                )
+            outcome = device_step(self.state, ready[0])
+            self._check(outcome)
+            self.state = outcome.state
+
+        def drain(self) -> None:
+            while any(self.state.queues):
+                self.drain_one()
+
+        @invariant()
+        def device_can_progress(self) -> None:
+            if any(self.state.queues) and not any(
+                runnable(self.state, s) for s in range(len(self.state.queues))
+            ):
+                raise PropertyViolated(
+                    Violation("P7_no_deadlock", "pending operations remain and none can run"),
+                    "interleavings",
+                )
+
+    ModelMachine.__name__ = "ModelMachine"
+    return ModelMachine
+
+
+def run_machine(
+    table: Table,
+    bounds: Bounds,
+    *,
+    max_examples: int,
+    steps: int,
+    derandomize: bool = True,
+    lockstep: bool = True,
+) -> Violation | None:
+    """Run the machine; the violation it found (after shrinking), or None."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    machine = machine_for(table, bounds, lockstep=lockstep)
+    config = settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=derandomize,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        report_multiple_bugs=False,
+    )
+    try:
+        run_state_machine_as_test(machine, settings=config)
+    except PropertyViolated as found:
+        return found.violation
+    return None
+
+
+MachineFactory = Callable[[Table, Bounds], type[RuleBasedStateMachine]]
