@@ -145,6 +145,21 @@ class QueueModel:
         return out
 
 
+def forget_dead(state: HbState) -> HbState:
+    """Erase what no later step can read: a forward map already read (reads are one per
+    forward), and the last copy into a slot that is neither mapped nor named by a forward map
+    still to be read. A read of such a slot without a new copy is then reported as stale,
+    which it is."""
+    host = state.host
+    live_slots = {s for s in host.slot_of if s >= 0}
+    if state.read_issued:
+        host = host._replace(forward=())
+    elif host.forward is not None:
+        live_slots |= {s for _, s in host.forward}
+    last_copy = tuple(e if s in live_slots else -1 for s, e in enumerate(state.last_copy))
+    return state._replace(host=host, last_copy=last_copy)
+
+
 class HbModel:
     """The happens-before summary: every host-call sequence, device order decided by masks."""
 
@@ -165,6 +180,7 @@ class HbModel:
         return initial_hb_state(self.bounds)
 
     def canonical(self, state: HbState) -> HbState:
+        state = forget_dead(state)
         if self.bounds.consumer_streams != 2:
             return state
 

@@ -65,9 +65,7 @@ class Effect(NamedTuple):
 
 
 def initial_host(bounds: Bounds) -> HostState:
-    return HostState(
-        lru=(), slot_of=(NO_SLOT,) * bounds.num_experts, owner=NO_STREAM, forward=None
-    )
+    return HostState(lru=(), slot_of=(NO_SLOT,) * bounds.num_experts, owner=NO_STREAM, forward=None)
 
 
 Args = tuple[object, ...]

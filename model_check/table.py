@@ -145,9 +145,7 @@ def parse_table(data: dict[str, Any]) -> Table:
     return Table(consumer_streams=consumer, operations=tuple(ops))
 
 
-def validate_operation(
-    op: Operation, guards: Any, effects: Any, pre_guard: Any
-) -> None:
+def validate_operation(op: Operation, guards: Any, effects: Any, pre_guard: Any) -> None:
     if op.guard not in guards:
         raise TableError(f"{op.name}: guard {op.guard!r} is not a reference function")
     if op.effect not in effects:

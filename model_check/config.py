@@ -1,0 +1,84 @@
+"""The bounds every run checks, and the manifest that pins their state counts."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from model_check.reference import Bounds
+
+MANIFEST_PATH = Path(__file__).resolve().parent.parent / "spec" / "manifest.toml"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One exhaustive exploration: a device model at a configuration and host-call depth."""
+
+    model: str  # "hb" (happens-before summary) or "interleavings" (explicit FIFO model)
+    bounds: Bounds
+    depth: int
+
+    @property
+    def key(self) -> str:
+        b = self.bounds
+        return f"{self.model}/{b.num_experts}e{b.capacity}c/d{self.depth}"
+
+
+CHECKS: tuple[Check, ...] = (
+    # Every host-call sequence to the full bounds, all interleavings decided by happens-before.
+    Check("hb", Bounds(num_experts=3, capacity=2), 6),
+    Check("hb", Bounds(num_experts=4, capacity=3), 4),
+    # Every interleaving enumerated step by step, to a smaller depth: the cross-check of the
+    # summary, and the checker for P7.
+    Check("interleavings", Bounds(num_experts=3, capacity=2), 3),
+    Check("interleavings", Bounds(num_experts=4, capacity=3), 2),
+)
+
+# Mutants are searched at these bounds: every one is killed well within them.
+MUTANT_CHECKS: tuple[Check, ...] = (
+    Check("hb", Bounds(num_experts=3, capacity=2), 6),
+    Check("interleavings", Bounds(num_experts=3, capacity=2), 4),
+)
+
+
+@dataclass(frozen=True)
+class Pinned:
+    states: int
+    transitions: int
+    max_depth: int
+
+
+def load_manifest(path: Path = MANIFEST_PATH) -> dict[str, Pinned]:
+    if not path.exists():
+        return {}
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    return {
+        entry["key"]: Pinned(entry["states"], entry["transitions"], entry["max_depth"])
+        for entry in data.get("check", [])
+    }
+
+
+def manifest_text(rows: list[tuple[Check, Pinned]]) -> str:
+    lines = [
+        "# Distinct states, transitions and depth of every exhaustive check of the real table.",
+        "# Written by `python -m model_check --write-manifest`; a change to the table that changes",
+        "# the state space must update this file on purpose (tests/test_manifest.py asserts it).",
+        "",
+    ]
+    for check, pinned in rows:
+        lines += [
+            "[[check]]",
+            f'key = "{check.key}"',
+            f'model = "{check.model}"',
+            f"num_experts = {check.bounds.num_experts}",
+            f"capacity = {check.bounds.capacity}",
+            f"depth = {check.depth}",
+            f"states = {pinned.states}",
+            f"transitions = {pinned.transitions}",
+            f"max_depth = {pinned.max_depth}",
+            'expected = "pass"',
+            "",
+        ]
+    return "\n".join(lines)
