@@ -23,7 +23,7 @@ from model_check.config import (
     manifest_text,
 )
 from model_check.core import PROPERTIES, Violation
-from model_check.explorer import REACHABILITY, Result, explore
+from model_check.explorer import Result, explore
 from model_check.hb import NotExpressible
 from model_check.mutants import MUTANTS, Mutant, mutant
 from model_check.reference import Bounds
@@ -94,7 +94,7 @@ def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinne
             col.notes.append(f"{check.key} is not in {MANIFEST_PATH.name}")
         elif pinned != got:
             col.notes.append(f"{check.key}: manifest pins {pinned}, this run found {got}")
-        missing = sorted(set(REACHABILITY) - result.tags)
+        missing = result.missing_reachability()
         if missing:
             col.notes.append(f"{check.key}: never reached {', '.join(missing)} (vacuous?)")
         columns.append(col)

@@ -141,9 +141,8 @@ class HbCall(DeviceCall):
         self.live = live
         self.places = Places(bounds)
         self.pending = set(state.pending)
-        self.last_copy = list(state.last_copy)
-        self.last_map = state.last_map
-        self.read_issued = state.read_issued
+        # Host-visible device effects in order, replayed on last_copy/last_map afterwards.
+        self.log: list[tuple[object, ...]] = []
         self.chosen = [-1] * len(RINGS)
         self.choices = choices  # staging decisions to take, in order; extended on demand
         self.fixed = len(choices)  # decisions given by the caller; later ones are new
@@ -202,7 +201,7 @@ class HbCall(DeviceCall):
                         "either expert",
                     )
                 )
-        self.last_copy[slot] = expert
+        self.log.append(("copy", slot, expert))
         self.pending.add(("copy", slot, here))
 
     def read(self, stream: int, pairs: Pairs) -> None:
@@ -217,18 +216,9 @@ class HbCall(DeviceCall):
                         f"the pending copy into slot {what}",
                     )
                 )
-        for expert, slot in pairs:
-            if self.last_copy[slot] != expert:
-                self.flag(
-                    Violation(
-                        "P2_no_stale_read",
-                        f"read of expert {expert} in slot {slot}, which was last filled with "
-                        f"expert {self.last_copy[slot]}",
-                    )
-                )
+        self.log.append(("read", pairs))
         # Later verdicts about a read depend only on the slots it reads.
         self.pending.add(("read", tuple(sorted(slots)), here))
-        self.read_issued = True
 
     def stage(self, ring: str) -> None:
         r = RINGS.index(ring)
@@ -269,7 +259,7 @@ class HbCall(DeviceCall):
                             "earlier pending upload, which may land last",
                         )
                     )
-            self.last_map = content  # type: ignore[assignment]
+            self.log.append(("map",))
         if ring == "resident" or self.chosen[r] >= 0:
             self.pending.add(("map", (r, self.chosen[r]), here))
 
@@ -301,20 +291,24 @@ class HbCall(DeviceCall):
             self.tags.add("device_idle")
         return True
 
-    def outcome(self, op: Operation, tags: frozenset[str]) -> Outcome[HbState]:
-        host = finish_host(op, self.effect, self.stream)
-        read_issued = self.read_issued and op.name != "prepare"
-        new = HbState(
-            host=host,
-            pending=reduce_pending(self.pending, self.places, self.keep_reads, self.live),
-            last_copy=tuple(self.last_copy),
-            last_map=self.last_map,
-            read_issued=read_issued,
+    def device_result(self) -> DeviceResult:
+        return DeviceResult(
+            reduce_pending(self.pending, self.places, self.keep_reads, self.live),
+            self.violation,
+            frozenset(self.tags),
+            tuple(self.trace),
+            tuple(self.log),
         )
-        violation = self.violation or check_drained(new)
-        return Outcome(
-            new, violation, tags | frozenset(self.tags), tuple(self.trace), self.effect.counters
-        )
+
+
+class DeviceResult(NamedTuple):
+    """What one branch of a host call did to the pending operations."""
+
+    pending: frozenset[Pending]
+    violation: Violation | None  # ordering verdicts (P1, P2 order, P4 order, P6, P8)
+    tags: frozenset[str]
+    trace: tuple[str, ...]
+    log: tuple[tuple[object, ...], ...]
 
 
 def reduce_pending(
@@ -369,6 +363,9 @@ def check_drained(state: HbState) -> Violation | None:
     return None
 
 
+DeviceCache = dict[tuple[object, ...], list[DeviceResult]]
+
+
 def hb_host_call(
     table: Table,
     bounds: Bounds,
@@ -380,26 +377,98 @@ def hb_host_call(
     *,
     keep_reads: bool = True,
     live: int = -1,
+    cache: DeviceCache | None = None,
 ) -> list[Outcome[HbState]]:
-    """Every outcome of one host call (several when staging reuse depends on progress)."""
+    """Every outcome of one host call (several when staging reuse depends on progress).
+
+    The device part depends only on the pending operations and on a few facts of the plan,
+    so it is computed once per distinct combination (`cache`, owned by the caller and valid
+    for one table and one set of bounds) and replayed on the host part.
+    """
     begun = begin_call(table, bounds, state.host, counters, op_name, args, stream)
     if isinstance(begun, Rejected):
         new = state._replace(host=begun.host)
         return [Outcome(new, begun.violation, frozenset({"rejected_" + op_name}), (), counters)]
     op = table.op(op_name)
-    outcomes: list[Outcome[HbState]] = []
+    effect = begun.effect
+    host = begun.host
+    key = (
+        state.pending,
+        host.owner,
+        stream,
+        op_name,
+        effect.copies,
+        effect.changed,
+        effect.host.forward if op_name == "read" else None,
+        tuple(host.slot_of[v] for v in effect.victims),
+    )
+    branches = cache.get(key) if cache is not None else None
+    if branches is None:
+        branches = _device_branches(state, bounds, stream, effect, host, op, keep_reads, live)
+        if cache is not None:
+            cache[key] = branches
+    outcomes = []
+    final_host = finish_host(op, effect, stream)
+    read_issued = state.read_issued and op.name != "prepare"
+    for branch in branches:
+        violation = begun.violation or branch.violation
+        last_copy = list(state.last_copy)
+        last_map = state.last_map
+        for entry in branch.log:
+            if entry[0] == "copy":
+                slot, expert = entry[1], entry[2]
+                assert isinstance(slot, int) and isinstance(expert, int)
+                last_copy[slot] = expert
+            elif entry[0] == "map":
+                last_map = effect.host.slot_of
+            else:
+                pairs = entry[1]
+                assert isinstance(pairs, tuple)
+                read_issued = True
+                violation = violation or _stale(pairs, last_copy)
+        new = HbState(final_host, branch.pending, tuple(last_copy), last_map, read_issued)
+        outcomes.append(
+            Outcome(
+                new,
+                violation or check_drained(new),
+                begun.tags | branch.tags,
+                branch.trace,
+                effect.counters,
+            )
+        )
+    return outcomes
+
+
+def _stale(pairs: Pairs, last_copy: list[int]) -> Violation | None:
+    for expert, slot in pairs:
+        if last_copy[slot] != expert:
+            return Violation(
+                "P2_no_stale_read",
+                f"read of expert {expert} in slot {slot}, which was last filled with "
+                f"expert {last_copy[slot]}",
+            )
+    return None
+
+
+def _device_branches(
+    state: HbState,
+    bounds: Bounds,
+    stream: int,
+    effect: Effect,
+    host: HostState,
+    op: Operation,
+    keep_reads: bool,
+    live: int,
+) -> list[DeviceResult]:
+    branches: list[DeviceResult] = []
     pending_choices: list[list[int]] = [[]]
     while pending_choices:
         choices = pending_choices.pop()
-        call = HbCall(
-            state._replace(host=begun.host), bounds, stream, begun.effect, choices, keep_reads, live
-        )
-        if begun.violation is not None:
-            call.flag(begun.violation)
+        call = HbCall(state._replace(host=host), bounds, stream, effect, choices, keep_reads, live)
         call.run_steps(op)
-        outcomes.append(call.outcome(op, begun.tags))
+        branches.append(call.device_result())
         pending_choices.extend(_alternatives(call))
-    return outcomes
+    return branches
 
 
 def _alternatives(call: HbCall) -> list[list[int]]:
