@@ -17,7 +17,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from model_check.core import Action, Outcome, Violation, host_actions
+from model_check.core import (
+    Accepted,
+    Action,
+    Outcome,
+    Rejected,
+    Violation,
+    begin_call,
+    host_actions,
+)
 from model_check.hb import (
     DeviceCache,
     HbState,
@@ -28,6 +36,7 @@ from model_check.hb import (
 )
 from model_check.reference import NO_STREAM, Bounds, HostState
 from model_check.semantics import (
+    NO_COUNTS,
     State,
     can_resume,
     deadlocked,
@@ -183,6 +192,7 @@ class HbModel:
         # operation can block the host.
         self.live = live_places(table, self.places)
         self.cache: DeviceCache = {}
+        self.plans: dict[tuple[object, ...], Accepted | Rejected] = {}
         self.keep_reads = any(
             step.kind == "host_sync" for op in table.operations if op.provider for step in op.steps
         )
@@ -231,6 +241,12 @@ class HbModel:
     def _call(
         self, state: HbState, op: str, args: tuple[object, ...], stream: int
     ) -> list[Outcome[HbState]]:
+        # Guard and effect depend on the host state alone, which few states differ in.
+        key = (state.host, op, args, stream)
+        begun = self.plans.get(key)
+        if begun is None:
+            begun = begin_call(self.table, self.bounds, state.host, NO_COUNTS, op, args, stream)
+            self.plans[key] = begun
         return hb_host_call(
             self.table,
             self.bounds,
@@ -241,6 +257,7 @@ class HbModel:
             keep_reads=self.keep_reads,
             live=self.live,
             cache=self.cache,
+            begun=begun,
         )
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from model_check.core import (
+    Accepted,
     DeviceCall,
     Outcome,
     Pairs,
@@ -378,6 +379,7 @@ def hb_host_call(
     keep_reads: bool = True,
     live: int = -1,
     cache: DeviceCache | None = None,
+    begun: Accepted | Rejected | None = None,
 ) -> list[Outcome[HbState]]:
     """Every outcome of one host call (several when staging reuse depends on progress).
 
@@ -385,7 +387,8 @@ def hb_host_call(
     so it is computed once per distinct combination (`cache`, owned by the caller and valid
     for one table and one set of bounds) and replayed on the host part.
     """
-    begun = begin_call(table, bounds, state.host, counters, op_name, args, stream)
+    if begun is None:
+        begun = begin_call(table, bounds, state.host, counters, op_name, args, stream)
     if isinstance(begun, Rejected):
         new = state._replace(host=begun.host)
         return [Outcome(new, begun.violation, frozenset({"rejected_" + op_name}), (), counters)]

@@ -152,7 +152,7 @@ def runnable(state: State, stream: int) -> bool:
     return True
 
 
-def device_step(state: State, stream: int) -> Outcome:
+def device_step(state: State, stream: int) -> Outcome[State]:
     """Run the head group of `stream` (which must be runnable)."""
     violation: Violation | None = None
     for _ in range(group_size(state.queues[stream])):

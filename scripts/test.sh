@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Everything CI checks: lint, types, the mutant kill matrix, then the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+PY=.venv/bin/python
+$PY -m ruff check rowcache model_check tests
+$PY -m mypy
+$PY -m model_check.codegen --check
+$PY -m model_check mutants
+$PY -m pytest -q -p no:cacheprovider
