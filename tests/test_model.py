@@ -1,0 +1,186 @@
+"""The model: CUDA event facts, the table loader, both device models, the mutant catalogue."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from model_check.config import CHECKS, MUTANT_CHECKS, load_manifest
+from model_check.core import PROPERTIES
+from model_check.explorer import REACHABILITY, explore
+from model_check.hb import HbCall, NotExpressible, Places, initial_hb_state
+from model_check.machines import run_machine
+from model_check.mutants import MUTANTS, mutant
+from model_check.reference import Bounds, Effect, initial_host
+from model_check.semantics import QueueCall, host_call, initial_state
+from model_check.table import Step, TableError, load_table, parse_table
+
+BOUNDS = Bounds(num_experts=3, capacity=2)
+TABLE = load_table()
+COPY = BOUNDS.consumer_streams
+
+
+def _noop_effect() -> Effect:
+    from model_check.reference import Counters
+
+    host = initial_host(BOUNDS)
+    return Effect(host, (), (), (), False, Counters())
+
+
+def _queue_call() -> QueueCall:
+    return QueueCall(initial_state(BOUNDS), BOUNDS, 0, _noop_effect())
+
+
+# ---------------------------------------------------------------- CUDA event facts
+
+
+def test_record_snapshots_work_enqueued_so_far_and_rerecord_overwrites() -> None:
+    call = _queue_call()
+    call.read(0, ((0, 0),))
+    call.record(0, "release")
+    assert call.events[0] == (0, 1)
+    call.read(0, ((1, 1),))
+    call.record(0, "release")
+    assert call.events[0] == (0, 2)
+
+
+def test_wait_copies_the_snapshot_at_call_time() -> None:
+    call = _queue_call()
+    call.read(0, ((0, 0),))
+    call.record(0, "release")
+    call.wait(COPY, "release")
+    call.read(0, ((1, 1),))
+    call.record(0, "release")  # a later record does not move the earlier wait
+    wait = call.queues[COPY][0]
+    assert wait[0] == "wait" and wait[3] == ((0, 1),)
+
+
+def test_waiting_on_a_never_recorded_event_does_nothing() -> None:
+    call = _queue_call()
+    call.wait(COPY, "ready")
+    assert call.queues[COPY] == []
+
+
+def test_summary_masks_follow_the_same_facts() -> None:
+    state = initial_hb_state(BOUNDS)
+    call = HbCall(state, BOUNDS, 0, _noop_effect(), [], keep_reads=True, live=-1)
+    places = Places(BOUNDS)
+    call.read(0, ((0, 0),))
+    call.record(0, "release")
+    call.wait(COPY, "release")
+    call.read(0, ((1, 1),))  # enqueued after the record: not ordered before the copy stream
+    masks = {what: mask for kind, what, mask in call.pending}
+    assert masks[(0,)] & places.stream(COPY)
+    assert not masks[(1,)] & places.stream(COPY)
+
+
+# ---------------------------------------------------------------- table
+
+
+def test_table_rejects_unknown_names() -> None:
+    raw = {
+        "streams": {"consumer": ["s0", "s1"]},
+        "operation": [
+            {"name": "x", "guard": "always", "effect": "no_change", "steps": [{"kind": "nap"}]}
+        ],
+    }
+    with pytest.raises(TableError, match="nap"):
+        parse_table(raw)
+    raw["operation"][0]["steps"] = [{"kind": "record_event", "stream": "mine", "event": "ready"}]
+    with pytest.raises(TableError, match="mine"):
+        parse_table(raw)
+    raw["operation"][0]["steps"] = []
+    raw["operation"][0]["effect"] = "plan_everything"
+    with pytest.raises(TableError, match="plan_everything"):
+        parse_table(raw)
+
+
+def test_rejected_call_changes_nothing() -> None:
+    state = initial_state(BOUNDS)
+    state = host_call(TABLE, BOUNDS, state, "prepare", ((0, 1),), 0).state
+    for args in [((0, 1, 2),), ((0, 0),), ((3,),), ((-1,),)]:
+        outcome = host_call(TABLE, BOUNDS, state, "prepare", args, 1)
+        assert outcome.state == state and outcome.violation is None and not outcome.trace
+
+
+# ---------------------------------------------------------------- exhaustive checks
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.key)
+def test_real_table_holds_and_matches_the_manifest(check: object) -> None:
+    from model_check.config import Check, Pinned
+
+    assert isinstance(check, Check)
+    result = explore(TABLE, check.bounds, check.depth, model=check.model)
+    assert result.violation is None, result.violation
+    assert not result.missing_reachability(), result.missing_reachability()
+    pinned = load_manifest()[check.key]
+    assert Pinned(result.states, result.transitions, result.max_depth_reached) == pinned
+
+
+def test_reachability_names_are_documented() -> None:
+    assert set(REACHABILITY) >= {"eviction", "owner_change", "freed_slot_reused_while_read_pending"}
+    assert len(REACHABILITY) >= 6
+
+
+def test_catalogue_covers_every_property() -> None:
+    assert len(MUTANTS) >= 12
+    assert {m.breaks for m in MUTANTS} == set(PROPERTIES)
+
+
+@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
+def test_every_mutant_breaks_its_property_in_every_applicable_explorer(m: object) -> None:
+    from model_check.mutants import Mutant
+
+    assert isinstance(m, Mutant)
+    mutated = m.apply(TABLE)
+    killed_by = []
+    for check in MUTANT_CHECKS:
+        try:
+            result = explore(mutated, check.bounds, check.depth, model=check.model, only=m.breaks)
+        except NotExpressible:
+            assert m.breaks == "P7_no_deadlock"
+            continue
+        assert result.violation is not None, f"{check.key} misses {m.name}"
+        assert result.violation.prop == m.breaks
+        assert result.trace, "a counterexample comes with its trace"
+        killed_by.append(check.model)
+    assert "interleavings" in killed_by
+
+
+def test_mutant_lookup_names_the_known_ones() -> None:
+    with pytest.raises(KeyError, match="no_release_wait"):
+        mutant("no_such_bug")
+
+
+# ---------------------------------------------------------------- hypothesis machine
+
+
+def test_machine_passes_on_the_real_table_with_both_models_in_lockstep() -> None:
+    assert run_machine(TABLE, Bounds(4, 3), max_examples=150, steps=30) is None
+
+
+@pytest.mark.parametrize(
+    "name", ["no_release_wait", "no_ready_wait", "victim_not_protected", "wait_for_latest_record"]
+)
+def test_machine_kills_mutants(name: str) -> None:
+    found = run_machine(mutant(name).apply(TABLE), BOUNDS, max_examples=300, steps=30)
+    assert found is not None
+
+
+def test_summary_and_explicit_model_agree_on_a_hand_made_bug() -> None:
+    """A table that records release after the copies: both models must object."""
+    op = TABLE.op("prepare")
+    steps = list(op.steps)
+    release = steps.pop(0)
+    steps.insert(3, release)
+    broken = TABLE.with_op(replace(op, steps=tuple(steps)))
+    explicit = explore(broken, BOUNDS, 3, model="interleavings")
+    summary = explore(broken, BOUNDS, 3, model="hb")
+    assert explicit.violation is not None and summary.violation is not None
+
+
+def test_step_describe_is_readable() -> None:
+    step = Step(kind="wait_event", stream="copy", event="release")
+    assert step.describe() == "wait_event on copy event=release"
