@@ -94,10 +94,21 @@ def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinne
             col.notes.append(f"{check.key} is not in {MANIFEST_PATH.name}")
         elif pinned != got:
             col.notes.append(f"{check.key}: manifest pins {pinned}, this run found {got}")
-        missing = result.missing_reachability()
-        if missing:
-            col.notes.append(f"{check.key}: never reached {', '.join(missing)} (vacuous?)")
         columns.append(col)
+    # Each device model must reach every "sometimes" observation in one of its runs.
+    for model in sorted({check.model for check, _ in runs}):
+        reached: set[str] = set()
+        missing: set[str] = set()
+        for check, result in runs:
+            if check.model == model:
+                reached |= result.tags
+                missing |= set(result.missing_reachability())
+        gaps = sorted(missing - reached)
+        if gaps:
+            owner = next(
+                c for c, (check, _) in zip(columns, runs, strict=True) if check.model == model
+            )
+            owner.notes.append(f"{model}: never reached {', '.join(gaps)} (a vacuous pass?)")
     return columns
 
 
@@ -124,16 +135,19 @@ def z3_columns(table: Table) -> list[Column]:
         if check.model != "hb":
             continue
         report = z3_check.check_table(table, check.bounds, check.depth)
-        columns.append(
-            Column(
-                name=f"z3/{check.bounds.num_experts}e{check.bounds.capacity}c/d{check.depth}",
-                states=None,
-                depth=check.depth,
-                seconds=report.seconds,
-                decides=list(report.decides),
-                violation=report.violation,
-            )
+        col = Column(
+            name=f"z3/{check.bounds.num_experts}e{check.bounds.capacity}c/d{check.depth}",
+            states=None,
+            depth=check.depth,
+            seconds=report.seconds,
+            decides=list(report.decides),
+            violation=report.violation,
         )
+        if report.vacuous:
+            col.notes.append(f"{col.name}: never reached {', '.join(report.vacuous)}")
+        if not report.ok and report.violation is None:
+            col.notes.append(f"{col.name}: not proved:\n{report.text()}")
+        columns.append(col)
     return columns
 
 
@@ -155,13 +169,14 @@ def verdict_table(columns: list[Column]) -> str:
                 cells.append("holds")
         lines.append(prop.ljust(width) + "".join(c.rjust(cw + 2) for c in cells))
     lines.append("")
-    for label, get in (
-        ("states", lambda c: "-" if c.states is None else str(c.states)),
-        ("depth", lambda c: "-" if c.depth is None else str(c.depth)),
-        ("seconds", lambda c: f"{c.seconds:.1f}"),
-        ("verdict", lambda c: "pass" if c.ok else "FAIL"),
-    ):
-        lines.append(label.ljust(width) + "".join(get(c).rjust(cw + 2) for c in columns))
+    rows: list[tuple[str, list[str]]] = [
+        ("states", ["-" if c.states is None else str(c.states) for c in columns]),
+        ("depth", ["-" if c.depth is None else str(c.depth) for c in columns]),
+        ("seconds", [f"{c.seconds:.1f}" for c in columns]),
+        ("verdict", ["pass" if c.ok else "FAIL" for c in columns]),
+    ]
+    for label, cells in rows:
+        lines.append(label.ljust(width) + "".join(x.rjust(cw + 2) for x in cells))
     return "\n".join(lines)
 
 
@@ -241,7 +256,15 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
         found_z3: str | None = None
         for check in CHECKS:
             if check.model == "hb":
-                report = z3_check.check_table(mutated, check.bounds, check.depth)
+                report = z3_check.check_table(
+                    mutated,
+                    check.bounds,
+                    check.depth,
+                    induction=False,
+                    reachability=False,
+                    replay_counterexamples=False,
+                    stop_at_first=True,
+                )
                 if report.violation is not None:
                     found_z3 = report.violation.prop
                     break
