@@ -1,0 +1,360 @@
+"""An unbounded argument for the ordering properties: an inductive invariant checked by z3.
+
+The state is the device summary of z3_device (one followed operation per kind, each with its
+mask of places) plus an abstract host: the owner stream and whether an accepted prepare has
+happened (`prepared`, which is "a forward map exists"). A host call is any operation of the
+table on any consumer stream; what the steps read of the host plan is free, within facts the
+tests check against the reference functions on every reachable host state (z3_host
+.EFFECT_FACTS): a prepare may or may not copy and change the map; an invalidate changes it
+only when an expert is resident, so only after a prepare; a read needs a forward map. Nothing
+here depends on the number of experts or slots, nor on the number of calls.
+
+The invariant is not written by hand. Candidate clauses come from a template, for every
+followed kind K:  "K pending => a"  and  "K pending => a or b"  where a, b range over "happens
+before place p" for every stream, event and staging reuse event, "happens before the owner
+stream", and false; for map uploads also "from staging buffer b => inside b's reuse
+snapshot"; and the host facts "prepared <=> there is an owner" and "K pending => prepared".
+Houdini's algorithm keeps the clauses true initially and drops every clause some transition
+from a state satisfying all kept clauses can falsify, until the set is inductive: the
+strongest inductive invariant the template can express. It is then minimized greedily to the
+clauses needed to stay inductive and to exclude every violation the transition can commit,
+which is what the report prints. Then, for every operation of the table on its own:
+Init => Inv, Inv and step(op) => Inv', Inv and step(op) => no violation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any, NamedTuple
+
+import z3
+
+from model_check.reference import NO_SLOT, NO_STREAM, Bounds
+from model_check.table import Table
+from model_check.z3_device import (
+    KINDS,
+    P1,
+    P2,
+    P4,
+    P6,
+    P7,
+    P8,
+    DevState,
+    Facts,
+    Layout,
+    Tracked,
+    flag_orders,
+    initial_dev,
+    interpret,
+)
+from model_check.z3_host import (
+    EFFECT_FACTS,
+    GUARD_ALWAYS,
+    GUARD_NEEDS_FORWARD,
+    Bool,
+    Int,
+    conj,
+    disj,
+    implies,
+    neg,
+)
+
+ORDERING = (P1, P2, P4, P6, P7, P8)
+
+
+class AbsState(NamedTuple):
+    owner: Int
+    prepared: Bool
+    dev: DevState
+
+
+@dataclass
+class InductionResult:
+    proved: dict[str, bool]  # per ordering property: excluded for every number of calls
+    invariant: list[str]  # the minimized inductive invariant, one clause a line
+    per_operation: dict[str, bool]  # Inv and step(op) => Inv', for each operation
+    seconds: float
+    houdini_rounds: int = 0
+    candidates: int = 0
+    counterexample: str | None = None  # a transition from Inv that breaks a property
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(self.proved.values()) and all(self.per_operation.values())
+
+
+def _abs_vars(layout: Layout, prefix: str) -> AbsState:
+    dev = tuple(
+        Tracked(
+            z3.Bool(f"{prefix}_{k}_alive"),
+            tuple(z3.Bool(f"{prefix}_{k}_{name}") for name in layout.names),
+            z3.Int(f"{prefix}_{k}_buf"),
+            (),
+        )
+        for k in KINDS
+    )
+    return AbsState(z3.Int(f"{prefix}_owner"), z3.Bool(f"{prefix}_prepared"), dev)
+
+
+def _domain(s: AbsState, bounds: Bounds, layout: Layout) -> Bool:
+    parts = [s.owner >= NO_STREAM, s.owner < bounds.consumer_streams]
+    for t in s.dev:
+        parts += [t.buf >= NO_SLOT, t.buf < layout.buffers]
+    return conj(*parts)
+
+
+class Transition(NamedTuple):
+    op_sel: Int
+    formula: Bool  # relates pre and post (and fresh choices)
+    found: dict[str, Bool]  # violations committed during the transition
+
+
+def transition(
+    table: Table, bounds: Bounds, layout: Layout, pre: AbsState, post: AbsState, prefix: str
+) -> Transition:
+    orders = flag_orders(table)
+    op_sel = z3.Int(f"{prefix}_op")
+    cur = z3.Int(f"{prefix}_cur")
+    constraints: list[Bool] = [
+        op_sel >= 0,
+        op_sel < len(table.operations),
+        cur >= 0,
+        cur < bounds.consumer_streams,
+    ]
+    results: list[tuple[Bool, AbsState]] = []
+    found: dict[str, list[Bool]] = {}
+    for i, op in enumerate(table.operations):
+        if op.effect not in EFFECT_FACTS:
+            raise KeyError(f"no abstract facts for effect {op.effect!r}")
+        facts = EFFECT_FACTS[op.effect]
+        sel = op_sel == i
+        if op.guard in GUARD_ALWAYS:
+            ok: Bool = True
+        elif op.guard in GUARD_NEEDS_FORWARD:
+            ok = conj(z3.Bool(f"{prefix}_ok{i}"), pre.prepared)
+        else:
+            ok = z3.Bool(f"{prefix}_ok{i}")
+        misses = z3.Bool(f"{prefix}_misses{i}") if facts.may_copy else False
+        changed: Bool = z3.Bool(f"{prefix}_changed{i}") if facts.may_change else False
+        if facts.change_needs_forward:
+            changed = conj(changed, pre.prepared)
+        results.append((conj(sel, neg(ok)), pre))
+        owner = cur if op.set_owner == "current" else pre.owner
+        prepared = disj(pre.prepared, facts.sets_forward)
+        for br in interpret(
+            op,
+            bounds,
+            layout,
+            pre.dev,
+            pre.owner,
+            cur,
+            Facts(misses, changed),
+            prefix,
+            orders,
+            None,
+            constraints,
+        ):
+            c = conj(sel, ok, br.cond)
+            results.append((c, AbsState(owner, prepared, tuple(br.call.dev))))
+            for (prop, _), vs in br.call.found.items():
+                found.setdefault(prop, []).append(conj(c, disj(*vs)))
+    eqs: list[Bool] = []
+    for cond, st in results:
+        eqs.append(implies(cond, _state_eq(post, st)))
+    return Transition(op_sel, conj(*constraints, *eqs), {p: disj(*vs) for p, vs in found.items()})
+
+
+def _state_eq(a: AbsState, b: AbsState) -> Bool:
+    parts: list[Bool] = [a.owner == b.owner, a.prepared == b.prepared]
+    for x, y in zip(a.dev, b.dev, strict=True):
+        parts.append(x.alive == y.alive)
+        parts += [p == q for p, q in zip(x.mask, y.mask, strict=True)]
+        parts.append(x.buf == y.buf)
+    return conj(*parts)
+
+
+Atom = tuple[str, int]  # ("false" | "prepared" | "owner" | "place", place index)
+
+
+class Clause(NamedTuple):
+    """`kind` pending (from staging buffer `buf`, when given) => one of `atoms`; kind -1 is
+    a host clause: prepared <=> (or =>, with buf 1) there is an owner stream."""
+
+    text: str
+    kind: int
+    atoms: tuple[Atom, ...]
+    buf: int | None = None
+
+    def value(self, s: AbsState, streams: int) -> Bool:
+        if self.kind < 0:
+            owned = s.owner != NO_STREAM
+            return implies(s.prepared, owned) if self.buf else s.prepared == owned
+        t = s.dev[self.kind]
+        premise = t.alive if self.buf is None else conj(t.alive, t.buf == self.buf)
+        return implies(premise, disj(*(_atom(a, t, s, streams) for a in self.atoms)))
+
+
+def _atom(atom: Atom, t: Tracked, s: AbsState, streams: int) -> Bool:
+    name, place = atom
+    if name == "false":
+        return False
+    if name == "prepared":
+        return s.prepared
+    if name == "owner":
+        return disj(*(conj(s.owner == j, t.mask[j]) for j in range(streams)))
+    return t.mask[place]
+
+
+def candidates(layout: Layout) -> list[Clause]:
+    out = [
+        Clause("prepared <=> there is an owner stream", -1, ()),
+        Clause("prepared => there is an owner stream", -1, (), 1),
+    ]
+    texts = {("owner", 0): "before the owner stream"}
+    places: list[Atom] = [("owner", 0)]
+    for p, name in enumerate(layout.names):
+        texts[("place", p)] = f"before {name}"
+        places.append(("place", p))
+    for k, kind in enumerate(KINDS):
+        out.append(Clause(f"{kind} pending => false", k, (("false", 0),)))
+        out.append(Clause(f"{kind} pending => prepared", k, (("prepared", 0),)))
+        for a in places:
+            out.append(Clause(f"{kind} pending => {texts[a]}", k, (a,)))
+        for a, b in combinations(places, 2):
+            out.append(Clause(f"{kind} pending => {texts[a]} or {texts[b]}", k, (a, b)))
+        if kind.startswith("map:"):
+            ring = kind.split(":", 1)[1]
+            for buf in range(layout.buffers):
+                place = layout.reuse(ring, buf)
+                out.append(
+                    Clause(
+                        f"{kind} pending from staging buffer {buf} => before {layout.names[place]}",
+                        k,
+                        (("place", place),),
+                        buf,
+                    )
+                )
+    return out
+
+
+def _as_bool(x: Bool) -> Any:
+    return z3.BoolVal(x) if isinstance(x, bool) else x
+
+
+def prove(table: Table, bounds: Bounds, *, minimize: bool = True) -> InductionResult:
+    start = time.perf_counter()
+    layout = Layout(bounds)
+    streams = bounds.consumer_streams
+    init = AbsState(NO_STREAM, False, initial_dev(layout))
+    pre, post = _abs_vars(layout, "pre"), _abs_vars(layout, "post")
+    step = transition(table, bounds, layout, pre, post, "step")
+    base = z3.Solver()
+    base.add(_domain(pre, bounds, layout), _as_bool(step.formula))
+    cands = [c for c in candidates(layout) if _truth(c.value(init, streams))]
+    n_cands = len(cands)
+    # Houdini: drop clauses until the conjunction is inductive.
+    rounds = 0
+    while True:
+        rounds += 1
+        base.push()
+        base.add(*[_as_bool(c.value(pre, streams)) for c in cands])
+        base.add(z3.Not(z3.And(*[_as_bool(c.value(post, streams)) for c in cands])))
+        verdict = base.check()
+        if verdict != z3.sat:
+            base.pop()
+            break
+        model = base.model()
+        keep = [c for c in cands if z3.is_true(model.eval(_as_bool(c.value(post, streams)), True))]
+        base.pop()
+        assert len(keep) < len(cands)
+        cands = keep
+
+    def bad(props: Sequence[str]) -> Bool:
+        return disj(*(step.found.get(p, False) for p in props))
+
+    proved: dict[str, bool] = {}
+    cex: str | None = None
+    for prop in ORDERING:
+        base.push()
+        base.add(*[_as_bool(c.value(pre, streams)) for c in cands])
+        base.add(_as_bool(step.found.get(prop, False)))
+        result = base.check()
+        proved[prop] = result == z3.unsat
+        if result == z3.sat and cex is None:
+            cex = f"{prop}: from a state satisfying the invariant, " + _describe(
+                base.model(), table, step, pre, layout
+            )
+        base.pop()
+    # Minimize: drop each clause that is not needed for inductiveness and the proved
+    # properties (pairs first, so that single-atom clauses are preferred).
+    good_props = [p for p, ok in proved.items() if ok]
+    order = sorted(range(len(cands)), key=lambda i: -len(cands[i].atoms))
+    kept = set(range(len(cands)))
+    for i in order if minimize else ():
+        trial = [cands[j] for j in sorted(kept - {i})]
+        base.push()
+        base.add(*[_as_bool(c.value(pre, streams)) for c in trial])
+        base.add(
+            z3.Or(
+                z3.Not(
+                    z3.And(*[_as_bool(c.value(post, streams)) for c in trial] or [z3.BoolVal(True)])
+                ),
+                _as_bool(bad(good_props)),
+            )
+        )
+        if base.check() == z3.unsat:
+            kept.discard(i)
+        base.pop()
+    final = [cands[j] for j in sorted(kept)]
+    per_op: dict[str, bool] = {}
+    for i, op in enumerate(table.operations):
+        base.push()
+        base.add(step.op_sel == i)
+        base.add(*[_as_bool(c.value(pre, streams)) for c in final])
+        base.add(
+            z3.Not(z3.And(*[_as_bool(c.value(post, streams)) for c in final] or [z3.BoolVal(True)]))
+        )
+        per_op[op.name] = base.check() == z3.unsat
+        base.pop()
+    assert all(_truth(c.value(init, streams)) for c in final)
+    return InductionResult(
+        proved=proved,
+        invariant=[c.text for c in final],
+        per_operation=per_op,
+        seconds=time.perf_counter() - start,
+        houdini_rounds=rounds,
+        candidates=n_cands,
+        counterexample=cex,
+    )
+
+
+def _truth(x: Bool) -> bool:
+    if isinstance(x, bool):
+        return x
+    simplified = z3.simplify(x)
+    return bool(z3.is_true(simplified))
+
+
+def _describe(
+    model: z3.ModelRef, table: Table, step: Transition, pre: AbsState, layout: Layout
+) -> str:
+    op = table.operations[model.eval(step.op_sel, True).as_long()]
+    owner = model.eval(pre.owner, True).as_long()
+    cur = model.eval(z3.Int("step_cur"), True).as_long()
+    pending = []
+    for kind, t in zip(KINDS, pre.dev, strict=True):
+        if z3.is_true(model.eval(_as_bool(t.alive), True)):
+            places = [
+                n
+                for n, m in zip(layout.names, t.mask, strict=True)
+                if z3.is_true(model.eval(m, True))
+            ]
+            pending.append(f"{kind} before {{{', '.join(places)}}}")
+    return f"owner s{owner}, pending: {'; '.join(pending) or 'none'}; then {op.name} on s{cur}"
+
+
+__all__ = ["InductionResult", "prove"]
