@@ -28,22 +28,14 @@ from torch import Tensor
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
+from rowcache.surface import SlotSurface, check_split
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_experts
 
 __all__ = ["CachedWeightProvider"]
 
-_SPLITS: tuple[Split, ...] = ("token", "expert")
 
-
-def _check_split(split: object) -> Split:
-    for known in _SPLITS:
-        if split == known:
-            return known
-    raise InvalidInputError(f"split must be one of {list(_SPLITS)}, got {split!r}")
-
-
-class CachedWeightProvider:
+class CachedWeightProvider(SlotSurface):
     """LFRU expert-weight cache with ``capacity`` device slots.
 
     Host calls must be sequential (a concurrent call raises
@@ -64,7 +56,7 @@ class CachedWeightProvider:
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
     ) -> None:
-        self._split = _check_split(split)
+        self._split = check_split(split)
         self._device = torch.device(device)
         self._sources = ExpertSources(
             w13,
@@ -105,46 +97,6 @@ class CachedWeightProvider:
         self._guard = CallGuard(type(self).__name__)
 
     # -- surface -----------------------------------------------------------
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def split(self) -> Split:
-        return self._split
-
-    @property
-    def num_experts(self) -> int:
-        return self._num_experts
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def buf_w13(self) -> Tensor:
-        return self._slots.w13
-
-    @property
-    def buf_w2(self) -> Tensor:
-        return self._slots.w2
-
-    @property
-    def buf_w13_scale(self) -> Tensor | None:
-        return self._slots.w13_scale
-
-    @property
-    def buf_w2_scale(self) -> Tensor | None:
-        return self._slots.w2_scale
-
-    @property
-    def buf_w13_scale_2(self) -> Tensor | None:
-        return self._slots.w13_scale_2
-
-    @property
-    def buf_w2_scale_2(self) -> Tensor | None:
-        return self._slots.w2_scale_2
 
     def prepare(self, topk_ids: Tensor, unique_ids: UniqueIds | None = None) -> ExpertWeightResult:
         """Make the requested experts resident and return a map exposing exactly them.

@@ -37,19 +37,11 @@ from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.schedules import run_invalidate, run_prepare
 from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
+from rowcache.surface import SlotSurface, check_split
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_experts
 
 __all__ = ["RowCacheWeightProvider", "default_backend"]
-
-_SPLITS: tuple[Split, ...] = ("token", "expert")
-
-
-def _check_split(split: object) -> Split:
-    for known in _SPLITS:
-        if split == known:
-            return known
-    raise InvalidInputError(f"split must be one of {list(_SPLITS)}, got {split!r}")
 
 
 def default_backend(device: torch.device) -> Backend[Any]:
@@ -65,7 +57,7 @@ def default_backend(device: torch.device) -> Backend[Any]:
     )
 
 
-class RowCacheWeightProvider:
+class RowCacheWeightProvider(SlotSurface):
     """LRU expert-weight cache with ``capacity`` device slots, ordered by the table.
 
     Same surface as ``rowcache.cached.CachedWeightProvider``. Host calls must be sequential
@@ -88,7 +80,7 @@ class RowCacheWeightProvider:
         w2_scale_2: Tensor | None = None,
         backend: Backend[Any] | None = None,
     ) -> None:
-        self._split = _check_split(split)
+        self._split = check_split(split)
         self._device = torch.device(device)
         if backend is None and self._device.type not in ("cpu", "cuda"):
             raise InvalidInputError(
@@ -131,48 +123,8 @@ class RowCacheWeightProvider:
     # -- surface -----------------------------------------------------------
 
     @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def split(self) -> Split:
-        return self._split
-
-    @property
-    def num_experts(self) -> int:
-        return self._num_experts
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
     def backend(self) -> Backend[Any]:
         return self._backend
-
-    @property
-    def buf_w13(self) -> Tensor:
-        return self._slots.w13
-
-    @property
-    def buf_w2(self) -> Tensor:
-        return self._slots.w2
-
-    @property
-    def buf_w13_scale(self) -> Tensor | None:
-        return self._slots.w13_scale
-
-    @property
-    def buf_w2_scale(self) -> Tensor | None:
-        return self._slots.w2_scale
-
-    @property
-    def buf_w13_scale_2(self) -> Tensor | None:
-        return self._slots.w13_scale_2
-
-    @property
-    def buf_w2_scale_2(self) -> Tensor | None:
-        return self._slots.w2_scale_2
 
     def prepare(self, topk_ids: Tensor, unique_ids: UniqueIds | None = None) -> ExpertWeightResult:
         """Make the requested experts resident and return a map exposing exactly them.
