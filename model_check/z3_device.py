@@ -14,10 +14,12 @@ staging ring, and a `wait_flag` per event.
 
 What is abstracted, each time towards more behaviours (so a proof here covers hb, and a
 counterexample may need a replay to be trusted):
-- Which slots a read and a later copy share: the followed read and copy are assumed to share
-  one (the worst case; the ordering verdicts never depend on slot numbers otherwise). The data
-  verdicts (the last copy into a slot is the expert the map names) are decided on the
-  symbolic host state instead, exactly.
+- Which slots a read and a copy touch: in the bounded check the host state is exact, so the
+  followed read carries the slots of its forward map and the followed copy its slot (one of
+  the call's copies, chosen), exactly as in hb. In the induction the host is abstract and
+  the followed read and copy are assumed to share a slot (the worst case). The data verdicts
+  (the last copy into a slot is the expert the map names) are decided on the symbolic host
+  state, exactly, in the bounded check only.
 - Staging reuse: hb reuses a buffer without choice when no pending operation holds its reuse
   event, and otherwise branches on whether the event completed. The operations not followed
   are not known here, so the choice is free every time (an extra "not complete" branch only
@@ -27,8 +29,10 @@ counterexample may need a replay to be trusted):
   on the copy stream, whose snapshots only grow, so that the latest record contains the one
   seen at enqueue and the flag orders at least what a wait_event would. P7: a followed flag
   operation that holds its own event's place is inside the snapshot it waits for: once
-  everything not behind it ran, no stream can move (a deadlock). Cycles through two different
-  flag operations are not followed (none of the table's mutants has one).
+  everything not behind it ran, no stream can move (a deadlock). This is exact for cycles
+  through one flag operation (or several on one event); a cycle that needs two flags on
+  different events, neither inside its own snapshot, is missed (the mutants' deadlocks
+  all have a flag inside its own snapshot, at two calls).
 
 The roles `owner` and `current` resolve to a stream number in DeviceCall.role, so a call is
 interpreted once per concrete (current stream, owner stream) pair by the shared interpreter
