@@ -259,11 +259,19 @@ class QueueCall(DeviceCall):
 
     def enqueue(self, stream: int, kind: str, a: object, b: int, refs: tuple[Ref, ...]) -> None:
         """Append an operation; glue it to the previous one when this call enqueued that one
-        too and recorded no event on the stream since. Nothing outside this call can tell the
-        glued operations apart (no snapshot falls between them), and any schedule of the real
-        device can be reordered, by delaying the earlier ones, into one that runs the group
-        back to back, so running a group as one step loses no behaviour."""
-        self.queues[stream].append((kind, a, b, refs, stream in self.open_groups))
+        too, recorded no event on the stream since, and the new operation is not a wait.
+
+        A group is therefore at most one wait followed by operations that wait for nothing,
+        with no snapshot inside. Running it as one step loses no violation: the wait's
+        completion is invisible, so it can always be taken as late as the operations after
+        it; and another stream's operation that a real schedule runs between two of the
+        group's operations sees, if the group is taken entirely after it, a superset of the
+        pending operations it sees there (every verdict is "something it must follow is still
+        pending"), and the group's operations see it pending in the other order. A wait is
+        never glued after another operation: that would hold the earlier operation back
+        until the wait is satisfied, which the device does not do."""
+        glue = stream in self.open_groups and kind not in ("wait", "flag")
+        self.queues[stream].append((kind, a, b, refs, glue))
         self.open_groups.add(stream)
 
     def snapshot(self, stream: int) -> Ref | None:
