@@ -21,22 +21,58 @@ operation and nothing else:
 * ``host_sync``: ``stream.synchronize()`` (or the device's, for ``all``). The real table has
   none on the provider's path.
 
+Call log (for conformance tests): ``CudaBackend(device, call_log=[])`` appends one ``CudaCall``
+per stream, event, copy and staging call it makes, with the handle of the stream the call was
+really issued on (read back from ``torch.cuda.current_stream`` inside the stream context for
+copies and uploads). ``tests/cuda`` renders the log in the model's trace format and checks it
+against the table (``model_check.semantics``, ``model_check.hb``). Off by default: each step
+then costs one ``is None`` test more (one per copied tensor in ``copy_rows``), nothing else.
+
 Importing this module needs no GPU (nothing touches ``torch.cuda`` until a backend is built).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from rowcache.backends.base import RINGS
-from rowcache.sources import ExpertSources, SlotBuffers
+from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "CudaCall"]
 
 EVENTS = ("release", "ready")
+HOST = -1
+"""``CudaCall.stream`` of a call that enqueues nothing (a host write, a device-wide sync)."""
+
+
+class CudaCall(NamedTuple):
+    """One call the CUDA backend made, as its call log records it.
+
+    ``kind`` is one of:
+      ``record``  ``event.record(stream)`` of the event ``name`` (``release``, ``ready``)
+      ``wait``    ``stream.wait_event(event)`` of the event ``name``
+      ``copy``    one non-blocking host-to-device copy of source tensor ``name`` (one of
+                  ``rowcache.sources.SOURCE_NAMES``), rows of ``expert`` into ``slot``
+      ``stage``   host write of staging buffer ``buffer`` of ring ``name`` (``ring_size``
+                  buffers after the choice: a fresh buffer is the last one)
+      ``upload``  non-blocking copy of staging buffer ``buffer`` into ring ``name``'s map
+      ``reuse``   the reuse event of staging buffer ``buffer`` of ring ``name`` recorded
+      ``sync``    host synchronization (``name`` is the table's role, ``all`` for the device)
+    ``stream`` is the ``cuda_stream`` handle of the stream the call was issued on, ``HOST``
+    (-1) for host writes and device-wide synchronization.
+    """
+
+    kind: str
+    stream: int
+    name: str
+    expert: int = -1
+    slot: int = -1
+    buffer: int = -1
+    ring_size: int = 0
 
 
 class _Ring:
@@ -65,7 +101,9 @@ class _Ring:
 class CudaBackend:
     """Stream/event implementation of the table's steps on one CUDA device."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(
+        self, device: torch.device | str, *, call_log: list[CudaCall] | None = None
+    ) -> None:
         target = torch.device(device)
         if target.type != "cuda":
             raise ValueError(f"CudaBackend needs a cuda device, got {target}")
@@ -77,14 +115,15 @@ class CudaBackend:
             name: torch.cuda.Event()  # type: ignore[no-untyped-call]
             for name in EVENTS
         }
-        self._pairs: list[tuple[Tensor, Tensor]] = []
+        self._pairs: list[tuple[Tensor, Tensor, str]] = []
         self._maps: dict[str, Tensor] = {}
         self._rings: dict[str, _Ring] = {}
+        self._log = call_log
 
     def bind(self, sources: ExpertSources, slots: SlotBuffers) -> None:
         self._pairs = [
-            (buf, src)
-            for buf, src in zip(slots.tensors(), sources.tensors(), strict=True)
+            (buf, src, name)
+            for buf, src, name in zip(slots.tensors(), sources.tensors(), SOURCE_NAMES, strict=True)
             if buf is not None and src is not None
         ]
         num_experts = sources.num_experts
@@ -116,14 +155,23 @@ class CudaBackend:
     def copy_stream(self) -> torch.cuda.Stream:
         return self._copy_stream
 
+    @property
+    def call_log(self) -> list[CudaCall] | None:
+        """The list the backend appends a ``CudaCall`` to for every call (None: not logging)."""
+        return self._log
+
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self._device)
 
     def record_event(self, stream: torch.cuda.Stream, event: str) -> None:
         self._events[event].record(stream)
+        if self._log is not None:
+            self._log.append(CudaCall("record", stream.cuda_stream, event))
 
     def wait_event(self, stream: torch.cuda.Stream, event: str) -> None:
         stream.wait_event(self._events[event])
+        if self._log is not None:
+            self._log.append(CudaCall("wait", stream.cuda_stream, event))
 
     def wait_flag(self, stream: torch.cuda.Stream, event: str) -> None:
         raise NotImplementedError(
@@ -133,29 +181,45 @@ class CudaBackend:
 
     def copy_rows(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> None:
         pairs = self._pairs
+        log = self._log
         with torch.cuda.stream(stream):
             for expert, slot in copies:
-                for buf, src in pairs:
+                for buf, src, name in pairs:
                     buf[slot].copy_(src[expert], non_blocking=True)
+                    if log is not None:
+                        issued = torch.cuda.current_stream(self._device).cuda_stream
+                        log.append(CudaCall("copy", issued, name, expert, slot))
 
     def write_staging(self, ring: str, content: Sequence[int]) -> None:
-        buffer = self._rings[ring].choose()
+        staging = self._rings[ring]
+        buffer = staging.choose()
         buffer.copy_(torch.tensor(content, dtype=torch.int32))
+        if self._log is not None:
+            self._log.append(
+                CudaCall("stage", HOST, ring, buffer=staging.chosen, ring_size=len(staging.buffers))
+            )
 
     def upload_map(self, stream: torch.cuda.Stream, ring: str) -> None:
         staging = self._rings[ring]
         with torch.cuda.stream(stream):
             self._maps[ring].copy_(staging.buffers[staging.chosen], non_blocking=True)
+            if self._log is not None:
+                issued = torch.cuda.current_stream(self._device).cuda_stream
+                self._log.append(CudaCall("upload", issued, ring, buffer=staging.chosen))
 
     def release_staging(self, stream: torch.cuda.Stream, ring: str) -> None:
         staging = self._rings[ring]
         staging.events[staging.chosen].record(stream)
+        if self._log is not None:
+            self._log.append(CudaCall("reuse", stream.cuda_stream, ring, buffer=staging.chosen))
 
     def host_sync(self, stream: torch.cuda.Stream | None, role: str) -> None:
         if stream is None:
             torch.cuda.synchronize(self._device)
         else:
             stream.synchronize()
+        if self._log is not None:
+            self._log.append(CudaCall("sync", HOST if stream is None else stream.cuda_stream, role))
 
     def staging_buffers(self) -> dict[str, int]:
         """How many pinned staging buffers each ring holds (for stats and tests)."""

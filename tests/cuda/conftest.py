@@ -1,0 +1,35 @@
+"""tests/cuda: the GPU conformance suite. Without a CUDA device every test here is skipped,
+with the reason, except those marked ``nogpu`` (checks of the suite's own machinery)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+for path in (HERE, HERE.parent):  # this folder's helpers; tests/sanitizer_oracle.py
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from cuda_support import NO_CUDA_REASON  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "gpu_mutant: the real CUDA provider running a mutant schedule; passes when the race "
+        "fixtures detect the mutant",
+    )
+    config.addinivalue_line("markers", "nogpu: a tests/cuda check that needs no GPU")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=NO_CUDA_REASON)
+    for item in items:
+        if HERE in item.path.parents and "nogpu" not in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,74 @@
+"""Test-only switch: the real CUDA provider running schedules generated from a mutated table.
+
+``model_check.mutants.mutant(name).apply(load_table())`` changes the table;
+``model_check.codegen.generate`` turns it into schedule source exactly as it does for the
+shipped ``rowcache/schedules/_generated.py``; the module is compiled in memory and installed on
+one provider instance (its ``_run_prepare`` / ``_run_invalidate`` attributes, which exist for
+this). Nothing here is importable from the ``rowcache`` package, and no mutant is ever written
+to disk.
+
+Which mutants run on the GPU: those that change a schedule (a step or the owner update). The
+others change a reference function of the host bookkeeping (guard, effect, pre-guard), which
+the provider implements by hand, not from the table: ``tests/test_conformance.py`` catches
+those on the CPU. ``NOT_ON_GPU`` names the schedule mutants the CUDA backend cannot run.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from model_check import codegen
+from model_check.mutants import MUTANTS, mutant
+from model_check.table import Step, Table, load_table
+from rowcache import RowCacheWeightProvider
+
+NOT_ON_GPU: dict[str, str] = {
+    "wait_for_latest_record": "uses wait_flag, a wait on an event's future record: CUDA has no "
+    "such call, and CudaBackend.wait_flag raises (the explicit model kills it as a deadlock)",
+}
+
+REQUIRED = ("no_release_wait", "no_ready_wait", "resident_map_on_current_first")
+"""The mutants issue 6 names; each must be detected on the GPU."""
+
+
+def _schedule(table: Table) -> tuple[tuple[str, tuple[Step, ...], str], ...]:
+    return tuple((op.name, op.steps, op.set_owner) for op in table.operations)
+
+
+def schedule_mutants() -> tuple[str, ...]:
+    """Every catalogued mutant that changes a generated schedule (NOT_ON_GPU excluded)."""
+    table = load_table()
+    base = _schedule(table)
+    return tuple(
+        m.name for m in MUTANTS if _schedule(m.apply(table)) != base and m.name not in NOT_ON_GPU
+    )
+
+
+def host_mutants() -> tuple[str, ...]:
+    """Mutants of the host bookkeeping only (their generated schedules are the real ones)."""
+    table = load_table()
+    base = _schedule(table)
+    return tuple(m.name for m in MUTANTS if _schedule(m.apply(table)) == base)
+
+
+def schedules_for(name: str) -> types.ModuleType:
+    """The schedules codegen writes for mutant ``name``'s table, as an in-memory module."""
+    table = mutant(name).apply(load_table())
+    module = types.ModuleType(f"mutant_schedules_{name}")
+    source = codegen.generate(table)
+    exec(compile(source, f"<schedules of mutant {name}>", "exec"), module.__dict__)
+    return module
+
+
+def install(provider: RowCacheWeightProvider, name: str) -> RowCacheWeightProvider:
+    """Make ``provider`` run mutant ``name``'s schedules from now on."""
+    module = schedules_for(name)
+    provider._run_prepare = module.run_prepare
+    provider._run_invalidate = module.run_invalidate
+    return provider
+
+
+def mutant_provider(name: str, *args: Any, **kwargs: Any) -> RowCacheWeightProvider:
+    """``RowCacheWeightProvider(*args, **kwargs)`` running mutant ``name``'s schedules."""
+    return install(RowCacheWeightProvider(*args, **kwargs), name)

@@ -1,0 +1,51 @@
+"""GPU mutants: the real CUDA provider running schedules generated from mutated tables.
+
+Every mutant of ``model_check.mutants`` that changes a schedule runs through every race
+fixture on the GPU, and each must be detected there: a wrong read, a wrong map, or a host
+block. These tests pass when the mutant is caught; they show that the race fixtures can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+from cuda_support import ExpertData
+from mutant_provider import NOT_ON_GPU, REQUIRED, host_mutants, install, schedule_mutants
+from race_fixtures import FIXTURES, Report, save
+
+from model_check.mutants import MUTANTS
+from rowcache import RowCacheWeightProvider
+
+EXPECTED = {
+    "no_release_wait": "wrong_read",  # a slot is refilled under a running reader
+    "no_ready_wait": "wrong_read",  # the next forward reads slots before their copies land
+    "resident_map_on_current_first": "wrong_map",  # an older map upload lands last
+}
+
+
+@pytest.mark.nogpu
+def test_the_required_mutants_run_on_the_gpu() -> None:
+    gpu = set(schedule_mutants())
+    assert set(REQUIRED) <= gpu
+    assert set(EXPECTED) == set(REQUIRED)
+    # Every catalogued mutant is accounted for: on the GPU, host-only (CPU tests), or excluded
+    # with a reason.
+    accounted = gpu | set(host_mutants()) | set(NOT_ON_GPU)
+    assert accounted == {m.name for m in MUTANTS}
+
+
+@pytest.mark.gpu_mutant
+@pytest.mark.parametrize("name", schedule_mutants())
+def test_gpu_mutant_is_detected(name: str) -> None:
+    def make(data: ExpertData, capacity: int) -> RowCacheWeightProvider:
+        return install(data.provider(capacity), name)
+
+    reports: list[Report] = [fixture(make) for fixture in FIXTURES.values()]
+    save(name, reports)
+    lines = [f"{r.fixture}: {sorted(r.kinds()) or 'not detected'}" for r in reports]
+    for r in reports:
+        lines += [f"    [{f.kind}] {f.detail}" for f in r.findings[:3]]
+    print(f"mutant {name}\n  " + "\n  ".join(lines))
+    kinds = set().union(*(r.kinds() for r in reports))
+    assert kinds, f"mutant {name} went undetected by every race fixture"
+    if name in EXPECTED:
+        assert EXPECTED[name] in kinds, f"mutant {name}: expected a {EXPECTED[name]}, got {kinds}"
