@@ -24,6 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "fixtures detect the mutant",
     )
     config.addinivalue_line("markers", "nogpu: a tests/cuda check that needs no GPU")
+    config.addinivalue_line(
+        "markers",
+        "csan_subprocess: runs its own stream-sanitizer subprocess (redundant in the "
+        "TORCH_CUDA_SANITIZER=1 pass)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

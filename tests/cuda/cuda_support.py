@@ -109,15 +109,27 @@ class ExpertData:
     def mismatches(
         self, label: str, snapshot: Sequence[Tensor], pairs: Sequence[tuple[int, int]]
     ) -> list[str]:
-        """Every (tensor, slot) of ``pairs`` whose bytes in ``snapshot`` are not its expert's."""
+        """Every (tensor, slot) of ``pairs`` whose bytes in ``snapshot`` are not its expert's.
+
+        Reads on the current stream, then synchronizes the device: these are host-side checks,
+        and the stream sanitizer must see them ordered before any later provider call."""
         out = []
+        if pairs:
+            experts = torch.tensor([e for e, _ in pairs], device="cuda")
+            slots = torch.tensor([s for _, s in pairs], device="cuda")
         for name, tensor in zip(SOURCE_NAMES, snapshot, strict=False):
+            if not pairs:
+                break
+            got, want = tensor.index_select(0, slots), self.device[name].index_select(0, experts)
+            if torch.equal(raw(got), raw(want)):
+                continue
             for expert, slot in pairs:
                 if not torch.equal(raw(tensor[slot]), raw(self.device[name][expert])):
                     out.append(
                         f"{label}: {name}[slot {slot}] should hold expert {expert}, "
                         f"holds {self.holder(name, tensor[slot])}"
                     )
+        torch.cuda.synchronize()
         return out
 
 
@@ -157,7 +169,7 @@ def idle_mismatches(label: str, p: RowCacheWeightProvider, data: ExpertData) -> 
     if device_map != list(p.slot_of()):
         out.append(f"{label}: device resident map {device_map} != host mirror {list(p.slot_of())}")
     pairs = sorted(p.resident_experts().items())
-    out += data.mismatches(f"{label} (idle slots)", slot_tensors(p), pairs)
+    out += data.mismatches(f"{label} (idle slots)", slot_tensors(p), pairs)  # ends synchronized
     return out
 
 
@@ -275,8 +287,8 @@ class Launched:
         return float(self.start.elapsed_time(self.done))
 
     def mismatches(self, data: ExpertData) -> list[str]:
-        out = data.mismatches(self.label, self.snapshot, self.pairs)
         forward, resident = self.snapshot[6].tolist(), self.snapshot[7].tolist()
+        out = data.mismatches(self.label, self.snapshot, self.pairs)  # ends synchronized
         if forward != self.forward:
             out.append(f"{self.label}: read forward map {forward}, expected {self.forward}")
         if resident != self.resident:

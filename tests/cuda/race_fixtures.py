@@ -69,6 +69,7 @@ class Finding:
 class Report:
     fixture: str
     findings: list[Finding] = field(default_factory=list)
+    inconclusive: str = ""  # set (by the mutant tests) when the fixture proved nothing
     calls: list[tuple[str, float]] = field(default_factory=list)  # (call, host ms)
     readers: list[tuple[str, float]] = field(default_factory=list)  # (reader, GPU ms)
 
@@ -79,6 +80,7 @@ class Report:
         return {
             "fixture": self.fixture,
             "findings": [[f.kind, f.detail] for f in self.findings],
+            "inconclusive": self.inconclusive,
             "calls_host_ms": self.calls,
             "readers_gpu_ms": self.readers,
         }
@@ -172,6 +174,12 @@ class Bench:
         fn: Callable[..., object],
         *args: object,
     ) -> None:
+        for pending in watch:
+            if pending.done.query():  # type: ignore[no-untyped-call]
+                raise Inconclusive(
+                    f"{self.report.fixture}: {pending.label} finished before {label} was made "
+                    f"(it took {pending.gpu_ms():.1f} ms of GPU time): the fixture proves nothing"
+                )
         with torch.cuda.stream(stream):
             start = time.perf_counter()
             fn(*args)
@@ -297,7 +305,12 @@ def forward_staging_under_busy_stream(make: Factory) -> Report:
     busy = b.busy(b.capture, SLEEP_MS)
     b.prepare(b.capture, 2, watch=(busy,))  # its forward-map upload waits behind the busy work
     b.read("r2", b.capture)
-    b.copy_stream.synchronize()  # the copy stream is idle: it never waits on the busy stream
+    # Let the copy stream drain: it does not wait on the busy stream (when a mutant makes it
+    # wait, the busy work finishes first and the next call reports the fixture inconclusive).
+    drained = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    drained.record(b.copy_stream)
+    while not drained.query() and not busy.done.query():  # type: ignore[no-untyped-call]
+        time.sleep(50e-6)
     b.prepare(b.capture, 3, watch=(busy,))
     b.read("r3", b.capture)
     return b.finish()
@@ -348,6 +361,8 @@ def save(name: str, reports: list[Report]) -> None:
     folder = os.environ.get("ROWCACHE_CONFORMANCE_LOGS")
     if not folder:
         return
+    if sanitizer_enabled():
+        name += " (sanitizer pass)"
     path = Path(folder) / "fixtures.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:

@@ -54,6 +54,7 @@ E = 6
 STREAMS = 3
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
 DELAYS_MS = (0.0, 0.005, 0.05, 0.5, 3.0)
+ACTIONS = ("prepare",) * 8 + ("read",) * 6 + ("invalidate",) * 3 + ("synchronize",) * 1
 
 SETTINGS = settings(
     max_examples=EXAMPLES,
@@ -135,16 +136,31 @@ class CudaMachine(RuleBasedStateMachine):
         assert not wrong, "\n".join(wrong)
         self.reads = []
 
-    # -- rules ------------------------------------------------------------------------
+    # -- one rule, drawing a weighted action (prepare and read most often) ----------------
 
     @precondition(lambda self: self.p is not None)
-    @rule(
-        experts=st.lists(st.integers(0, E - 1), unique=True, min_size=1, max_size=E),
-        stream=st.integers(0, STREAMS - 1),
-        busy=st.sampled_from(DELAYS_MS),
-    )
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        action = data.draw(st.sampled_from(ACTIONS), label="action")
+        if action == "read" and self.provider.forward_pairs is None:
+            action = "prepare"
+        if action == "prepare":
+            experts = data.draw(
+                st.lists(st.integers(0, E - 1), unique=True, min_size=1, max_size=self.capacity),
+                label="experts",
+            )
+            stream = data.draw(st.integers(0, STREAMS - 1), label="stream")
+            self.prepare(experts, stream, data.draw(st.sampled_from(DELAYS_MS), label="busy"))
+        elif action == "invalidate":
+            expert = data.draw(st.integers(0, E - 1), label="expert")
+            stream = data.draw(st.integers(0, STREAMS - 1), label="stream")
+            self.invalidate(expert, stream, data.draw(st.sampled_from(DELAYS_MS), label="busy"))
+        elif action == "read":
+            self.read(data.draw(st.sampled_from(DELAYS_MS), label="delay"))
+        else:
+            self.synchronize()
+
     def prepare(self, experts: list[int], stream: int, busy: float) -> None:
-        experts = experts[: self.capacity]
         with torch.cuda.stream(self.streams[stream]):
             if busy:
                 gpu_sleep(self.cycles[busy])  # unrelated work ahead of the call
@@ -152,12 +168,6 @@ class CudaMachine(RuleBasedStateMachine):
         RUNS["prepares"] += 1
         self.compare("prepare", (tuple(sorted(experts)),), stream)
 
-    @precondition(lambda self: self.p is not None)
-    @rule(
-        expert=st.integers(0, E - 1),
-        stream=st.integers(0, STREAMS - 1),
-        busy=st.sampled_from(DELAYS_MS),
-    )
     def invalidate(self, expert: int, stream: int, busy: float) -> None:
         with torch.cuda.stream(self.streams[stream]):
             if busy:
@@ -166,9 +176,8 @@ class CudaMachine(RuleBasedStateMachine):
         RUNS["invalidates"] += 1
         self.compare("invalidate", (expert,), stream)
 
-    @precondition(lambda self: self.p is not None and self.p.forward_pairs is not None)
-    @rule(delay=st.sampled_from(DELAYS_MS))
     def read(self, delay: float) -> None:
+        """A consumer read on the owner stream: spin ``delay``, then snapshot."""
         p = self.provider
         owner = p.owner
         assert owner is not None
@@ -183,8 +192,6 @@ class CudaMachine(RuleBasedStateMachine):
         assert [line] == expected, f"read: {line}, table {expected}"
         self.lines.append(line)
 
-    @precondition(lambda self: self.p is not None)
-    @rule()
     def synchronize(self) -> None:
         torch.cuda.synchronize()
         RUNS["syncs"] += 1

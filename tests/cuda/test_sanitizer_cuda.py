@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.csan_subprocess]
 
 ROOT = Path(__file__).resolve().parents[2]
 
