@@ -13,11 +13,10 @@ exhaustive bounds, at the price of not covering everything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from model_check.core import Outcome, Violation
 from model_check.hb import (
@@ -65,10 +64,6 @@ def machine_for(
             super().__init__()
             self.state: State = initial_state(bounds)
             self.hb: HbState | None = initial_hb_state(bounds) if lockstep else None
-
-        @initialize()
-        def start(self) -> None:
-            pass
 
         def _check(self, outcome: Outcome[Any]) -> None:
             found = outcome.violation
@@ -218,6 +213,3 @@ def run_machine(
     except PropertyViolated as found:
         return found.violation
     return None
-
-
-MachineFactory = Callable[[Table, Bounds], type[RuleBasedStateMachine]]
