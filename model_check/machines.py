@@ -52,7 +52,11 @@ def machine_for(
     """A state machine class over `table` (a mutant's table makes it fail)."""
     n = bounds.num_experts
     streams = st.integers(0, bounds.consumer_streams - 1)
-    id_sets = st.lists(st.integers(-1, n), min_size=0, max_size=bounds.capacity + 1).map(tuple)
+    valid = st.sets(st.integers(0, n - 1), max_size=bounds.capacity).map(
+        lambda ids: tuple(sorted(ids))
+    )
+    anything = st.lists(st.integers(-1, n), max_size=bounds.capacity + 1).map(tuple)
+    id_sets = st.one_of(valid, valid, valid, anything)  # mostly accepted calls, some bad ones
     places = Places(bounds)
     live = live_places(table, places)
     keep_reads = any(
