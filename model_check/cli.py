@@ -362,15 +362,26 @@ def cmd_diagram(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model_check", description=__doc__)
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--examples", type=int, default=300, help="hypothesis examples")
-    parser.add_argument("--steps", type=int, default=30, help="hypothesis steps per example")
+def build_parser() -> argparse.ArgumentParser:
+    # The common options are accepted before or after the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+    common.add_argument(
+        "--examples", type=int, default=argparse.SUPPRESS, help="hypothesis examples (300)"
+    )
+    common.add_argument(
+        "--steps", type=int, default=argparse.SUPPRESS, help="hypothesis steps per example (30)"
+    )
+    parser = argparse.ArgumentParser(
+        prog="python -m model_check", description=__doc__, parents=[common]
+    )
+    parser.set_defaults(json=False, examples=300, steps=30)
     sub = parser.add_subparsers(dest="command")
-    check = sub.add_parser("check", help="model-check the table (the default)")
+    check = sub.add_parser("check", parents=[common], help="model-check the table (the default)")
     check.add_argument("--write-manifest", action="store_true", help="re-pin the state counts")
-    muts = sub.add_parser("mutants", help="print the kill matrix")
+    muts = sub.add_parser("mutants", parents=[common], help="print the kill matrix")
     muts.add_argument("--no-z3", action="store_true", help="skip the z3 column")
     explain = sub.add_parser("explain", help="shortest counterexample of a mutant")
     explain.add_argument("mutant", choices=[m.name for m in MUTANTS])
@@ -378,7 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     explain.add_argument("--depth", type=int, default=4)
     diagram = sub.add_parser("diagram", help="render the transition table")
     diagram.add_argument("--out", help="write the diagram as .svg or .png")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command in (None, "check"):
         if args.command is None:
             args.write_manifest = False

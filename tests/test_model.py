@@ -189,3 +189,17 @@ def test_summary_and_explicit_model_agree_on_a_hand_made_bug() -> None:
 def test_step_describe_is_readable() -> None:
     step = Step(kind="wait_event", stream="copy", event="release")
     assert step.describe() == "wait_event on copy event=release"
+
+
+def test_cli_takes_common_options_on_either_side_and_draws_the_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from model_check.cli import build_parser, main
+
+    parser = build_parser()
+    after = parser.parse_args(["mutants", "--json", "--examples", "5"])
+    before = parser.parse_args(["--json", "mutants"])
+    assert after.json and before.json and after.examples == 5 and before.examples == 300
+    assert not parser.parse_args(["check"]).json
+    assert main(["diagram"]) == 0
+    assert "prepare(ids)" in capsys.readouterr().out
