@@ -377,7 +377,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m model_check", description=__doc__, parents=[common]
     )
-    parser.set_defaults(json=False, examples=300, steps=30)
     sub = parser.add_subparsers(dest="command")
     check = sub.add_parser("check", parents=[common], help="model-check the table (the default)")
     check.add_argument("--write-manifest", action="store_true", help="re-pin the state counts")
@@ -392,8 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+COMMON_DEFAULTS = {"json": False, "examples": 300, "steps": 30}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    # Defaults are filled here, not on the parsers: their option objects are shared through
+    # `parents`, so a parser-level default would override a value given before the command.
+    for name, value in COMMON_DEFAULTS.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.command in (None, "check"):
         if args.command is None:
             args.write_manifest = False

@@ -194,12 +194,11 @@ def test_step_describe_is_readable() -> None:
 def test_cli_takes_common_options_on_either_side_and_draws_the_table(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from model_check.cli import build_parser, main
+    from model_check.cli import main, parse_args
 
-    parser = build_parser()
-    after = parser.parse_args(["mutants", "--json", "--examples", "5"])
-    before = parser.parse_args(["--json", "mutants"])
+    after = parse_args(["mutants", "--json", "--examples", "5"])
+    before = parse_args(["--json", "mutants"])
     assert after.json and before.json and after.examples == 5 and before.examples == 300
-    assert not parser.parse_args(["check"]).json
+    assert not parse_args(["check"]).json
     assert main(["diagram"]) == 0
     assert "prepare(ids)" in capsys.readouterr().out
