@@ -1,0 +1,172 @@
+"""The knob that turns the expert cache on in vLLM, parsed without vLLM.
+
+Two sources, in order of precedence:
+
+1. ``--additional-config '{"rowcache": {...}}'`` (vLLM's ``VllmConfig.additional_config``),
+2. the environment: ``ROWCACHE_MOE_EXPERT_CACHE_SIZE``, ``ROWCACHE_MOE_EXPERT_CACHE_PROVIDER``,
+   ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``.
+
+Each key is taken from the first source that sets it, so an environment default can be
+overridden key by key on the command line. A size of 0 (or no size at all) means the cache is
+off. ``moe_eager_between_graphs`` (env ``ROWCACHE_MOE_EAGER_BETWEEN_GRAPHS``) runs vLLM's own
+MoE op eagerly between captured graph pieces with every expert on the GPU: the baseline a cache
+run is compared with, and the mode the cache itself needs.
+
+Every rejection is a ``KnobError`` naming the key, the value and what is allowed, raised while
+vLLM builds its configuration, so a bad value stops the engine before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from rowcache.errors import InvalidInputError
+from rowcache.types import Split
+
+__all__ = [
+    "CONFIG_SECTION",
+    "ENV",
+    "PROVIDERS",
+    "SPLITS",
+    "CacheSettings",
+    "KnobError",
+    "ProviderName",
+    "parse_settings",
+]
+
+ProviderName: TypeAlias = Literal["row", "cached"]
+
+CONFIG_SECTION = "rowcache"
+SIZE = "moe_expert_cache_size"
+PROVIDER = "moe_expert_cache_provider"
+SPLIT = "moe_expert_cache_split"
+EAGER = "moe_eager_between_graphs"
+KEYS = (SIZE, PROVIDER, SPLIT, EAGER)
+ENV = {key: "ROWCACHE_" + key.upper() for key in KEYS}
+PROVIDERS: tuple[ProviderName, ...] = ("row", "cached")
+SPLITS: tuple[Split, ...] = ("token", "expert")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class KnobError(InvalidInputError):
+    """A knob value that cannot be used; the message names key, value and allowed values."""
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """What the knob asks for. ``size`` is the number of GPU slots per MoE layer (0: off)."""
+
+    size: int = 0
+    provider: ProviderName = "row"
+    split: Split = "token"
+    eager_between_graphs: bool = False
+
+    @property
+    def cache_on(self) -> bool:
+        return self.size > 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the plugin changes anything in vLLM (cache on, or the eager MoE baseline)."""
+        return self.cache_on or self.eager_between_graphs
+
+    def describe(self) -> str:
+        if not self.cache_on:
+            return "expert cache off, MoE op eager between graph pieces"
+        return f"{self.size} slots per MoE layer, provider {self.provider!r}, split {self.split!r}"
+
+
+def _where(key: str, from_config: bool) -> str:
+    if from_config:
+        return f"additional_config[{CONFIG_SECTION!r}][{key!r}]"
+    return f"environment variable {ENV[key]}"
+
+
+def _size(value: object, where: str) -> int:
+    if isinstance(value, bool):
+        raise KnobError(f"{where}: {value!r} is not a slot count; allowed: an integer >= 0")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        number = int(value.strip())
+    elif isinstance(value, str) and value.strip() == "":
+        number = 0
+    else:
+        raise KnobError(f"{where}: {value!r} is not a slot count; allowed: an integer >= 0")
+    if number < 0:
+        raise KnobError(f"{where}: {value!r} is negative; allowed: an integer >= 0 (0 = off)")
+    return number
+
+
+def _choice(value: object, where: str, allowed: tuple[str, ...]) -> str:
+    text = value.strip().lower() if isinstance(value, str) else value
+    for option in allowed:
+        if text == option:
+            return option
+    raise KnobError(f"{where}: {value!r} is not allowed; allowed values: {', '.join(allowed)}")
+
+
+def _flag(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise KnobError(f"{where}: {value!r} is not a boolean; allowed values: true, false")
+
+
+def _section(additional_config: object) -> Mapping[str, object]:
+    if additional_config is None:
+        return {}
+    if not isinstance(additional_config, Mapping):
+        # vLLM also accepts an object with compute_hash(); it cannot carry our section.
+        return {}
+    section = additional_config.get(CONFIG_SECTION)
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise KnobError(
+            f"additional_config[{CONFIG_SECTION!r}]: {section!r} is not an object; allowed: "
+            f'{{"{SIZE}": N, "{PROVIDER}": "row"|"cached", "{SPLIT}": "token"|"expert"}}'
+        )
+    unknown = sorted(str(k) for k in section if k not in KEYS)
+    if unknown:
+        raise KnobError(
+            f"additional_config[{CONFIG_SECTION!r}]: unknown key(s) {', '.join(unknown)}; "
+            f"allowed keys: {', '.join(KEYS)}"
+        )
+    return section
+
+
+def parse_settings(additional_config: object, environ: Mapping[str, str]) -> CacheSettings:
+    """Read the knob from vLLM's ``additional_config`` first, then from ``environ``.
+
+    Values are validated even when the cache ends up off (a typo in the provider name is an
+    error whatever the size), so that a configuration that starts once keeps starting when the
+    size is raised.
+    """
+    section = _section(additional_config)
+
+    def pick(key: str) -> tuple[object, str] | None:
+        if key in section:
+            return section[key], _where(key, True)
+        if ENV[key] in environ:
+            return environ[ENV[key]], _where(key, False)
+        return None
+
+    size = _size(*raw) if (raw := pick(SIZE)) is not None else 0
+    provider = _choice(*raw, PROVIDERS) if (raw := pick(PROVIDER)) is not None else "row"
+    split = _choice(*raw, SPLITS) if (raw := pick(SPLIT)) is not None else "token"
+    eager = _flag(*raw) if (raw := pick(EAGER)) is not None else False
+    return CacheSettings(
+        size=size,
+        provider="cached" if provider == "cached" else "row",
+        split="expert" if split == "expert" else "token",
+        eager_between_graphs=eager,
+    )

@@ -1,0 +1,437 @@
+"""Every vLLM internal the plugin relies on, as data, with a static checker.
+
+vLLM has no stable API for what the plugin does, so each internal name it uses is listed here
+once: the module, the name, why the plugin needs it and what breaks when it moves. The CI test
+(``tests/test_vllm_seams.py``) reads the source of each supported vLLM wheel without installing
+it and checks every row with ``check_seam``.
+
+Name forms:
+
+* ``"name"``: the module defines or assigns ``name`` at top level (def, class, assignment, or
+  an import that re-exports it).
+* ``"Class.attr"``: class ``Class`` (top level of the module) defines ``attr`` in its body
+  (def, assignment, annotated field) or assigns ``self.attr`` in one of its methods.
+* ``"Class.method(a, b)"``: ``Class`` defines ``method`` and it takes parameters ``a`` and
+  ``b`` by those names (among others).
+* ``"op:name"``: the module registers a custom op named ``name`` (a call with the keyword
+  ``op_name="name"``).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+__all__ = ["SEAMS", "SUPPORTED_VLLM", "Seam", "check_seam", "check_source"]
+
+SUPPORTED_VLLM = ("0.25.0", "0.33.0")
+"""The vLLM releases whose source the seams test checks."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    module: str
+    name: str
+    why: str
+    breaks: str
+
+
+_MOE = "vllm.model_executor.layers.fused_moe"
+_METHOD = f"{_MOE}.unquantized_fused_moe_method"
+_CC = "vllm.config.compilation"
+
+SEAMS: tuple[Seam, ...] = (
+    Seam(
+        "vllm.model_executor.custom_op",
+        "CustomOp.register_oot(_decorated_op_cls, name)",
+        "substitutes our MoE method for vLLM's, out of tree",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        "vllm.model_executor.custom_op",
+        "op_registry_oot",
+        "makes registration idempotent and detects another plugin holding the name",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        "vllm.model_executor.custom_op",
+        "CustomOp.__new__",
+        "instantiates the registered out-of-tree class wherever vLLM builds the in-tree one",
+        "the substitution silently stops happening: the knob has no effect",
+    ),
+    Seam(
+        _METHOD,
+        "UnquantizedFusedMoEMethod",
+        "the method we subclass (bf16/fp16 experts)",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        _METHOD,
+        "UnquantizedFusedMoEMethod.create_weights(layer, num_experts, hidden_size, "
+        "intermediate_size_per_partition, params_dtype)",
+        "overridden to allocate w13/w2 in pinned host memory",
+        "expert weights land on the GPU again, or loading fails on a signature mismatch",
+    ),
+    Seam(
+        _METHOD,
+        "UnquantizedFusedMoEMethod.process_weights_after_loading(layer)",
+        "overridden to build the provider after vLLM set up the kernel",
+        "no provider is built: the cache stays off or apply fails",
+    ),
+    Seam(
+        _METHOD,
+        "UnquantizedFusedMoEMethod.apply(layer, x, topk_weights, topk_ids, shared_experts, "
+        "shared_experts_input)",
+        "overridden to route the MoE forward through run_with_expert_cache",
+        "forwards bypass the cache and read the (host) weights directly",
+    ),
+    Seam(
+        _METHOD,
+        "UnquantizedFusedMoEMethod.unquantized_backend",
+        "the cache serves the Triton backend only; other backends re-layout weights",
+        "an unsupported backend is not rejected",
+    ),
+    Seam(
+        f"{_MOE}.fused_moe_method_base",
+        "FusedMoEMethodBase.moe_kernel",
+        "the modular kernel apply() calls with the provider's slots and expert_map",
+        "cached forwards cannot run",
+    ),
+    Seam(
+        f"{_MOE}.fused_moe_method_base",
+        "FusedMoEMethodBase.moe",
+        "FusedMoEConfig of the layer: top_k, experts, bias, gating",
+        "the size and layer guards cannot run",
+    ),
+    Seam(
+        f"{_MOE}.modular_kernel",
+        "FusedMoEKernel.apply(hidden_states, w1, w2, topk_weights, topk_ids, activation, "
+        "global_num_experts, expert_map, apply_router_weight_on_input, shared_experts, "
+        "shared_experts_input)",
+        "runs one chunk or group of a cached forward over the slot buffers",
+        "cached forwards fail with a TypeError",
+    ),
+    Seam(
+        f"{_MOE}.config",
+        "FusedMoEConfig.experts_per_token",
+        "guard: size must be at least top_k",
+        "the guard fails with AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.config",
+        "FusedMoEConfig.num_local_experts",
+        "slots are clamped to the layer's experts",
+        "the clamp fails with AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.config",
+        "FusedMoEConfig.has_bias",
+        "guard: expert biases are not cached",
+        "the guard fails with AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.config",
+        "FusedMoEConfig.is_act_and_mul",
+        "w13 holds two projections (gate and up) or one",
+        "create_weights allocates the wrong w13 shape",
+    ),
+    Seam(
+        f"{_MOE}.oracle.unquantized",
+        "UnquantizedMoeBackend",
+        "UnquantizedMoeBackend.TRITON is the backend the cache serves",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        f"{_MOE}.routed_experts",
+        "RoutedExperts.activation",
+        "passed to the kernel by the cached apply",
+        "cached forwards fail with AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.routed_experts",
+        "RoutedExperts.global_num_experts",
+        "passed to the kernel with the provider's expert_map",
+        "cached forwards fail with AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.routed_experts",
+        "RoutedExperts.apply_router_weight_on_input",
+        "passed to the kernel by the cached apply",
+        "cached forwards fail with AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.runner.moe_runner",
+        "op:moe_forward",
+        "made a splitting op so the MoE layer runs eagerly between captured pieces",
+        "the host-planned forward is captured into a graph (the apply guard then raises)",
+    ),
+    Seam(
+        f"{_MOE}.runner.moe_runner",
+        "op:moe_forward_shared",
+        "the same op for models with shared experts",
+        "the host-planned forward is captured into a graph (the apply guard then raises)",
+    ),
+    Seam(
+        "vllm.model_executor.utils",
+        "set_weight_attrs",
+        "gives the host-backed parameters vLLM's weight_loader",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        "vllm.utils.torch_utils",
+        "get_accelerator_view_from_cpu_tensor",
+        "a device view of the pinned host weights, which vLLM's post-load processing leaves "
+        "in place (it moves CPU parameters to the GPU)",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "VllmConfig.__post_init__",
+        "wrapped: knob validation and guards before vLLM's checks, graph mode after",
+        "bad knob values and unsupported setups are no longer rejected at start-up, and "
+        "graphs are not made piecewise",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "VllmConfig.additional_config",
+        "the first source of the knob (--additional-config)",
+        "the knob is read from the environment only",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "VllmConfig.parallel_config",
+        "guards: expert and data parallelism",
+        "the guards fail with AttributeError",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "VllmConfig.lora_config",
+        "guard: LoRA",
+        "LoRA is not rejected",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "VllmConfig.model_config",
+        "guard: quantization",
+        "quantized models are not rejected",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "VllmConfig.compilation_config",
+        "graph mode and splitting ops",
+        "graphs are not made piecewise",
+    ),
+    Seam(
+        "vllm.config.vllm",
+        "get_current_vllm_config",
+        "each MoE method reads the knob of the engine that builds it",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        "vllm.config.parallel",
+        "ParallelConfig.enable_expert_parallel",
+        "guard: expert parallelism",
+        "expert parallelism is not rejected",
+    ),
+    Seam(
+        "vllm.config.parallel",
+        "ParallelConfig.data_parallel_size",
+        "guard: data parallelism",
+        "data parallelism is not rejected",
+    ),
+    Seam(
+        "vllm.config.model",
+        "ModelConfig.quantization",
+        "guard: quantized MoE methods",
+        "quantized models are not rejected",
+    ),
+    Seam(
+        _CC,
+        "CompilationConfig.splitting_ops",
+        "the MoE ops are appended to the splitting ops",
+        "the MoE op is captured into graphs",
+    ),
+    Seam(
+        _CC,
+        "CompilationConfig.cudagraph_mode",
+        "full graphs are lowered to piecewise ones",
+        "full graphs freeze one step's expert plan",
+    ),
+    Seam(
+        _CC,
+        "CompilationConfig.mode",
+        "piecewise graphs need torch.compile (VLLM_COMPILE)",
+        "graph mode lowering fails",
+    ),
+    Seam(
+        _CC,
+        "CompilationConfig.max_cudagraph_capture_size",
+        "rows of each layer's capture-stable output buffer",
+        "the MoE output is not capture-stable: wrong tokens in piecewise mode",
+    ),
+    Seam(
+        _CC,
+        "CompilationMode.VLLM_COMPILE",
+        "the compilation mode with piecewise graphs",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        _CC,
+        "CUDAGraphMode.PIECEWISE",
+        "the graph mode the cache runs in",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        _CC,
+        "CUDAGraphMode.NONE",
+        "no graphs (eager, or no torch.compile)",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        _CC,
+        "CUDAGraphMode.has_full_cudagraphs()",
+        "finds the modes that must be lowered",
+        "full graphs are not lowered",
+    ),
+    Seam(
+        "vllm.compilation.cuda_graph",
+        "CUDAGraphWrapper.__call__",
+        "replays captured pieces from their capture-time input addresses: the reason the MoE "
+        "output must live in a capture-stable buffer",
+        "if replay starts copying inputs, the stable buffer becomes an unneeded copy",
+    ),
+)
+
+
+def _functions(node: ast.ClassDef) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    return {
+        item.name: item
+        for item in node.body
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+
+
+def _top_level_names(tree: ast.Module) -> dict[str, ast.AST]:
+    names: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names[target.id] = node
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            for alias in node.names:
+                names[alias.asname or alias.name.split(".")[0]] = node
+    return names
+
+
+def _class_defines(node: ast.ClassDef, attr: str) -> bool:
+    for item in node.body:
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if item.name == attr:
+                return True
+        elif isinstance(item, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == attr for t in item.targets):
+                return True
+        elif (
+            isinstance(item, ast.AnnAssign)
+            and isinstance(item.target, ast.Name)
+            and item.target.id == attr
+        ):
+            return True
+    for function in _functions(node).values():
+        for sub in ast.walk(function):
+            targets: list[ast.expr] = []
+            if isinstance(sub, ast.Assign):
+                targets = list(sub.targets)
+            elif isinstance(sub, ast.AnnAssign | ast.AugAssign):
+                targets = [sub.target]
+            flat: list[ast.expr] = []
+            while targets:
+                target = targets.pop()
+                if isinstance(target, ast.Tuple | ast.List):
+                    targets.extend(target.elts)
+                else:
+                    flat.append(target)
+            for target in flat:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr == attr
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    return True
+    return False
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    args = function.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    return {a.arg for a in every}
+
+
+def check_seam(seam: Seam, source: str | None) -> str | None:
+    """None when ``source`` (the module's text, None if absent) provides the seam, else why not."""
+    where = f"{seam.module}: {seam.name}"
+    if source is None:
+        return f"{where}: module not found"
+    tree = ast.parse(source)
+    name = seam.name
+    if name.startswith("op:"):
+        op = name[3:]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                for keyword in node.keywords:
+                    value = keyword.value
+                    if (
+                        keyword.arg == "op_name"
+                        and isinstance(value, ast.Constant)
+                        and value.value == op
+                    ):
+                        return None
+        return f"{where}: no custom op registered as {op!r}"
+    params: list[str] = []
+    is_method = name.endswith(")") and "(" in name
+    if is_method:
+        name, _, rest = name.partition("(")
+        params = [p.strip() for p in rest[:-1].split(",") if p.strip()]
+    head, _, attr = name.partition(".")
+    top = _top_level_names(tree)
+    if head not in top:
+        return f"{where}: {head!r} is not defined at the top level of the module"
+    if not attr:
+        return None
+    cls = top[head]
+    if not isinstance(cls, ast.ClassDef):
+        return f"{where}: {head!r} is not a class defined in the module"
+    if not _class_defines(cls, attr):
+        return f"{where}: class {head} does not define {attr!r}"
+    if is_method:
+        function = _functions(cls).get(attr)
+        if function is None:
+            return f"{where}: {head}.{attr} is not a method"
+        missing = [p for p in params if p not in _parameters(function)]
+        if missing:
+            return f"{where}: {head}.{attr} has no parameter(s) {', '.join(missing)}"
+    return None
+
+
+def module_path(module: str) -> tuple[str, str]:
+    """The two file paths a module can have inside a wheel: ``a/b.py`` and ``a/b/__init__.py``."""
+    base = module.replace(".", "/")
+    return f"{base}.py", f"{base}/__init__.py"
+
+
+def check_source(read: dict[str, str]) -> list[str]:
+    """Check every seam against ``read`` (file path in the wheel -> text); the failures."""
+    failures = []
+    for seam in SEAMS:
+        plain, package = module_path(seam.module)
+        source = read.get(plain, read.get(package))
+        problem = check_seam(seam, source)
+        if problem is not None:
+            failures.append(f"{problem} (needed because: {seam.why}; breaks: {seam.breaks})")
+    return failures

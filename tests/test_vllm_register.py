@@ -1,0 +1,309 @@
+"""Plugin registration without vLLM: one warning when vLLM is missing; against a fake vLLM
+(the registry, the config class and the MoE method reduced to what the plugin touches):
+idempotence, the config hook's guards and graph lowering, and no double registration."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import rowcache.vllm as plugin
+from rowcache.vllm.knob import KnobError
+
+FAKE_VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/config/__init__.py": "",
+    "vllm/config/compilation.py": """
+        import enum
+
+        class CompilationMode(enum.IntEnum):
+            NONE = 0
+            VLLM_COMPILE = 3
+
+        class CUDAGraphMode(enum.Enum):
+            NONE = 0
+            PIECEWISE = 1
+            FULL = 2
+            FULL_AND_PIECEWISE = 3
+
+            def has_full_cudagraphs(self):
+                return self in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE)
+        """,
+    "vllm/config/vllm.py": """
+        from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+        POST_INIT_CALLS = []
+
+        class VllmConfig:
+            def __init__(self, additional_config=None, compilation_config=None,
+                         parallel_config=None, lora_config=None, model_config=None):
+                self.additional_config = additional_config or {}
+                self.compilation_config = compilation_config
+                self.parallel_config = parallel_config
+                self.lora_config = lora_config
+                self.model_config = model_config
+                self.__post_init__()
+
+            def __post_init__(self):
+                POST_INIT_CALLS.append(self)
+                cc = self.compilation_config
+                # vLLM fills the default splitting ops and graph mode in its own post-init.
+                if cc.splitting_ops is None:
+                    cc.splitting_ops = ["vllm::unified_attention_with_output"]
+                if cc.cudagraph_mode is None:
+                    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+
+        def get_current_vllm_config():
+            raise RuntimeError("not in an engine")
+        """,
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/custom_op.py": """
+        op_registry_oot = {}
+
+        class CustomOp:
+            @classmethod
+            def register_oot(cls, _decorated_op_cls=None, name=None):
+                reg_name = name if name is not None else cls.__name__
+                assert reg_name not in op_registry_oot, f"Duplicate op name: {reg_name}"
+                _decorated_op_cls.name = reg_name
+                op_registry_oot[reg_name] = _decorated_op_cls
+                return _decorated_op_cls
+        """,
+    "vllm/model_executor/utils.py": """
+        def set_weight_attrs(weight, attrs):
+            for key, value in (attrs or {}).items():
+                setattr(weight, key, value)
+        """,
+    "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/fused_moe/__init__.py": "",
+    "vllm/model_executor/layers/fused_moe/oracle/__init__.py": "",
+    "vllm/model_executor/layers/fused_moe/oracle/unquantized.py": """
+        import enum
+
+        class UnquantizedMoeBackend(enum.Enum):
+            TRITON = "TRITON"
+        """,
+    "vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py": """
+        from vllm.model_executor.custom_op import CustomOp
+
+        class UnquantizedFusedMoEMethod(CustomOp):
+            pass
+        """,
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/torch_utils.py": """
+        def get_accelerator_view_from_cpu_tensor(cpu_tensor):
+            return cpu_tensor
+        """,
+}
+
+
+def _forget_vllm() -> None:
+    for name in list(sys.modules):
+        if name == "vllm" or name.startswith("vllm.") or name == "rowcache.vllm._plugin":
+            del sys.modules[name]
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(plugin._state, "done", False)
+    _forget_vllm()
+    yield
+    _forget_vllm()
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_plugin: None) -> Any:
+    for rel, text in FAKE_VLLM.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key in ("SIZE", "PROVIDER", "SPLIT", "EAGER_BETWEEN_GRAPHS"):
+        monkeypatch.delenv(f"ROWCACHE_MOE_{key}", raising=False)
+        monkeypatch.delenv(f"ROWCACHE_MOE_EXPERT_CACHE_{key}", raising=False)
+    import vllm.config.vllm as config_module
+    import vllm.model_executor.custom_op as custom_op
+
+    assert "site-packages" not in str(config_module.__file__)
+    return SimpleNamespace(config=config_module, custom_op=custom_op)
+
+
+def _rowcache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "rowcache.vllm" and r.levelno >= logging.WARNING
+    ]
+
+
+def test_without_vllm_one_warning_and_no_error(
+    fresh_plugin: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # None in sys.modules makes `import vllm` fail even where vLLM is installed.
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    caplog.set_level(logging.DEBUG, logger="rowcache.vllm")
+    plugin.register()
+    plugin.register()
+    plugin.register()
+    warnings = _rowcache_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert "vLLM runs without the expert cache" in warnings[0]
+    assert "vllm" in warnings[0]
+
+
+def test_installer_failure_is_not_fatal(
+    fresh_plugin: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def broken() -> bool:
+        calls.append(1)
+        raise AttributeError("module 'vllm.config' has no attribute 'VllmConfig'")
+
+    plugin.register(broken)
+    plugin.register(broken)
+    assert calls == [1]
+    warnings = _rowcache_warnings(caplog)
+    assert len(warnings) == 1 and "AttributeError" in warnings[0]
+
+
+def test_register_is_idempotent_against_fake_registry(fake_vllm: Any) -> None:
+    plugin.register()
+    plugin.register()
+    from rowcache.vllm import _plugin
+
+    registry = fake_vllm.custom_op.op_registry_oot
+    assert registry == {"UnquantizedFusedMoEMethod": _plugin.RowcacheMoEMethod}
+    post_init = fake_vllm.config.VllmConfig.__post_init__
+    assert getattr(post_init, "_rowcache_wrapped", False)
+    # A second install in the same process (a second plugin loader) changes nothing.
+    assert _plugin.install() is False
+    assert fake_vllm.config.VllmConfig.__post_init__ is post_init
+    assert post_init.__wrapped__.__name__ == "__post_init__"
+    assert not getattr(post_init.__wrapped__, "_rowcache_wrapped", False)
+
+
+def test_register_refuses_to_replace_another_plugin(
+    fake_vllm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Other:
+        pass
+
+    fake_vllm.custom_op.op_registry_oot["UnquantizedFusedMoEMethod"] = Other
+    plugin.register()
+    assert fake_vllm.custom_op.op_registry_oot["UnquantizedFusedMoEMethod"] is Other
+    warnings = _rowcache_warnings(caplog)
+    assert len(warnings) == 1 and "another plugin already substitutes" in warnings[0]
+
+
+def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
+    from vllm.config.compilation import CompilationMode
+
+    cc = SimpleNamespace(
+        mode=kw.pop("mode", CompilationMode.VLLM_COMPILE),
+        cudagraph_mode=kw.pop("cudagraph_mode", None),
+        splitting_ops=kw.pop("splitting_ops", None),
+    )
+    parallel = SimpleNamespace(
+        enable_expert_parallel=kw.pop("ep", False), data_parallel_size=kw.pop("dp", 1)
+    )
+    model = SimpleNamespace(quantization=kw.pop("quantization", None))
+    return fake.config.VllmConfig(
+        additional_config={} if section is None else {"rowcache": section},
+        compilation_config=cc,
+        parallel_config=parallel,
+        lora_config=kw.pop("lora", None),
+        model_config=model,
+    )
+
+
+def test_config_hook_off_leaves_vllm_unchanged(fake_vllm: Any) -> None:
+    plugin.register()
+    from vllm.config.compilation import CUDAGraphMode
+
+    config = _config(fake_vllm, None)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert config.compilation_config.splitting_ops == ["vllm::unified_attention_with_output"]
+
+
+def test_config_hook_lowers_full_graphs_and_splits_moe(fake_vllm: Any) -> None:
+    plugin.register()
+    from vllm.config.compilation import CUDAGraphMode
+
+    from rowcache.vllm._plugin import MOE_OPS
+
+    config = _config(fake_vllm, {"moe_expert_cache_size": 32})
+    cc = config.compilation_config
+    assert cc.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert cc.splitting_ops == ["vllm::unified_attention_with_output", *MOE_OPS]
+    # Running the hook again (vLLM re-validates copies) adds nothing twice.
+    fake_vllm.config.VllmConfig.__post_init__(config)
+    assert cc.splitting_ops == ["vllm::unified_attention_with_output", *MOE_OPS]
+
+    explicit = _config(fake_vllm, {"moe_expert_cache_size": 32}, cudagraph_mode=CUDAGraphMode.FULL)
+    assert explicit.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_config_hook_without_compile_drops_graphs(fake_vllm: Any) -> None:
+    plugin.register()
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    config = _config(
+        fake_vllm,
+        {"moe_expert_cache_size": 8},
+        mode=CompilationMode.NONE,
+        cudagraph_mode=CUDAGraphMode.FULL,
+    )
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_config_hook_rejects_full_graph_splitting(fake_vllm: Any) -> None:
+    plugin.register()
+    with pytest.raises(RuntimeError, match=r"splitting_ops=\[\]"):
+        _config(fake_vllm, {"moe_expert_cache_size": 8}, splitting_ops=[])
+
+
+def test_bad_knob_stops_config_before_vllm_post_init(fake_vllm: Any) -> None:
+    plugin.register()
+    calls = fake_vllm.config.POST_INIT_CALLS
+    before = len(calls)
+    with pytest.raises(KnobError, match=r"moe_expert_cache_split.*'rows'.*token, expert"):
+        _config(fake_vllm, {"moe_expert_cache_size": 8, "moe_expert_cache_split": "rows"})
+    assert len(calls) == before
+
+
+@pytest.mark.parametrize(
+    ("kw", "fragment"),
+    [
+        ({"ep": True}, "expert parallelism"),
+        ({"dp": 2}, "data parallelism (data_parallel_size=2)"),
+        ({"lora": object()}, "LoRA"),
+        ({"quantization": "fp8"}, "quantization 'fp8'"),
+    ],
+)
+def test_guards(fake_vllm: Any, kw: dict[str, Any], fragment: str) -> None:
+    plugin.register()
+    with pytest.raises(RuntimeError) as info:
+        _config(fake_vllm, {"moe_expert_cache_size": 8}, **kw)
+    assert fragment in str(info.value)
+    assert "moe_expert_cache_size=8" in str(info.value)
+    # The same setup without the cache starts.
+    _config(fake_vllm, None, **kw)
+
+
+def test_env_turns_cache_on(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin.register()
+    from vllm.config.compilation import CUDAGraphMode
+
+    monkeypatch.setenv("ROWCACHE_MOE_EXPERT_CACHE_SIZE", "16")
+    config = _config(fake_vllm, None)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    with pytest.raises(RuntimeError, match="expert parallelism"):
+        _config(fake_vllm, None, ep=True)
