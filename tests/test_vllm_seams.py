@@ -1,0 +1,170 @@
+"""The seams table against the source of every supported vLLM release, read from its wheel.
+
+The wheels are downloaded once per machine with pip (no install) into
+``$ROWCACHE_VLLM_WHEELS`` (default: ``<tmp>/rowcache-vllm-wheels``, outside the checkout) and
+only the modules the table names are read from the zip. A failed download fails the test: the
+check is never skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from rowcache.vllm import seams
+from rowcache.vllm.seams import SEAMS, SUPPORTED_VLLM, Seam, check_seam, check_source, module_path
+
+PLUGIN = Path(seams.__file__).with_name("_plugin.py")
+
+
+def _wheel_dir() -> Path:
+    default = Path(tempfile.gettempdir()) / "rowcache-vllm-wheels"
+    return Path(os.environ.get("ROWCACHE_VLLM_WHEELS", default))
+
+
+def _wheel(version: str) -> Path:
+    directory = _wheel_dir()
+    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
+    if found:
+        return found[0]
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        f"vllm=={version}",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(directory),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
+    if done.returncode != 0 or not found:
+        pytest.fail(
+            f"could not download the vLLM {version} wheel for the seams check "
+            f"({' '.join(command)}): exit {done.returncode}\n{done.stderr[-2000:]}"
+        )
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def wheel_sources() -> dict[str, dict[str, str]]:
+    """vLLM version -> {path in the wheel -> source} for every module the table names."""
+    wanted = {path for seam in SEAMS for path in module_path(seam.module)}
+    sources: dict[str, dict[str, str]] = {}
+    for version in SUPPORTED_VLLM:
+        with zipfile.ZipFile(_wheel(version)) as wheel:
+            names = set(wheel.namelist())
+            sources[version] = {
+                path: wheel.read(path).decode("utf-8") for path in wanted if path in names
+            }
+    return sources
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM)
+def test_seams_hold_in_vllm_release(version: str, wheel_sources: dict[str, dict[str, str]]) -> None:
+    failures = check_source(wheel_sources[version])
+    assert not failures, f"vLLM {version}: {len(failures)} seam(s) moved:\n" + "\n".join(failures)
+
+
+def test_table_is_complete_and_described() -> None:
+    assert len({(s.module, s.name) for s in SEAMS}) == len(SEAMS)
+    for seam in SEAMS:
+        assert seam.module.startswith("vllm"), seam
+        assert seam.why and seam.breaks, seam
+
+
+def test_every_vllm_import_of_the_plugin_is_a_seam() -> None:
+    listed = {(s.module, s.name.split(".")[0].split("(")[0]) for s in SEAMS}
+    tree = ast.parse(PLUGIN.read_text())
+    imported = {
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm")
+        for alias in node.names
+    }
+    assert imported, "the plugin imports nothing from vLLM?"
+    missing = sorted(imported - listed)
+    assert not missing, f"vLLM names the plugin imports but the seams table lacks: {missing}"
+
+
+# -- the checker itself must catch a moved seam -------------------------------------------------
+
+SOURCE = """
+from .other import reexported
+
+LIMIT = 3
+
+class Method(Base):
+    field: int = 0
+
+    def __init__(self, moe):
+        self.backend, self.kind = pick(moe)
+
+    def apply(self, layer, x, topk_ids):
+        return x
+
+direct_register_custom_op(op_name="moe_forward", op_func=f)
+"""
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LIMIT",
+        "reexported",
+        "Method",
+        "Method.field",
+        "Method.backend",
+        "Method.kind",
+        "Method.apply(layer, x, topk_ids)",
+        "op:moe_forward",
+    ],
+)
+def test_checker_accepts(name: str) -> None:
+    assert check_seam(Seam("m", name, "why", "breaks"), SOURCE) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("Gone", "'Gone' is not defined at the top level"),
+        ("LIMIT.x", "'LIMIT' is not a class"),
+        ("Method.missing", "class Method does not define 'missing'"),
+        ("Method.apply(layer, x, topk_weights)", "has no parameter(s) topk_weights"),
+        ("Method.field()", "Method.field is not a method"),
+        ("op:moe_forward_shared", "no custom op registered as 'moe_forward_shared'"),
+    ],
+)
+def test_checker_rejects_naming_the_seam(name: str, reason: str) -> None:
+    problem = check_seam(Seam("vllm.some.module", name, "why", "breaks"), SOURCE)
+    assert problem is not None
+    assert problem.startswith(f"vllm.some.module: {name}")
+    assert reason in problem
+
+
+def test_check_source_reports_missing_module_with_why() -> None:
+    failures = check_source({})
+    assert len(failures) == len(SEAMS)
+    first = SEAMS[0]
+    assert failures[0].startswith(f"{first.module}: {first.name}: module not found")
+    assert first.why in failures[0]
+
+
+def test_check_source_finds_a_renamed_method() -> None:
+    seam = next(s for s in SEAMS if s.name.startswith("UnquantizedFusedMoEMethod.apply("))
+    path = module_path(seam.module)[0]
+    moved = "class UnquantizedFusedMoEMethod:\n    def apply_moe(self, layer, x): ...\n"
+    failures = [f for f in check_source({path: moved}) if "UnquantizedFusedMoEMethod.apply(" in f]
+    assert len(failures) == 1 and "does not define 'apply'" in failures[0]
