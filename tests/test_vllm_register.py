@@ -60,14 +60,22 @@ FAKE_VLLM = {
                 if cc.cudagraph_mode is None:
                     cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
 
+        CURRENT = []
+
         def get_current_vllm_config():
-            raise RuntimeError("not in an engine")
+            if not CURRENT:
+                raise RuntimeError("not in an engine")
+            return CURRENT[-1]
         """,
     "vllm/model_executor/__init__.py": "",
     "vllm/model_executor/custom_op.py": """
         op_registry_oot = {}
 
         class CustomOp:
+            def __new__(cls, *args, **kwargs):
+                # As vLLM's: the out-of-tree class registered under this class's name.
+                return super().__new__(op_registry_oot.get(cls.__name__, cls))
+
             @classmethod
             def register_oot(cls, _decorated_op_cls=None, name=None):
                 reg_name = name if name is not None else cls.__name__
@@ -89,12 +97,34 @@ FAKE_VLLM = {
 
         class UnquantizedMoeBackend(enum.Enum):
             TRITON = "TRITON"
+            FLASHINFER_CUTLASS = "FlashInfer CUTLASS"
         """,
     "vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py": """
         from vllm.model_executor.custom_op import CustomOp
 
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+            UnquantizedMoeBackend,
+        )
+
         class UnquantizedFusedMoEMethod(CustomOp):
-            pass
+            BACKEND = UnquantizedMoeBackend.TRITON  # vLLM selects it from the platform
+
+            def __init__(self, moe):
+                self.moe = moe
+                self.unquantized_backend = self.BACKEND
+                self.moe_kernel = None
+
+            def apply(self, layer, x, topk_weights, topk_ids, shared_experts,
+                      shared_experts_input):
+                return self.moe_kernel.apply(
+                    hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                    topk_weights=topk_weights, topk_ids=topk_ids,
+                    activation=layer.activation,
+                    global_num_experts=layer.global_num_experts, expert_map=None,
+                    apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                    shared_experts=shared_experts,
+                    shared_experts_input=shared_experts_input,
+                )
         """,
     "vllm/utils/__init__.py": "",
     "vllm/utils/torch_utils.py": """
@@ -307,3 +337,191 @@ def test_env_turns_cache_on(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> 
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     with pytest.raises(RuntimeError, match="expert parallelism"):
         _config(fake_vllm, None, ep=True)
+
+
+# -- the substituted MoE method, with a reference kernel on the CPU ------------------------------
+
+E, TOP_K, HIDDEN, INTER = 8, 2, 16, 8
+
+
+class ReferenceKernel:
+    """vLLM's modular kernel reduced to its contract: experts mapped to -1 contribute nothing."""
+
+    def __init__(self) -> None:
+        self.shared_calls: list[object] = []
+        self.chunks: list[int] = []
+
+    def apply(self, **kw: Any) -> Any:
+        import torch.nn.functional as F
+
+        x, w1, w2 = kw["hidden_states"], kw["w1"], kw["w2"]
+        ids, weights, expert_map = kw["topk_ids"], kw["topk_weights"], kw["expert_map"]
+        if kw["shared_experts"] is not None:
+            self.shared_calls.append(kw["shared_experts"])
+        self.chunks.append(x.shape[0])
+        out = x.new_zeros(x.shape)
+        for t in range(x.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                slot = e if expert_map is None else int(expert_map[e])
+                if slot < 0:
+                    continue
+                gate, up = (x[t] @ w1[slot].t()).chunk(2)
+                out[t] += weights[t, j] * ((F.silu(gate) * up) @ w2[slot].t())
+        return out
+
+
+def _engine(fake: Any, section: dict[str, object] | None, graph_rows: int = 0) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = CUDAGraphMode.PIECEWISE if graph_rows else CUDAGraphMode.NONE
+    config = SimpleNamespace(
+        additional_config={} if section is None else {"rowcache": section},
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=mode, max_cudagraph_capture_size=graph_rows
+        ),
+    )
+    fake.config.CURRENT.append(config)
+
+
+def _moe(top_k: int = TOP_K) -> SimpleNamespace:
+    return SimpleNamespace(
+        experts_per_token=top_k, num_local_experts=E, has_bias=False, is_act_and_mul=True
+    )
+
+
+def _layer_and_inputs(tokens: int) -> tuple[SimpleNamespace, Any, Any, Any]:
+    import torch
+    from moe_reference import make_layer, make_routing
+
+    weights = make_layer(E, HIDDEN, INTER, shared=False, seed=3)
+    layer = SimpleNamespace(
+        w13_weight=weights.w13,
+        w2_weight=weights.w2,
+        activation="silu",
+        global_num_experts=E,
+        apply_router_weight_on_input=False,
+    )
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(5))
+    ids, topk_weights = make_routing(tokens, E, TOP_K, seed=7)
+    return layer, x, ids, topk_weights
+
+
+def _method(fake: Any, section: dict[str, object] | None, graph_rows: int = 0) -> Any:
+    plugin.register()
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    _engine(fake, section, graph_rows)
+    # vLLM builds the in-tree class; the registry hands back ours.
+    return UnquantizedFusedMoEMethod(_moe())
+
+
+@pytest.mark.parametrize("provider", ["row", "cached"])
+@pytest.mark.parametrize("split", ["token", "expert"])
+def test_cached_apply_matches_uncached(fake_vllm: Any, provider: str, split: str) -> None:
+    import torch
+
+    from rowcache.cached import CachedWeightProvider
+    from rowcache.row_provider import RowCacheWeightProvider
+    from rowcache.vllm._plugin import RowcacheMoEMethod
+
+    section = {
+        "moe_expert_cache_size": 3,
+        "moe_expert_cache_provider": provider,
+        "moe_expert_cache_split": split,
+    }
+    method = _method(fake_vllm, section)
+    assert type(method) is RowcacheMoEMethod
+    layer, x, ids, topk_weights = _layer_and_inputs(tokens=6)
+    kernel = ReferenceKernel()
+    method.moe_kernel = kernel
+    expected = kernel.apply(
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_ids=ids,
+        topk_weights=topk_weights,
+        expert_map=None,
+        shared_experts=None,
+    )
+    kernel.chunks.clear()
+    cls = RowCacheWeightProvider if provider == "row" else CachedWeightProvider
+    method.rowcache_provider = cls(
+        layer.w13_weight, layer.w2_weight, capacity=3, split=split, device="cpu"
+    )
+    shared = object()
+    out = method.apply(layer, x, topk_weights, ids, shared, x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # 6 tokens over 8 experts with 3 slots: the forward was cut, shared experts ran once.
+    assert len(kernel.chunks) > 1
+    assert kernel.shared_calls == [shared]
+    stats = plugin.expert_cache_stats(SimpleNamespace(named_modules=lambda: [("l0", layer)]))
+    assert stats == []
+    layer.quant_method = method
+    (only,) = plugin.expert_cache_stats(SimpleNamespace(named_modules=lambda: [("l0", layer)]))
+    assert only["layer"] == "l0" and only["capacity"] == 3 and only["misses"] > 0
+
+
+def test_output_is_capture_stable(fake_vllm: Any) -> None:
+    import torch
+
+    method = _method(fake_vllm, {"moe_eager_between_graphs": True}, graph_rows=8)
+    assert method.rowcache_provider is None
+    layer, x, ids, topk_weights = _layer_and_inputs(tokens=12)
+    method.moe_kernel = ReferenceKernel()
+    first = method.apply(layer, x[:4], topk_weights[:4], ids[:4], None, None)
+    second = method.apply(layer, x[4:8], topk_weights[4:8], ids[4:8], None, None)
+    # The same address for the same number of rows, and each call's own values.
+    assert first.data_ptr() == second.data_ptr()
+    expected = ReferenceKernel().apply(
+        hidden_states=x[4:8],
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_ids=ids[4:8],
+        topk_weights=topk_weights[4:8],
+        expert_map=None,
+        shared_experts=None,
+    )
+    torch.testing.assert_close(second, expected)
+    # Batches larger than any captured size are not copied.
+    big = method.apply(layer, x, topk_weights, ids, None, None)
+    assert big.data_ptr() != first.data_ptr()
+
+
+def test_knob_off_is_vllm_method(fake_vllm: Any) -> None:
+    method = _method(fake_vllm, None, graph_rows=8)
+    assert method.rowcache_settings is None
+    layer, x, ids, topk_weights = _layer_and_inputs(tokens=3)
+    method.moe_kernel = ReferenceKernel()
+    out = method.apply(layer, x, topk_weights, ids, None, None)
+    assert method._stable is None and out.shape == x.shape
+
+
+def test_size_below_top_k_is_rejected(fake_vllm: Any) -> None:
+    with pytest.raises(KnobError) as info:
+        _method(fake_vllm, {"moe_expert_cache_size": 1})
+    message = str(info.value)
+    assert "moe_expert_cache_size=1" in message and "top_k=2" in message
+    assert "allowed: 0 (off) or an integer >= 2" in message
+
+
+def test_size_above_experts_is_clamped(fake_vllm: Any) -> None:
+    method = _method(fake_vllm, {"moe_expert_cache_size": 100})
+    assert method._capacity == E
+
+
+def test_other_backend_is_rejected(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    monkeypatch.setattr(
+        UnquantizedFusedMoEMethod, "BACKEND", UnquantizedMoeBackend.FLASHINFER_CUTLASS
+    )
+    with pytest.raises(RuntimeError, match="selected FLASHINFER_CUTLASS"):
+        _method(fake_vllm, {"moe_expert_cache_size": 4})
+    # Without the cache the backend is vLLM's business.
+    assert _method(fake_vllm, None).rowcache_settings is None

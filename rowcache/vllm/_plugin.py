@@ -318,7 +318,7 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
                 layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
             )
             return self._stable_output(out)
-        if torch.cuda.is_current_stream_capturing():
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RowcacheError(
                 "rowcache: the MoE op is being captured into a CUDA graph, which would freeze "
                 f"one step's expert plan; {', '.join(MOE_OPS)} must be splitting ops "
