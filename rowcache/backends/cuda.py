@@ -9,44 +9,76 @@ operation and nothing else:
   (``release``, ``ready``), created once and re-recorded by every call, exactly where the
   table records it. ``stream.wait_event`` captures the snapshot at the time of the call;
   PyTorch skips a wait on an event never recorded.
-* ``copy_rows``: on the copy stream, one non-blocking host-to-device copy per present source
-  tensor per miss (all six tensors when scales are given), from the pinned sources into the
-  slot rows. No per-element device writes.
+* ``copy_rows``: on the copy stream, every row of every present source tensor of every miss
+  (all six tensors when scales are given), from the pinned sources into the slot rows. Two
+  paths, chosen at construction (``CudaBackend(device, copy=...)``):
+
+  - ``"batched"`` (default): ONE ``cudaMemcpyBatchAsync`` per call, whatever the number of
+    misses and tensors, with addresses computed from base pointers and row strides fixed at
+    ``bind`` (``rowcache.backends.batched_copy``). Needs NVIDIA's ``cuda-bindings`` and a
+    CUDA 12.8+ driver; without them the constructor raises ``BatchedCopyUnavailable`` (no
+    silent fallback). The call is invalid on the legacy default stream, so a copy issued
+    there (only a mutated schedule would) takes the per-tensor path. The stream sanitizer
+    (``torch.cuda._sanitizer``) sees only aten operations; while it is enabled, each batched
+    call is reported to it as a write of every destination row on the issuing stream, which
+    is what the per-tensor ``copy_`` calls report.
+  - ``"per_tensor"``: one non-blocking ``copy_`` per tensor per miss (the earlier design; the
+    benchmark's ``row_pt`` variant).
+
+  No per-element device writes on either path.
 * ``write_staging`` / ``upload_map`` / ``release_staging``: each map (``resident``,
   ``forward``) has a ring of pinned int32 staging buffers, each with a reuse event. The host
-  writes the map into a buffer whose reuse event has completed (``event.query()``, never
-  blocking; a buffer never used counts as free) and appends a fresh pinned buffer when none
-  is free; the upload is one non-blocking copy of the whole map; the reuse event is recorded
-  on the upload's stream right after it.
+  writes the map (a ``Sequence[int]`` or an int32 CPU tensor) into a buffer whose reuse event
+  has completed (``event.query()``, never blocking; a buffer never used counts as free) and
+  appends a fresh pinned buffer when none is free; the upload is one non-blocking copy of the
+  whole map; the reuse event is recorded on the upload's stream right after it. A stream
+  context is entered only when the upload's stream is not already current (entering one costs
+  host microseconds).
 * ``host_sync``: ``stream.synchronize()`` (or the device's, for ``all``). The real table has
   none on the provider's path.
 
 Call log (for conformance tests): ``CudaBackend(device, call_log=[])`` appends one ``CudaCall``
 per stream, event, copy and staging call it makes, with the handle of the stream the call was
-really issued on (read back from ``torch.cuda.current_stream`` inside the stream context for
-copies and uploads). ``tests/cuda`` renders the log in the model's trace format and checks it
-against the table (``model_check.semantics``, ``model_check.hb``). Off by default: each step
-then costs one ``is None`` test more (one per copied tensor in ``copy_rows``), nothing else.
+really issued on (read back from ``torch.cuda.current_stream`` for per-tensor copies and
+uploads; for a batched copy, the handle passed to ``cudaMemcpyBatchAsync``). A batched call is
+logged as one ``copy`` entry per tensor per miss, in the order the per-tensor path issues them,
+so the log has the same form on both paths. ``tests/cuda`` renders the log in the model's
+trace format and checks it against the table (``model_check.semantics``, ``model_check.hb``).
+Off by default: each step then costs one ``is None`` test more, nothing else.
+
+Copy timing (benchmarks): ``backend.copy_timing = CopyTiming()`` records a pair of timing events
+on the copy call's stream immediately around each ``copy_rows`` API call(s), with the bytes it
+copies. Off by default (``None``): one ``is None`` test per ``copy_rows``.
 
 Importing this module needs no GPU (nothing touches ``torch.cuda`` until a backend is built).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from rowcache.backends.base import RINGS
+from rowcache.backends.batched_copy import (
+    BatchedCopier,
+    BatchedCopyUnavailable,
+    RowLayout,
+    load_runtime,
+)
 from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
 
-__all__ = ["CudaBackend", "CudaCall"]
+__all__ = ["COPY_PATHS", "BatchedCopyUnavailable", "CopyTiming", "CudaBackend", "CudaCall"]
 
 EVENTS = ("release", "ready")
 HOST = -1
 """``CudaCall.stream`` of a call that enqueues nothing (a host write, a device-wide sync)."""
+
+CopyPath = Literal["batched", "per_tensor"]
+COPY_PATHS: tuple[CopyPath, ...] = ("batched", "per_tensor")
 
 
 class CudaCall(NamedTuple):
@@ -98,27 +130,97 @@ class _Ring:
         return self.buffers[-1]
 
 
+class CopyTiming:
+    """Timing events around each ``copy_rows`` call of a backend (see the module docstring).
+
+    ``records`` holds ``(start, end, bytes)`` per call, in call order; ``take()`` returns and
+    forgets them as ``(seconds, bytes)``, synchronizing on each end event first.
+    """
+
+    __slots__ = ("records",)
+
+    def __init__(self) -> None:
+        self.records: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+
+    def take(self) -> list[tuple[float, int]]:
+        out = []
+        for start, end, num_bytes in self.records:
+            end.synchronize()
+            out.append((start.elapsed_time(end) / 1e3, num_bytes))
+        self.records.clear()
+        return out
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def _sanitizer_write(handle: int, addresses: Sequence[int]) -> None:
+    """Tell PyTorch's stream sanitizer, when it is enabled, that the stream ``handle`` wrote
+    the rows at ``addresses``: it only sees aten operations, and a batched copy is none.
+
+    Reported exactly as its dispatch mode reports a ``copy_`` into a slot row (a write of the
+    destination's data pointer; CPU sources are not tracked), errors printed and raised as it
+    does. The module is looked up, not imported: importing it switches on PyTorch's GPU trace.
+    """
+    csan: Any = sys.modules.get("torch.cuda._sanitizer")
+    if csan is None or not csan.cuda_sanitizer.enabled:
+        return
+    written = set(addresses)
+    errors = csan.cuda_sanitizer.dispatch.event_handler._handle_kernel_launch(
+        handle,
+        set(),
+        written,
+        set(),
+        "rowcache cudaMemcpyBatchAsync (slot rows)",
+        {address: ["slot row"] for address in written},
+    )
+    if errors:
+        for error in errors:
+            print(error, file=sys.stderr)
+        raise csan.CUDASanitizerErrors(errors)
+
+
 class CudaBackend:
-    """Stream/event implementation of the table's steps on one CUDA device."""
+    """Stream/event implementation of the table's steps on one CUDA device.
+
+    ``copy`` chooses the miss path (module docstring): ``"batched"`` (default, one
+    ``cudaMemcpyBatchAsync`` per ``copy_rows``; raises ``BatchedCopyUnavailable`` here when
+    ``cuda-bindings`` or the driver lacks it) or ``"per_tensor"`` (one ``copy_`` per tensor per
+    miss).
+    """
 
     def __init__(
-        self, device: torch.device | str, *, call_log: list[CudaCall] | None = None
+        self,
+        device: torch.device | str,
+        *,
+        call_log: list[CudaCall] | None = None,
+        copy: CopyPath = "batched",
     ) -> None:
+        if copy not in COPY_PATHS:
+            raise ValueError(f"CudaBackend: copy must be one of {COPY_PATHS}, got {copy!r}")
         target = torch.device(device)
         if target.type != "cuda":
             raise ValueError(f"CudaBackend needs a cuda device, got {target}")
+        # Checked before any CUDA work, so that a missing dependency is the error one sees.
+        self._runtime: Any = load_runtime() if copy == "batched" else None
         if target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
         self._device = target
+        self._copy_path: CopyPath = copy
         self._copy_stream = torch.cuda.Stream(device=target)  # type: ignore[no-untyped-call]
         self._events = {
             name: torch.cuda.Event()  # type: ignore[no-untyped-call]
             for name in EVENTS
         }
         self._pairs: list[tuple[Tensor, Tensor, str]] = []
+        self._batched: BatchedCopier | None = None
+        self._expert_bytes = 0
         self._maps: dict[str, Tensor] = {}
         self._rings: dict[str, _Ring] = {}
         self._log = call_log
+        self.copy_timing: CopyTiming | None = None
+        """Set to a ``CopyTiming`` to time every ``copy_rows`` (benchmarks); None: off."""
 
     def bind(self, sources: ExpertSources, slots: SlotBuffers) -> None:
         self._pairs = [
@@ -126,6 +228,10 @@ class CudaBackend:
             for buf, src, name in zip(slots.tensors(), sources.tensors(), SOURCE_NAMES, strict=True)
             if buf is not None and src is not None
         ]
+        layout = RowLayout(self._pairs)
+        self._expert_bytes = layout.expert_bytes
+        if self._runtime is not None:
+            self._batched = BatchedCopier(self._runtime, layout, self._device)
         num_experts = sources.num_experts
         self._maps = {
             ring: torch.full((num_experts,), -1, dtype=torch.int32, device=self._device)
@@ -142,6 +248,11 @@ class CudaBackend:
         # enqueued on the current stream; later work runs on the copy stream and on whatever
         # stream the first prepare is made on, so let that setup finish here.
         torch.cuda.current_stream(self._device).synchronize()
+
+    @property
+    def copy_path(self) -> CopyPath:
+        """``"batched"`` or ``"per_tensor"``: how ``copy_rows`` copies (see the class)."""
+        return self._copy_path
 
     @property
     def forward_map(self) -> Tensor:
@@ -180,20 +291,53 @@ class CudaBackend:
         )
 
     def copy_rows(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> None:
-        pairs = self._pairs
+        timing = self.copy_timing
+        if timing is None:
+            issued = self._copy(stream, copies)
+        else:
+            start = _timing_event()
+            start.record(stream)
+            issued = self._copy(stream, copies)
+            end = _timing_event()
+            end.record(stream)
+            timing.records.append((start, end, len(copies) * self._expert_bytes))
         log = self._log
+        if log is not None:
+            names = [name for _, _, name in self._pairs]
+            for expert, slot in copies:
+                for name in names:
+                    log.append(CudaCall("copy", issued, name, expert, slot))
+
+    def _copy(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> int:
+        """Enqueue the rows of ``copies`` on ``stream``; returns the handle they went to."""
+        batched = self._batched
+        handle: int = stream.cuda_stream
+        # cudaMemcpyBatchAsync rejects the legacy default stream (handle 0).
+        if batched is not None and handle != 0:
+            _sanitizer_write(handle, batched.copy(handle, copies))
+            return handle
+        pairs = self._pairs
+        if torch.cuda.current_stream(self._device).cuda_stream == handle:
+            for expert, slot in copies:
+                for buf, src, _ in pairs:
+                    buf[slot].copy_(src[expert], non_blocking=True)
+            return handle
         with torch.cuda.stream(stream):
             for expert, slot in copies:
-                for buf, src, name in pairs:
+                for buf, src, _ in pairs:
                     buf[slot].copy_(src[expert], non_blocking=True)
-                    if log is not None:
-                        issued = torch.cuda.current_stream(self._device).cuda_stream
-                        log.append(CudaCall("copy", issued, name, expert, slot))
+            issued: int = torch.cuda.current_stream(self._device).cuda_stream
+        return issued
 
-    def write_staging(self, ring: str, content: Sequence[int]) -> None:
+    def write_staging(self, ring: str, content: Sequence[int] | Tensor) -> None:
+        """``content``: the map as a sequence of ints or an int32 CPU tensor ``[E]`` (copied
+        here: the caller may rewrite it once this returns)."""
         staging = self._rings[ring]
         buffer = staging.choose()
-        buffer.copy_(torch.tensor(content, dtype=torch.int32))
+        if isinstance(content, Tensor):
+            buffer.copy_(content)
+        else:
+            buffer.copy_(torch.tensor(content, dtype=torch.int32))
         if self._log is not None:
             self._log.append(
                 CudaCall("stage", HOST, ring, buffer=staging.chosen, ring_size=len(staging.buffers))
@@ -201,8 +345,16 @@ class CudaBackend:
 
     def upload_map(self, stream: torch.cuda.Stream, ring: str) -> None:
         staging = self._rings[ring]
+        source = staging.buffers[staging.chosen]
+        device_map = self._maps[ring]
+        if torch.cuda.current_stream(self._device).cuda_stream == stream.cuda_stream:
+            device_map.copy_(source, non_blocking=True)
+            if self._log is not None:
+                issued = torch.cuda.current_stream(self._device).cuda_stream
+                self._log.append(CudaCall("upload", issued, ring, buffer=staging.chosen))
+            return
         with torch.cuda.stream(stream):
-            self._maps[ring].copy_(staging.buffers[staging.chosen], non_blocking=True)
+            device_map.copy_(source, non_blocking=True)
             if self._log is not None:
                 issued = torch.cuda.current_stream(self._device).cuda_stream
                 self._log.append(CudaCall("upload", issued, ring, buffer=staging.chosen))

@@ -1,0 +1,199 @@
+"""The CUDA backend's batched miss path: one ``cudaMemcpyBatchAsync`` for every row of a call.
+
+Why: a ``prepare`` with m misses over t source tensors used to make m x t ``copy_`` calls of
+about 8 us host time each (DESIGN.md section 7), so NVFP4 experts (six tensors) reached only
+about half of the PCIe link. ``cudaMemcpyBatchAsync`` (CUDA 12.8 and newer) enqueues any number
+of pointer-to-pointer copies in one call, in stream order as a whole.
+
+Addresses are plain integer arithmetic on base pointers and row strides, computed once at
+``bind`` (``RowLayout``): building per-row tensor views (``buf[slot].data_ptr()``) costs
+about 17 us each and made an earlier try slower than the plain copies. Sources are pinned host
+tensors ``[E, ...]`` and slot buffers device tensors ``[capacity, ...]``; each must hold every
+expert's (slot's) row contiguously, which ``RowLayout`` checks once.
+
+``BatchedCopier`` calls NVIDIA's Python bindings (package ``cuda-bindings``, module
+``cuda.bindings.runtime``). The import is lazy: this module imports on a machine without them,
+and only building a copier (``CudaBackend(copy="batched")``) needs them; when they are missing,
+or the driver predates the call, ``load_runtime`` raises ``BatchedCopyUnavailable`` naming what
+is missing (there is no silent fallback to per-tensor copies).
+
+Binding versions: the Python signature is ``cudaMemcpyBatchAsync(dsts, srcs, sizes, count,
+attrs, attrsIdxs, numAttrs, stream)`` in cuda-bindings 12.9 and 13.x alike; 12.x returns
+``(err, failIdx)`` and 13.x ``(err,)`` (CUDA 13 dropped the ``failIdx`` argument of the C
+call). Only the error code (the first element) is read.
+
+Limits of the call (CUDA documentation): it is rejected on the legacy default stream
+(``CudaBackend`` uses per-tensor copies for a call issued there), and it has no graph-node form,
+so a ``prepare`` whose copy stream is being captured into a CUDA graph cannot use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["BatchedCopier", "BatchedCopyUnavailable", "RowLayout", "load_runtime"]
+
+MIN_DRIVER = 12080
+"""``cudaDriverGetVersion`` value of the first driver with ``cudaMemcpyBatchAsync`` (12.8)."""
+
+
+class BatchedCopyUnavailable(RuntimeError):
+    """``copy="batched"`` cannot work here (bindings missing, driver too old, layout)."""
+
+
+def _version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def load_runtime() -> Any:
+    """``cuda.bindings.runtime``, checked to offer ``cudaMemcpyBatchAsync`` on this driver."""
+    try:
+        runtime = importlib.import_module("cuda.bindings.runtime")
+    except ImportError as error:
+        raise BatchedCopyUnavailable(
+            "CudaBackend(copy='batched') needs NVIDIA's CUDA Python bindings: the package "
+            "cuda-bindings (module cuda.bindings.runtime) is not importable "
+            f"({error}). Install cuda-bindings matching the CUDA driver, or pass "
+            "backend=CudaBackend(device, copy='per_tensor') for one copy per tensor per miss."
+        ) from error
+    if not hasattr(runtime, "cudaMemcpyBatchAsync"):
+        bindings = importlib.import_module("cuda.bindings")
+        raise BatchedCopyUnavailable(
+            f"CudaBackend(copy='batched'): cuda-bindings {getattr(bindings, '__version__', '?')} "
+            "has no cudaMemcpyBatchAsync (added with CUDA 12.8); upgrade cuda-bindings or pass "
+            "copy='per_tensor'."
+        )
+    err, driver = runtime.cudaDriverGetVersion()
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise BatchedCopyUnavailable(
+            f"CudaBackend(copy='batched'): cudaDriverGetVersion failed ({err}); no usable driver"
+        )
+    if driver < MIN_DRIVER:
+        raise BatchedCopyUnavailable(
+            f"CudaBackend(copy='batched'): the CUDA driver supports CUDA {_version(driver)}, but "
+            f"cudaMemcpyBatchAsync needs a driver for CUDA {_version(MIN_DRIVER)} or newer; "
+            "upgrade the driver or pass copy='per_tensor'."
+        )
+    return runtime
+
+
+def _row_span(name: str, role: str, t: Tensor) -> tuple[int, int, int]:
+    """(base address, bytes between consecutive rows, bytes of one row) of ``t``'s rows."""
+    element = t.element_size()
+    row = t[0] if t.shape[0] > 0 else t
+    row_bytes = row.numel() * element
+    if t.shape[0] > 0 and not row.is_contiguous():
+        raise BatchedCopyUnavailable(
+            f"CudaBackend(copy='batched'): {role} {name} (shape {tuple(t.shape)}, strides "
+            f"{t.stride()}) does not hold each row contiguously, so a row is not one byte "
+            "range; pass contiguous tensors or copy='per_tensor'."
+        )
+    stride = t.stride(0) * element
+    if t.shape[0] > 1 and row_bytes and stride < row_bytes:
+        raise BatchedCopyUnavailable(
+            f"CudaBackend(copy='batched'): rows of {role} {name} overlap (row stride {stride} "
+            f"bytes < row size {row_bytes} bytes)"
+        )
+    return t.data_ptr(), stride, row_bytes
+
+
+class RowLayout:
+    """Where every row of every (slot buffer, source) pair lives, for address arithmetic.
+
+    Built once from ``(slot buffer, source, name)`` triples; tensors with empty rows are left
+    out of the batch (a zero-byte copy is not a valid batch entry), the others keep their order.
+    Works on any tensors (CPU ones too, for tests): it only reads pointers and strides.
+    """
+
+    __slots__ = ("_dst", "_sizes", "_src", "expert_bytes", "names")
+
+    def __init__(self, pairs: Sequence[tuple[Tensor, Tensor, str]]) -> None:
+        dst: list[tuple[int, int]] = []
+        src: list[tuple[int, int]] = []
+        sizes: list[int] = []
+        names: list[str] = []
+        for buf, source, name in pairs:
+            dst_base, dst_stride, dst_row = _row_span(name, "slot buffer", buf)
+            src_base, src_stride, src_row = _row_span(name, "source", source)
+            if dst_row != src_row:
+                raise BatchedCopyUnavailable(
+                    f"CudaBackend(copy='batched'): {name}: a slot row holds {dst_row} bytes but "
+                    f"a source row {src_row}"
+                )
+            if src_row == 0:
+                continue
+            dst.append((dst_base, dst_stride))
+            src.append((src_base, src_stride))
+            sizes.append(src_row)
+            names.append(name)
+        self._dst = tuple(dst)
+        self._src = tuple(src)
+        self._sizes = sizes
+        self.names = tuple(names)
+        self.expert_bytes = sum(sizes)
+
+    def addresses(
+        self, copies: Sequence[tuple[int, int]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Destination addresses, source addresses and sizes of every row of ``copies``
+        ((expert, slot) pairs), miss by miss, tensors in ``names`` order."""
+        dst, src = self._dst, self._src
+        dsts = [base + slot * stride for _, slot in copies for base, stride in dst]
+        srcs = [base + expert * stride for expert, _ in copies for base, stride in src]
+        return dsts, srcs, self._sizes * len(copies)
+
+
+class BatchedCopier:
+    """Issues the rows of a ``RowLayout`` as one ``cudaMemcpyBatchAsync`` per call."""
+
+    __slots__ = ("_attr_idxs", "_attrs", "_call", "_handles", "_runtime", "_success", "layout")
+
+    def __init__(self, runtime: Any, layout: RowLayout, device: torch.device) -> None:
+        self._runtime = runtime
+        self.layout = layout
+        self._call = runtime.cudaMemcpyBatchAsync
+        self._success = runtime.cudaError_t.cudaSuccess
+        # One attribute entry covers every copy (attrsIdxs = [0]): the source is host memory
+        # (pinned: the sources are pinned at construction) read in stream order, like
+        # cudaMemcpyAsync; the destination is the provider's device. Location hints only steer
+        # managed memory, but state what the copies are.
+        attr = runtime.cudaMemcpyAttributes()
+        attr.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        source = runtime.cudaMemLocation()
+        source.type = runtime.cudaMemLocationType.cudaMemLocationTypeHost
+        source.id = 0
+        target = runtime.cudaMemLocation()
+        target.type = runtime.cudaMemLocationType.cudaMemLocationTypeDevice
+        target.id = device.index if device.index is not None else 0
+        attr.srcLocHint = source
+        attr.dstLocHint = target
+        self._attrs = [attr]
+        self._attr_idxs = [0]
+        self._handles: dict[int, Any] = {}
+
+    def _stream(self, handle: int) -> Any:
+        stream = self._handles.get(handle)
+        if stream is None:
+            stream = self._handles[handle] = self._runtime.cudaStream_t(handle)
+        return stream
+
+    def copy(self, handle: int, copies: Sequence[tuple[int, int]]) -> list[int]:
+        """Enqueue every row of ``copies`` on the stream ``handle`` (one API call); returns the
+        destination addresses (for the stream sanitizer)."""
+        dsts, srcs, sizes = self.layout.addresses(copies)
+        if not dsts:
+            return dsts
+        result = self._call(
+            dsts, srcs, sizes, len(dsts), self._attrs, self._attr_idxs, 1, self._stream(handle)
+        )
+        if result[0] != self._success:
+            raise RuntimeError(
+                f"cudaMemcpyBatchAsync of {len(dsts)} rows ({len(copies)} experts) on stream "
+                f"{handle:#x} failed: {result[0]!r}"
+            )
+        return dsts
