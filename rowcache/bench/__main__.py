@@ -24,7 +24,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="output folder")
     parser.add_argument("--steps", type=int, default=50, help="measured steps per cell")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per cell")
-    parser.add_argument("--trace-steps", type=int, default=1000, help="steps of the trace")
+    parser.add_argument(
+        "--trace-steps", type=int, default=1000, help="steps of the trace (0: no trace replay)"
+    )
+    parser.add_argument(
+        "--geometries",
+        default=None,
+        metavar="A,B",
+        help="comma-separated expert geometries (default: all: bf16, nvfp4, bf16_large)",
+    )
+    parser.add_argument(
+        "--providers",
+        default=None,
+        metavar="A,B",
+        help="comma-separated providers (default: all: row, row_pt, cached)",
+    )
+    parser.add_argument(
+        "--misses",
+        default=None,
+        metavar="N,M",
+        help="comma-separated misses per step (default: 0,1,2,4,8)",
+    )
     parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
     parser.add_argument(
         "--plot-from",
@@ -46,6 +66,30 @@ def _commit() -> str:
     return done.stdout.strip()
 
 
+def _choice(
+    parser: argparse.ArgumentParser, option: str, value: str | None, known: tuple[str, ...]
+) -> tuple[str, ...]:
+    if value is None:
+        return known
+    chosen = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in known]
+    if unknown or not chosen:
+        parser.error(f"{option}: unknown {unknown or value!r}; choose from {', '.join(known)}")
+    return chosen
+
+
+def _misses(parser: argparse.ArgumentParser, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        misses = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        parser.error(f"--misses: expected comma-separated integers, got {value!r}")
+    if not misses or misses[0] < 0 or misses[-1] > 8:
+        parser.error(f"--misses: each must be in 0..8 (top-8 steps), got {value!r}")
+    return misses
+
+
 def _plot(document: dict[str, Any], path: Path) -> bool:
     from rowcache.bench.plot import plot
 
@@ -59,7 +103,8 @@ def _plot(document: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     from rowcache.bench.report import format_table, load, save
 
     if args.plot_from is not None:
@@ -70,16 +115,28 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(document))
         return 0
 
+    from rowcache.bench.geometry import GEOMETRIES
+    from rowcache.bench.providers import PROVIDERS
+
+    geometries = _choice(parser, "--geometries", args.geometries, tuple(GEOMETRIES))
+    providers = _choice(parser, "--providers", args.providers, tuple(PROVIDERS))
+    misses = _misses(parser, args.misses)
+
     import torch
 
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
-    from rowcache.bench.run import Settings, run_benchmark
+    from rowcache.bench.run import MISSES, Settings, run_benchmark
     from rowcache.bench.trace import TraceSpec
 
     settings = Settings(
-        steps=args.steps, warmup=args.warmup, trace=TraceSpec(steps=args.trace_steps)
+        steps=args.steps,
+        warmup=args.warmup,
+        trace=TraceSpec(steps=args.trace_steps),
+        geometries=geometries,
+        providers=providers,
+        misses=MISSES if misses is None else misses,
     )
     command = "python -m rowcache.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     document = run_benchmark(settings, commit=args.commit or _commit(), command=command.strip())

@@ -7,6 +7,13 @@ the returned ``expert_map``), record an end event, and synchronize on it. The de
 the events' elapsed time: it covers the copies (on the row provider's copy stream, joined by
 its ready event; on the current stream for ``cached``), the map uploads and the read. Each step
 is isolated (synchronized) so that its numbers do not overlap the next one's.
+
+Copy path: for providers with a CUDA backend (``row``, ``row_pt``), a second pass of the same
+number of steps runs with the backend's copy timing on (``CudaBackend.copy_timing``): CUDA
+events recorded on the copy stream immediately before and after the copy API call(s) of each
+step. Its median is the time the copy stream spends on the copies alone, from the first API
+call being enqueued to the last row landing. A separate pass, so that the timing events'
+host cost stays out of the step timings of the first.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rowcache.bench.providers import BenchProvider
+from rowcache.bench.providers import BenchProvider, copy_timing_of
 from rowcache.bench.steps import exact_miss_request, request_tensor
 from rowcache.types import ExpertWeightResult
 
@@ -68,6 +75,18 @@ def fill(provider: BenchProvider, capacity: int, top_k: int, num_experts: int) -
     torch.cuda.synchronize()
 
 
+def _request(
+    provider: BenchProvider, misses: int, top_k: int, num_experts: int, rng: random.Random
+) -> Tensor:
+    ids = exact_miss_request(provider, misses, top_k=top_k, num_experts=num_experts, rng=rng)
+    return request_tensor(ids)
+
+
+def _check(timing: StepTiming, misses: int) -> None:
+    if timing.misses != misses:
+        raise RuntimeError(f"step made {timing.misses} misses, expected {misses}")
+
+
 def measure_cell(
     provider: BenchProvider,
     misses: int,
@@ -78,22 +97,40 @@ def measure_cell(
     warmup: int,
     seed: int,
     device: torch.device,
-) -> dict[str, float]:
-    """Medians over ``steps`` steps (after ``warmup``) of exactly ``misses`` misses each."""
+) -> dict[str, float | None]:
+    """Medians over ``steps`` steps (after ``warmup``) of exactly ``misses`` misses each; then,
+    when the provider's backend can time its copies and ``misses > 0``, the median copy-path
+    time over ``steps`` more steps (``copy_us_median``, else None)."""
     rng = random.Random(seed)
     hosts: list[float] = []
     devices: list[float] = []
     for index in range(warmup + steps):
-        ids = exact_miss_request(provider, misses, top_k=top_k, num_experts=num_experts, rng=rng)
-        timing = timed_step(provider, request_tensor(ids), device)
-        if timing.misses != misses:
-            raise RuntimeError(f"step made {timing.misses} misses, expected {misses}")
+        timing = timed_step(provider, _request(provider, misses, top_k, num_experts, rng), device)
+        _check(timing, misses)
         if index >= warmup:
             hosts.append(timing.host_s)
             devices.append(timing.device_s)
+    copy_us: float | None = None
+    timer = copy_timing_of(provider, enabled=misses > 0)
+    if timer is not None:
+        copies: list[float] = []
+        try:
+            for _ in range(steps):
+                timing = timed_step(
+                    provider, _request(provider, misses, top_k, num_experts, rng), device
+                )
+                _check(timing, misses)
+                records = timer.take()
+                if len(records) != 1:
+                    raise RuntimeError(f"expected one copy_rows per step, timed {len(records)}")
+                copies.append(records[0][0])
+        finally:
+            copy_timing_of(provider, enabled=False)
+        copy_us = statistics.median(copies) * 1e6
     return {
         "host_us_median": statistics.median(hosts) * 1e6,
         "device_us_median": statistics.median(devices) * 1e6,
         "host_us_p90": statistics.quantiles(hosts, n=10)[-1] * 1e6,
         "device_us_p90": statistics.quantiles(devices, n=10)[-1] * 1e6,
+        "copy_us_median": copy_us,
     }

@@ -61,18 +61,50 @@ NVFP4 = Geometry(
 """The same expert NVFP4-like: packed uint8 weights, fp8_e4m3 block scales, fp32 global
 scales; six tensors, 2.65 MB per expert."""
 
-GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (BF16, NVFP4)}
+BF16_LARGE = Geometry(
+    "bf16_large",
+    (
+        TensorSpec("w13", (8192, 4096), torch.bfloat16),
+        TensorSpec("w2", (4096, 4096), torch.bfloat16),
+    ),
+)
+"""One large bf16 expert (issue 4: at least 100 MB): w13 [8192, 4096] (64 MiB), w2
+[4096, 4096] (32 MiB); 100.66 MB per expert, 12.9 GB of pinned sources for 128 experts."""
+
+GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (BF16, NVFP4, BF16_LARGE)}
+
+FILL_BLOCK = 64 << 20
+"""Sources larger than this many bytes are filled by tiling one random block of this size."""
+
+
+def _fill(tensor: Tensor, generator: torch.Generator) -> None:
+    raw = tensor.view(torch.uint8).reshape(-1)
+    total = raw.numel()
+    if total <= FILL_BLOCK:
+        raw.random_(0, 256, generator=generator)
+        return
+    # Drawing gigabytes byte by byte takes tens of seconds; the copies do not care what the
+    # bytes are (PCIe does not compress), so tile one random block and make every expert's
+    # row distinct by redrawing its first bytes.
+    block = torch.empty(FILL_BLOCK, dtype=torch.uint8)
+    block.random_(0, 256, generator=generator)
+    for offset in range(0, total, FILL_BLOCK):
+        count = min(FILL_BLOCK, total - offset)
+        raw[offset : offset + count].copy_(block[:count])
+    rows = raw.view(tensor.shape[0], -1)
+    rows[:, : min(16, rows.shape[1])].random_(0, 256, generator=generator)
 
 
 def make_sources(geometry: Geometry, num_experts: int, *, seed: int) -> dict[str, Tensor]:
-    """Pinned host tensors ``[E, *row_shape]`` filled with random bytes (never zeros).
+    """Pinned host tensors ``[E, *row_shape]`` filled with random bytes (not left zero).
 
-    Random bit patterns may be NaN as floats; the benchmark only copies them.
+    Random bit patterns may be NaN as floats; the benchmark only copies them. A tensor larger
+    than ``FILL_BLOCK`` bytes repeats one random block, each expert's first bytes redrawn.
     """
     generator = torch.Generator().manual_seed(seed)
     sources: dict[str, Tensor] = {}
     for spec in geometry.tensors:
         tensor = torch.empty((num_experts, *spec.row_shape), dtype=spec.dtype, pin_memory=True)
-        tensor.view(torch.uint8).random_(0, 256, generator=generator)
+        _fill(tensor, generator)
         sources[spec.name] = tensor
     return sources

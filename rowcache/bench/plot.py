@@ -1,5 +1,6 @@
 """PNG of miss-path GB/s against misses per step, one panel per geometry, one line per
-provider, with the pinned ceiling at the matching copy size dashed."""
+provider (step GB/s, solid), its copy-path GB/s where measured (dotted, same colour), and the
+pinned ceiling at the matching copy size (dashed grey)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,19 @@ def plot(document: dict[str, Any], path: Path) -> None:
         rows = [c for c in cells if c["geometry"] == geometry]
         for provider in providers:
             mine = sorted((c for c in rows if c["provider"] == provider), key=lambda c: c["misses"])
-            axis.plot(
+            (line,) = axis.plot(
                 [c["misses"] for c in mine], [c["gbps"] for c in mine], marker="o", label=provider
             )
+            copied = [c for c in mine if c.get("copy_gbps") is not None]
+            if copied:
+                axis.plot(
+                    [c["misses"] for c in copied],
+                    [c["copy_gbps"] for c in copied],
+                    marker="x",
+                    linestyle=":",
+                    color=line.get_color(),
+                    label=f"{provider} (copy path)",
+                )
         ceiling = sorted(
             {(c["misses"], c["ceiling_gbps"]) for c in rows if c["ceiling_gbps"] is not None}
         )

@@ -8,11 +8,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from rowcache.backends.cuda import CopyPath, CopyTiming, CudaBackend
 from rowcache.cached import CachedWeightProvider
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.types import ExpertWeightResult
 
-__all__ = ["PROVIDERS", "BenchProvider"]
+__all__ = ["PROVIDERS", "BenchProvider", "copy_path_of", "copy_timing_of"]
 
 
 class BenchProvider(Protocol):
@@ -26,7 +27,9 @@ class BenchProvider(Protocol):
 Factory = Callable[[dict[str, Tensor], int, torch.device], BenchProvider]
 
 
-def _row(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
+def _row_with(
+    copy: CopyPath, sources: dict[str, Tensor], capacity: int, device: torch.device
+) -> RowCacheWeightProvider:
     return RowCacheWeightProvider(
         sources["w13"],
         sources["w2"],
@@ -36,7 +39,16 @@ def _row(sources: dict[str, Tensor], capacity: int, device: torch.device) -> Ben
         w2_scale_2=sources.get("w2_scale_2"),
         capacity=capacity,
         device=device,
+        backend=CudaBackend(device, copy=copy),
     )
+
+
+def _row(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
+    return _row_with("batched", sources, capacity, device)
+
+
+def _row_pt(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
+    return _row_with("per_tensor", sources, capacity, device)
 
 
 def _cached(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
@@ -52,5 +64,29 @@ def _cached(sources: dict[str, Tensor], capacity: int, device: torch.device) -> 
     )
 
 
-PROVIDERS: dict[str, Factory] = {"row": _row, "cached": _cached}
-"""``row``: ``RowCacheWeightProvider``; ``cached``: the LFRU baseline ``CachedWeightProvider``."""
+PROVIDERS: dict[str, Factory] = {"row": _row, "row_pt": _row_pt, "cached": _cached}
+"""``row``: ``RowCacheWeightProvider`` with its default CUDA backend (one batched copy call per
+``prepare``); ``row_pt``: the same provider with per-tensor copies (one ``copy_`` per tensor
+per miss, ``CudaBackend(copy="per_tensor")``); ``cached``: the LFRU baseline
+``CachedWeightProvider``."""
+
+
+def _cuda_backend(provider: BenchProvider) -> CudaBackend | None:
+    backend = getattr(provider, "backend", None)
+    return backend if isinstance(backend, CudaBackend) else None
+
+
+def copy_path_of(provider: BenchProvider) -> str | None:
+    """The CUDA backend's copy path (``batched``, ``per_tensor``), None for other providers."""
+    backend = _cuda_backend(provider)
+    return None if backend is None else backend.copy_path
+
+
+def copy_timing_of(provider: BenchProvider, enabled: bool) -> CopyTiming | None:
+    """Switch the CUDA backend's copy timing on (a fresh ``CopyTiming``) or off; None when the
+    provider has no such backend (``cached`` copies inside ``prepare`` on the current stream)."""
+    backend = _cuda_backend(provider)
+    if backend is None:
+        return None
+    backend.copy_timing = CopyTiming() if enabled else None
+    return backend.copy_timing

@@ -19,6 +19,10 @@ def load(path: Path) -> dict[str, Any]:
     return document
 
 
+GEOMETRY = f"{'geometry':<10}"
+PROVIDER = f"{'provider':<8}"
+
+
 def _num(value: object, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -37,29 +41,41 @@ def format_table(document: dict[str, Any]) -> str:
     for row in document["ceilings"]:
         lines.append(f"{row['mib']:>8.2f} MiB {row['gbps']:>8.2f}")
     lines.append("")
+    lines.append(
+        "step: host us = prepare's host time; dev us = the step's latency on the current "
+        "stream; GB/s = bytes / dev us"
+    )
+    lines.append(
+        "copy: copy us = CUDA events on the copy stream around the copy call(s); "
+        "copy GB/s = bytes / copy us; frac = against the ceiling at the same bytes"
+    )
     header = (
-        f"{'geometry':<8} {'provider':<8} {'miss':>4} {'MB/step':>8} {'host us':>9} "
-        f"{'dev us':>9} {'GB/s':>7} {'ceil':>7} {'frac':>6}"
+        f"{GEOMETRY} {PROVIDER} {'miss':>4} {'MB/step':>8} {'host us':>9} "
+        f"{'dev us':>9} {'GB/s':>7} {'ceil':>7} {'frac':>6} {'copy us':>9} {'copy GB/s':>9} "
+        f"{'frac':>6}"
     )
     lines.append(header)
     for cell in document["cells"]:
         lines.append(
-            f"{cell['geometry']:<8} {cell['provider']:<8} {cell['misses']:>4} "
+            f"{cell['geometry']:<10} {cell['provider']:<8} {cell['misses']:>4} "
             f"{cell['bytes_per_step'] / 1e6:>8.2f} {cell['host_us_median']:>9.1f} "
             f"{cell['device_us_median']:>9.1f} {_num(cell['gbps'], '7.2f'):>7} "
-            f"{_num(cell['ceiling_gbps'], '7.2f'):>7} {_num(cell['fraction'], '6.1%'):>6}"
+            f"{_num(cell['ceiling_gbps'], '7.2f'):>7} {_num(cell['fraction'], '6.1%'):>6} "
+            f"{_num(cell.get('copy_us_median'), '9.1f'):>9} "
+            f"{_num(cell.get('copy_gbps'), '9.2f'):>9} "
+            f"{_num(cell.get('copy_fraction'), '6.1%'):>6}"
         )
     trace = document.get("trace")
     if trace:
         lines.append("")
         lines.append(f"trace: {trace['description']}")
         lines.append(
-            f"{'geometry':<8} {'provider':<8} {'hit rate':>8} {'miss/st':>8} {'host us':>9} "
+            f"{GEOMETRY} {PROVIDER} {'hit rate':>8} {'miss/st':>8} {'host us':>9} "
             f"{'dev us mean':>11} {'dev us med':>10}"
         )
         for row in trace["results"]:
             lines.append(
-                f"{row['geometry']:<8} {row['provider']:<8} {row['hit_rate']:>8.1%} "
+                f"{row['geometry']:<10} {row['provider']:<8} {row['hit_rate']:>8.1%} "
                 f"{row['misses_per_step']:>8.2f} {row['host_us_median']:>9.1f} "
                 f"{row['device_us_mean']:>11.1f} {row['device_us_median']:>10.1f}"
             )
