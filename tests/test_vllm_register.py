@@ -462,6 +462,7 @@ def test_cached_apply_matches_uncached(fake_vllm: Any, provider: str, split: str
     layer.quant_method = method
     (only,) = plugin.expert_cache_stats(SimpleNamespace(named_modules=lambda: [("l0", layer)]))
     assert only["layer"] == "l0" and only["capacity"] == 3 and only["misses"] > 0
+    assert only["forwards"] == 1 and only["prepare_calls"] == len(kernel.chunks) > 1
 
 
 def test_output_is_capture_stable(fake_vllm: Any) -> None:

@@ -65,5 +65,6 @@ def expert_cache_stats(model: Any) -> list[dict[str, Any]]:
         stats["layer"] = name
         stats["provider"] = type(provider).__name__
         stats["split"] = provider.split
+        stats["forwards"] = int(getattr(method, "rowcache_forwards", 0))
         found.append(stats)
     return found

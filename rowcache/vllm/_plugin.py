@@ -191,6 +191,7 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
         self._stable: Tensor | None = None
         self._graph_rows = _graph_rows(config) if settings.active else 0
         self._capacity = 0
+        self.rowcache_forwards = 0  # cached forwards; prepare_calls above it means chunks
         if settings.cache_on:
             self._capacity = self._check_layer(settings)
 
@@ -326,6 +327,7 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
             )
         kernel = self.moe_kernel
         assert kernel is not None
+        self.rowcache_forwards += 1
         pending_shared = [shared_experts]
 
         def run(weights: ExpertWeightResult, rows: slice, include_shared: bool) -> Tensor:
