@@ -55,25 +55,91 @@ class Column:
         return self.violation is None and not self.notes
 
 
-def _explore(args: tuple[Table, Check, str | None]) -> Result:
-    table, check, only = args
-    return explore(table, check.bounds, check.depth, model=check.model, only=only)
+# One unit of a full run, done in a worker process: an exhaustive exploration ("explore"), the
+# z3 check of one configuration ("z3") or the hypothesis machine ("machine").
+Job = tuple[str, Table, Check | None, int, int]
 
 
-def _pool_map(jobs: list[tuple[Table, Check, str | None]]) -> list[Result]:
+def _run_job(job: Job) -> Result | Column:
+    kind, table, check, examples, steps = job
+    if kind == "machine":
+        return machine_column(table, examples, steps)
+    assert check is not None
+    if kind == "z3":
+        return z3_column(table, check)
+    return explore(table, check.bounds, check.depth, model=check.model)
+
+
+def _pool_map(jobs: list[Job]) -> list[Result | Column]:
+    """Results in the order of `jobs`; two workers (the CI machine has two cores) take the
+    jobs in that order, so the longest go first and the workers finish together."""
     workers = min(len(jobs), os.cpu_count() or 1, 2)
     if workers <= 1:
-        return [_explore(j) for j in jobs]
+        return [_run_job(j) for j in jobs]
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_explore, jobs))
+        return list(pool.map(_run_job, jobs))
+
+
+def _schedule(checks: Sequence[Check]) -> list[tuple[str, Check | None]]:
+    """Every job of a full run, longest first: the largest happens-before search, the z3
+    checks, the explicit interleavings, the hypothesis machine, the other summaries."""
+    hb = sorted(
+        (c for c in checks if c.model == "hb"),
+        key=lambda c: (-c.bounds.num_experts, -c.bounds.capacity, -c.depth),
+    )
+    jobs: list[tuple[str, Check | None]] = [("explore", c) for c in hb[:1]]
+    jobs += [("z3", c) for c in checks if c.model == "hb"]
+    jobs += [("explore", c) for c in checks if c.model != "hb"]
+    jobs.append(("machine", None))
+    jobs += [("explore", c) for c in hb[1:]]
+    return jobs
+
+
+@dataclass
+class FullRun:
+    explorers: list[tuple[Check, Result]]
+    z3: list[Column]
+    machine: Column | None
+
+
+def run_all(
+    table: Table,
+    checks: Sequence[Check] = CHECKS,
+    *,
+    examples: int = 300,
+    steps: int = 30,
+    z3: bool = True,
+    machine: bool = True,
+) -> FullRun:
+    """Every checker of `python -m model_check`, spread over two processes; the results do not
+    depend on the order they finish in."""
+    plan = [
+        (kind, check)
+        for kind, check in _schedule(checks)
+        if (kind != "z3" or z3) and (kind != "machine" or machine)
+    ]
+    results = _pool_map([(kind, table, check, examples, steps) for kind, check in plan])
+    done = {
+        (kind, None if c is None else c.key): r for (kind, c), r in zip(plan, results, strict=True)
+    }
+    explorers = []
+    for c in checks:
+        result = done[("explore", c.key)]
+        assert isinstance(result, Result)
+        explorers.append((c, result))
+    z3_cols = []
+    for c in checks:
+        col = done.get(("z3", c.key))
+        if col is not None:
+            assert isinstance(col, Column)
+            z3_cols.append(col)
+    found = done.get(("machine", None))
+    assert found is None or isinstance(found, Column)
+    return FullRun(explorers, z3_cols, found)
 
 
 def run_explorers(table: Table, checks: Sequence[Check] = CHECKS) -> list[tuple[Check, Result]]:
-    # Longest first so the two workers finish together.
-    order = sorted(checks, key=lambda c: (c.model != "hb", -c.depth))
-    results = _pool_map([(table, c, None) for c in order])
-    by_key = {c.key: r for c, r in zip(order, results, strict=True)}
-    return [(c, by_key[c.key]) for c in checks]
+    return run_all(table, checks, z3=False, machine=False).explorers
 
 
 def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinned]) -> list[Column]:
@@ -127,28 +193,27 @@ def machine_column(table: Table, examples: int, steps: int) -> Column:
     )
 
 
-def z3_columns(table: Table) -> list[Column]:
+def z3_column(table: Table, check: Check) -> Column:
     from model_check import z3_check
 
-    columns = []
-    for check in CHECKS:
-        if check.model != "hb":
-            continue
-        report = z3_check.check_table(table, check.bounds, check.depth)
-        col = Column(
-            name=f"z3/{check.bounds.num_experts}e{check.bounds.capacity}c/d{check.depth}",
-            states=None,
-            depth=check.depth,
-            seconds=report.seconds,
-            decides=list(report.decides),
-            violation=report.violation,
-        )
-        if report.vacuous:
-            col.notes.append(f"{col.name}: never reached {', '.join(report.vacuous)}")
-        if not report.ok and report.violation is None:
-            col.notes.append(f"{col.name}: not proved:\n{report.text()}")
-        columns.append(col)
-    return columns
+    report = z3_check.check_table(table, check.bounds, check.depth)
+    col = Column(
+        name=f"z3/{check.bounds.num_experts}e{check.bounds.capacity}c/d{check.depth}",
+        states=None,
+        depth=check.depth,
+        seconds=report.seconds,
+        decides=list(report.decides),
+        violation=report.violation,
+    )
+    if report.vacuous:
+        col.notes.append(f"{col.name}: never reached {', '.join(report.vacuous)}")
+    if not report.ok and report.violation is None:
+        col.notes.append(f"{col.name}: not proved:\n{report.text()}")
+    return col
+
+
+def z3_columns(table: Table) -> list[Column]:
+    return [z3_column(table, check) for check in CHECKS if check.model == "hb"]
 
 
 def verdict_table(columns: list[Column]) -> str:
@@ -183,14 +248,16 @@ def verdict_table(columns: list[Column]) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     table = load_table()
     manifest = load_manifest()
-    runs = run_explorers(table)
+    full = run_all(table, examples=args.examples, steps=args.steps)
+    runs = full.explorers
     if args.write_manifest:
         rows = [(c, Pinned(r.states, r.transitions, r.max_depth_reached)) for c, r in runs]
         MANIFEST_PATH.write_text(manifest_text(rows))
         manifest = load_manifest()
     columns = explorer_columns(runs, manifest)
-    columns += z3_columns(table)
-    columns.append(machine_column(table, args.examples, args.steps))
+    columns += full.z3
+    assert full.machine is not None
+    columns.append(full.machine)
     ok = all(c.ok for c in columns)
     if args.json:
         print(json.dumps({"ok": ok, "columns": [_column_json(c) for c in columns]}, indent=2))

@@ -29,6 +29,7 @@ from model_check.core import (
 from model_check.hb import (
     DeviceCache,
     HbState,
+    Pending,
     Places,
     hb_host_call,
     initial_hb_state,
@@ -97,8 +98,18 @@ def _swap_ref(r: tuple[int, int] | None) -> tuple[int, int] | None:
     return None if r is None else (_swap(r[0]), r[1])
 
 
-def _swap_host(host: HostState) -> HostState:
+def swap_host(host: HostState) -> HostState:
+    """The host state with the two consumer streams renamed."""
     return host._replace(owner=_swap(host.owner) if host.owner != NO_STREAM else NO_STREAM)
+
+
+def _swap_mask(m: int) -> int:
+    return (m & ~3) | ((m & 1) << 1) | ((m & 2) >> 1)
+
+
+def swap_pending(pending: frozenset[Pending]) -> frozenset[Pending]:
+    """Pending operations with the two consumer streams' bits exchanged."""
+    return frozenset((k, w, _swap_mask(m)) for k, w, m in pending)
 
 
 class QueueModel:
@@ -121,9 +132,9 @@ class QueueModel:
         queues[0], queues[1] = queues[1], queues[0]
         blocked = state.blocked
         if blocked is not None:
-            blocked = (blocked[0], _swap(blocked[1]), *blocked[2:5], _swap_host(blocked[5]))  # type: ignore[arg-type]
+            blocked = (blocked[0], _swap(blocked[1]), *blocked[2:5], swap_host(blocked[5]))  # type: ignore[arg-type]
         swapped = state._replace(
-            host=_swap_host(state.host),
+            host=swap_host(state.host),
             queues=tuple(
                 tuple((o[0], o[1], o[2], tuple((_swap(r[0]), r[1]) for r in o[3]), o[4]) for o in q)
                 for q in queues
@@ -205,13 +216,7 @@ class HbModel:
         if self.bounds.consumer_streams != 2:
             return state
 
-        def swap_mask(m: int) -> int:
-            return (m & ~3) | ((m & 1) << 1) | ((m & 2) >> 1)
-
-        swapped = state._replace(
-            host=_swap_host(state.host),
-            pending=frozenset((k, w, swap_mask(m)) for k, w, m in state.pending),
-        )
+        swapped = state._replace(host=swap_host(state.host), pending=swap_pending(state.pending))
         return min(state, swapped, key=lambda s: (s.host, sorted(s.pending)))
 
     def stuck(self, state: HbState) -> Violation | None:
@@ -280,11 +285,20 @@ def explore(
     stop_at_first: bool = True,
     symmetry: bool = True,
     only: str | None = None,
+    fast: bool = True,
 ) -> Result:
     """Explore every host-call sequence of up to `depth` calls with the chosen device model.
 
     With `only`, violations of other properties are ignored (used to show that a mutant
-    breaks the property it was seeded against, not just some property)."""
+    breaks the property it was seeded against, not just some property).
+
+    The happens-before model with symmetry runs through `hb_fast.explore_hb`, which explores
+    the same states and transitions with memoized halves; `fast=False` runs this reference
+    loop instead (the tests compare the two)."""
+    if model != "interleavings" and symmetry and fast:
+        from model_check.hb_fast import explore_hb
+
+        return explore_hb(table, bounds, depth, stop_at_first=stop_at_first, only=only)
     m: Any = QueueModel(table, bounds) if model == "interleavings" else HbModel(table, bounds)
     start = time.perf_counter()
     result = Result(bounds=bounds, depth=depth, model=m.name)
