@@ -349,7 +349,10 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
             )
             return result
 
-        return self._stable_output(run_with_expert_cache(provider, topk_ids, run))
+        # Plan on a host copy: one device-to-host transfer per forward, where planning and
+        # validation on the device tensor would each synchronize with the GPU.
+        host_ids = topk_ids.cpu()
+        return self._stable_output(run_with_expert_cache(provider, host_ids, run))
 
 
 def install() -> bool:

@@ -93,6 +93,33 @@ def _probe(model: Any) -> dict[str, Any]:
     }
 
 
+def _identity_expert_map(model: Any) -> int:
+    """Give every MoE layer without a cache the identity expert_map.
+
+    vLLM then calls the same Triton path as a cached layer (expert ids mapped through a map),
+    so a no-cache run and a cache run differ only by where the weights come from.
+    """
+    import torch
+
+    count = 0
+    for _name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if (
+            method is None
+            or not hasattr(module, "w13_weight")
+            or not hasattr(module, "_expert_map")
+        ):
+            continue
+        if getattr(method, "rowcache_provider", None) is not None:
+            continue
+        experts = int(module.global_num_experts)
+        module._expert_map = torch.arange(
+            experts, dtype=torch.int32, device=module.w13_weight.device
+        )
+        count += 1
+    return count
+
+
 def _stats(model: Any) -> list[dict[str, Any]]:
     from rowcache.vllm import expert_cache_stats
 
@@ -168,6 +195,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         result["cudagraph_mode"] = str(cc_final.cudagraph_mode.name)
         result["moe_split"] = [op for op in (cc_final.splitting_ops or []) if op in MOE_OPS]
         result["probe"] = llm.apply_model(_probe)[0]
+        if spec.get("identity_expert_map"):
+            result["identity_expert_map_layers"] = llm.apply_model(_identity_expert_map)[0]
 
         prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
         sp = SamplingParams(
@@ -177,11 +206,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         lock = _wait_turn(spec)
         try:
             before = _totals(llm.apply_model(_stats)[0])
-            times, outs = [], None
+            times, outs, runs = [], None, []
             for _ in range(spec.get("repeats", 1)):
                 t = time.time()
                 outs = llm.generate(prompts, sp, use_tqdm=False)
                 times.append(time.time() - t)
+                runs.append([list(o.outputs[0].token_ids) for o in outs])
             after_layers = llm.apply_model(_stats)[0]
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -190,6 +220,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         after = _totals(after_layers)
         generated = spec["max_tokens"] * len(prompts)
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["repeats_identical"] = all(r == runs[0] for r in runs)
         result["tok_s_runs"] = [round(generated / t, 1) for t in times]
         result["tok_s"] = round(generated / statistics.median(times), 1)
         if after_layers:
@@ -283,6 +314,30 @@ def _qwen_specs(model: str) -> list[dict[str, Any]]:
                     },
                 }
             )
+    return specs
+
+
+def _rerun_specs(tiny: str, qwen8: str) -> list[dict[str, Any]]:
+    """The second run: the same-mode references (MoE op eager between pieces, with and without
+    an identity expert_map) next to the cache runs, and (a) to (d) again in one phase."""
+    tiny_base = {"model": tiny, "prompts": TINY_PROMPTS, "max_tokens": 32, "max_model_len": 512}
+    eager_moe = {"moe_eager_between_graphs": True}
+    specs = [
+        {**tiny_base, "name": "tiny.piecewise.eager_moe", "mode": "default", "rowcache": eager_moe},
+        {
+            **tiny_base,
+            "name": "tiny.piecewise.eager_moe.idmap",
+            "mode": "default",
+            "rowcache": eager_moe,
+            "identity_expert_map": True,
+        },
+    ]
+    for spec in _qwen_specs(qwen8):
+        if spec["name"].startswith("qwen8.ref."):
+            continue
+        specs.append(spec)
+        if spec["name"] == "qwen8.b.eager_moe":
+            specs.append({**spec, "name": "qwen8.b.eager_moe.idmap", "identity_expert_map": True})
     return specs
 
 
@@ -435,6 +490,11 @@ def summarize(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     for name, r in results.items():
         ref = next((v for k, v in refs.items() if name.startswith(k)), "")
         if name.startswith("qwen8.") and ("row" in name or "cached" in name):
+            idmap = "qwen8.b.eager_moe.idmap"
+            ref = idmap if idmap in results else "qwen8.b.eager_moe"
+        if name.startswith("tiny.piecewise.") and "tiny.piecewise.eager_moe.idmap" in results:
+            ref = "tiny.piecewise.eager_moe.idmap"
+        if name.startswith("qwen8.b.eager_moe.") and "qwen8.b.eager_moe" in results:
             ref = "qwen8.b.eager_moe"
         if not r.get("ok"):
             err = r.get("error", "?")[:150]
@@ -448,6 +508,8 @@ def summarize(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         prep = f"{timed.get('prepare_calls', 0)}/{timed.get('forwards', 0)}" if timed else "-"
         probe = r.get("probe", {})
         cmp = "reference" if name == ref else _compare(results, ref, name)
+        if r.get("repeats_identical") is False:
+            cmp += "; REPEATS DIFFER"
         split = "yes" if r.get("moe_split") else "no"
         lines.append(
             f"{name:34} {r.get('cudagraph_mode', '?'):10} {split:9} "
@@ -500,14 +562,14 @@ def run(args: argparse.Namespace) -> int:
     built = work / "ckpt.done"
     builder_log = logs / "checkpoints.log"
     t = time.time()
-    if "tiny" in phases and not (tiny / "config.json").exists():
+    if ("tiny" in phases or "rerun" in phases) and not (tiny / "config.json").exists():
         subprocess.run([sys.executable, CKPT_TOOL, str(tiny)], check=True)
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
 
     def builder() -> subprocess.Popen[bytes]:
         cmd = (
             f"{sys.executable} {CKPT_TOOL} {qwen8} --qwen3-30b-a3b --layers 8"
-            if "qwen8" in phases and not (qwen8 / "config.json").exists()
+            if ("qwen8" in phases or "rerun" in phases) and not (qwen8 / "config.json").exists()
             else "true"
         )
         cmd2 = (
@@ -526,6 +588,11 @@ def run(args: argparse.Namespace) -> int:
         stderr=subprocess.STDOUT,
         env=_env(None),
     )
+    if "rerun" in phases:
+        build.wait(timeout=max(1.0, deadline - time.time()))
+        for r in _phase(_rerun_specs(str(tiny), str(qwen8)), logs, deadline, None):
+            results[r["name"]] = r
+        meta["after_rerun_s"] = round(time.time() - start, 1)
     if "tiny" in phases:
         for r in _phase(_tiny_specs(str(tiny)), logs, deadline, built):
             results[r["name"]] = r
