@@ -31,7 +31,12 @@ GENERATED_PATH = ROOT / "rowcache" / "schedules" / "_generated.py"
 
 COMMAND = "python -m model_check.codegen"
 ROLE_EXPR = {"current": "ctx.current", "owner": "ctx.owner", "copy": "ctx.copy"}
-WHEN_EXPR = {"misses": "plan.copies", "changed": "plan.changed"}
+WHEN_EXPR = {
+    "misses": "plan.copies",
+    "changed": "plan.changed",
+    # Roles.owner is the current stream when there is no owner yet (see Roles).
+    "misses_or_handoff": "plan.copies or ctx.owner != ctx.current",
+}
 RING_CONTENT = {"resident": "plan.resident", "forward": "plan.forward"}
 CONSUMER_KINDS = ("consumer_read",)
 MAX_LINE = 100

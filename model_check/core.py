@@ -136,12 +136,26 @@ class DeviceCall(ABC):
     def host_sync(self, streams: list[int], provider: bool, op_name: str) -> bool:
         """Block the host until `streams` drain; False when the model must stop here."""
 
+    @property
+    def handoff(self) -> bool:
+        """The call is made on another stream than the owner (there is one)."""
+        return self.owner != NO_STREAM and self.owner != self.stream
+
+    def when_holds(self, when: str) -> bool:
+        """Whether a step with condition `when` runs in this call."""
+        effect = self.effect
+        if when == "misses":
+            return bool(effect.copies)
+        if when == "changed":
+            return effect.changed
+        if when == "misses_or_handoff":
+            return bool(effect.copies) or self.handoff
+        return True
+
     def run_step(self, step: Step, op: Operation) -> bool:
         """Run one table step; False when the host blocks in host_sync."""
         effect = self.effect
-        if step.when == "misses" and not effect.copies:
-            return True
-        if step.when == "changed" and not effect.changed:
+        if not self.when_holds(step.when):
             return True
         kind = step.kind
         if kind == "write_staging":

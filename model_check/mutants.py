@@ -81,6 +81,24 @@ def _flag_wait_ready(steps: list[Step]) -> list[Step]:
     return steps
 
 
+def _hit_path_on_handoff(keep: tuple[str, ...]) -> Callable[[list[Step]], list[Step]]:
+    """Steps guarded by misses_or_handoff run on misses only, except those of a kind in
+    `keep`: an all-hit call from another stream skips (part of) the handoff."""
+
+    def edit(steps: list[Step]) -> list[Step]:
+        hits = [i for i, s in enumerate(steps) if s.when == "misses_or_handoff"]
+        if not hits:
+            raise LookupError("no misses_or_handoff step to mutate")
+        for i in hits:
+            if steps[i].kind not in keep and not (
+                steps[i].kind == "wait_event" and steps[i].event in keep
+            ):
+                steps[i] = replace(steps[i], when="misses")
+        return steps
+
+    return edit
+
+
 def _both(*edits: Callable[[Table], Table]) -> Callable[[Table], Table]:
     def apply(table: Table) -> Table:
         for edit in edits:
@@ -109,6 +127,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "prepare never makes the current stream the owner, so release is recorded on a "
         "stream the last forward may not have used",
         _edit("prepare", lambda op: replace(op, set_owner="")),
+    ),
+    Mutant(
+        "hit_path_ignores_handoff",
+        "P1_no_overwrite_under_reader",
+        "an all-hit prepare from another stream skips the handoff too, so the next release, "
+        "recorded on the new owner, does not cover the old owner's pending reads",
+        _steps("prepare", _hit_path_on_handoff(keep=())),
+    ),
+    Mutant(
+        "handoff_without_ready_wait",
+        "P2_no_stale_read",
+        "an all-hit prepare from another stream records release and ready but the current "
+        "stream does not wait on ready, so its reads may overtake copies still in flight",
+        _steps("prepare", _hit_path_on_handoff(keep=("record_event", "release"))),
     ),
     Mutant(
         "ready_before_copies",

@@ -28,7 +28,7 @@ STEP_KINDS = (
 )
 EVENTS = ("release", "ready")
 RINGS = ("resident", "forward")
-WHENS = ("always", "misses", "changed")
+WHENS = ("always", "misses", "changed", "misses_or_handoff")
 HOST_ONLY_KINDS = ("write_staging",)
 
 

@@ -267,7 +267,13 @@ class Z3Call(DeviceCall):
     def run_step(self, step: Step, op: Operation) -> bool:
         if step.when == "always":
             return super().run_step(step, op)
-        cond = self.facts.misses if step.when == "misses" else self.facts.changed
+        conds: dict[str, Bool] = {
+            "misses": self.facts.misses,
+            "changed": self.facts.changed,
+            # The streams are concrete in each branch (see `interpret`), so handoff is too.
+            "misses_or_handoff": disj(self.facts.misses, self.handoff),
+        }
+        cond = conds[step.when]
         outer = self.cond
         self.cond = conj(outer, cond)
         try:

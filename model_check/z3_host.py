@@ -319,19 +319,22 @@ class EffectFacts(NamedTuple):
     may_copy        an accepted call may copy experts
     may_change      an accepted call may change the resident map
     change_needs_forward  the map changes only if an expert is resident, which needs an
-                    earlier accepted prepare (so a forward map exists)"""
+                    earlier accepted prepare (so a forward map exists)
+    change_needs_copy     the map changes only when the call copies (a prepare maps a new
+                    expert only by copying it; its hit path relies on this)"""
 
     sets_forward: bool
     may_copy: bool
     may_change: bool
     change_needs_forward: bool
+    change_needs_copy: bool
 
 
-_PREPARE_FACTS = EffectFacts(True, True, True, False)
+_PREPARE_FACTS = EffectFacts(True, True, True, False, True)
 EFFECT_FACTS: dict[str, EffectFacts] = {
     "plan_prepare": _PREPARE_FACTS,
-    "plan_invalidate": EffectFacts(False, False, True, True),
-    "no_change": EffectFacts(False, False, False, False),
+    "plan_invalidate": EffectFacts(False, False, True, True, False),
+    "no_change": EffectFacts(False, False, False, False, False),
     "plan_prepare_unprotected_victim": _PREPARE_FACTS,
     "plan_prepare_forward_from_resident": _PREPARE_FACTS,
     "plan_prepare_keep_victim_mapped": _PREPARE_FACTS,

@@ -5,9 +5,10 @@ mask of places) plus an abstract host: the owner stream and whether an accepted 
 happened (`prepared`, which is "a forward map exists"). A host call is any operation of the
 table on any consumer stream; what the steps read of the host plan is free, within facts the
 tests check against the reference functions on every reachable host state (z3_host
-.EFFECT_FACTS): a prepare may or may not copy and change the map; an invalidate changes it
-only when an expert is resident, so only after a prepare; a read needs a forward map. Nothing
-here depends on the number of experts or slots, nor on the number of calls.
+.EFFECT_FACTS): a prepare may or may not copy, and changes the map only when it copies; an
+invalidate changes it only when an expert is resident, so only after a prepare; a read needs a
+forward map. Nothing here depends on the number of experts or slots, nor on the number of
+calls.
 
 The invariant is not written by hand. Candidate clauses come from a template, for every
 followed kind K:  "K pending => a"  and  "K pending => a or b"  where a, b range over "happens
@@ -142,6 +143,8 @@ def transition(
         changed: Bool = z3.Bool(f"{prefix}_changed{i}") if facts.may_change else False
         if facts.change_needs_forward:
             changed = conj(changed, pre.prepared)
+        if facts.change_needs_copy:
+            changed = conj(changed, misses)
         results.append((conj(sel, neg(ok)), pre))
         owner = cur if op.set_owner == "current" else pre.owner
         prepared = disj(pre.prepared, facts.sets_forward)

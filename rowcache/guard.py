@@ -10,8 +10,7 @@ callback, and would hide the contract violation).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 from rowcache.errors import ConcurrentCallError
 
@@ -29,18 +28,21 @@ class CallGuard:
         self._active: str | None = None
         self._holder: int | None = None
 
-    @contextmanager
-    def __call__(self, op: str) -> Iterator[None]:
+    def __call__(self, op: str) -> _Held:
+        # A plain context-manager object rather than @contextmanager: this runs on every
+        # prepare, whose host time is measured in microseconds.
+        return _Held(self, op)
+
+    def enter(self, op: str) -> None:
         if not self._lock.acquire(blocking=False):
             raise self._conflict(op)
         self._active = op
         self._holder = threading.get_ident()
-        try:
-            yield
-        finally:
-            self._active = None
-            self._holder = None
-            self._lock.release()
+
+    def leave(self) -> None:
+        self._active = None
+        self._holder = None
+        self._lock.release()
 
     def _conflict(self, op: str) -> ConcurrentCallError:
         # Read once: the holder may leave between the failed acquire and here.
@@ -54,3 +56,24 @@ class CallGuard:
             f"{self._owner}.{op} {where} {running} was running; host calls on one "
             "provider must be sequential"
         )
+
+
+class _Held:
+    """The guard held for one call: entering acquires it, leaving releases it."""
+
+    __slots__ = ("_guard", "_op")
+
+    def __init__(self, guard: CallGuard, op: str) -> None:
+        self._guard = guard
+        self._op = op
+
+    def __enter__(self) -> None:
+        self._guard.enter(self._op)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._guard.leave()

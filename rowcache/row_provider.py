@@ -24,6 +24,7 @@ one is given (tests pass ``rowcache.backends.RecordingBackend``).
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -107,7 +108,13 @@ class RowCacheWeightProvider(SlotSurface):
         self._run_invalidate = run_invalidate
 
         self._lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self._slot_of = [-1] * num_experts  # the resident-map host mirror
+        # The host mirrors of both maps are int32 arrays with tensor views over the same
+        # memory: a call updates O(requested) entries in place and stages a whole map with one
+        # memory copy, with no loop over all E experts.
+        self._slot_of = array("i", [-1]) * num_experts  # the resident-map host mirror
+        self._forward_host = array("i", [-1]) * num_experts  # the last forward map
+        self._resident_view = torch.frombuffer(self._slot_of, dtype=torch.int32)
+        self._forward_view = torch.frombuffer(self._forward_host, dtype=torch.int32)
         self._free = list(range(capacity))  # a heap: lowest free slot first
         self._owner: Any = None  # stream of the previous accepted prepare
         self._forward: tuple[tuple[int, int], ...] | None = None
@@ -119,6 +126,15 @@ class RowCacheWeightProvider(SlotSurface):
         self._owner_changes = 0
         self._invalidations = 0
         self._guard = CallGuard(type(self).__name__)
+        # Every prepare returns the same live buffers, so the result is built once.
+        slots = self._slots
+        self._result = ExpertWeightResult(
+            w1=slots.w13,
+            w2=slots.w2,
+            expert_map=self._backend.forward_map,
+            w1_scale=slots.w13_scale,
+            w2_scale=slots.w2_scale,
+        )
 
     # -- surface -----------------------------------------------------------
 
@@ -151,14 +167,7 @@ class RowCacheWeightProvider(SlotSurface):
                 raise
             if new_owner is not None:
                 self._owner = new_owner
-            slots = self._slots
-            return ExpertWeightResult(
-                w1=slots.w13,
-                w2=slots.w2,
-                expert_map=backend.forward_map,
-                w1_scale=slots.w13_scale,
-                w2_scale=slots.w2_scale,
-            )
+            return self._result
 
     def invalidate(self, expert_id: int) -> None:
         """Free ``expert_id``'s slot so its next request copies it again.
@@ -190,7 +199,7 @@ class RowCacheWeightProvider(SlotSurface):
             owner = self._owner
             roles = Roles(current, current if owner is None else owner, backend.copy_stream)
             new_owner = self._run_invalidate(
-                backend, roles, Plan(changed=changed, resident=self._slot_of)
+                backend, roles, Plan(changed=changed, resident=self._resident_view)
             )
             if new_owner is not None:
                 self._owner = new_owner
@@ -270,13 +279,18 @@ class RowCacheWeightProvider(SlotSurface):
                     del lru[victim]
                 slot_of[expert] = slot
                 copies.append((expert, slot))
+        move_to_end = lru.move_to_end
         for expert in requested:
             if expert in lru:
-                lru.move_to_end(expert)
+                move_to_end(expert)
             else:
                 lru[expert] = None
+        # The forward map exposes exactly the requested experts: clear the previous call's
+        # entries, then write this call's.
+        forward = self._forward_host
+        for expert, _ in self._forward or ():
+            forward[expert] = -1
         forward_pairs = self._forward_pairs(requested)
-        forward = [-1] * self._num_experts
         for expert, slot in forward_pairs:
             forward[expert] = slot
         self._forward = forward_pairs
@@ -286,8 +300,8 @@ class RowCacheWeightProvider(SlotSurface):
         return Plan(
             copies=copies,
             changed=bool(misses),
-            resident=slot_of,
-            forward=forward,
+            resident=self._resident_view,
+            forward=self._forward_view,
             forward_pairs=forward_pairs,
         )
 

@@ -109,6 +109,20 @@ def _first_duplicate(ids: list[int]) -> int | None:
     return next((a for a, b in pairwise(ordered) if a == b), None)
 
 
+SMALL_ROUTING = 2048
+"""Up to this many entries, a CPU ``topk_ids`` is reduced with a Python set: for a decode
+step (a few tokens times top-k) that costs a few microseconds, where ``torch.unique``'s
+dispatch and sort cost tens."""
+
+
+def _routed_experts(topk_ids: Tensor) -> list[int]:
+    """The distinct values of ``topk_ids``, ascending."""
+    if topk_ids.device.type == "cpu" and topk_ids.numel() <= SMALL_ROUTING:
+        return sorted(set(topk_ids.reshape(-1).tolist()))
+    routed: list[int] = torch.unique(topk_ids).tolist()
+    return routed
+
+
 def requested_experts(
     topk_ids: Tensor,
     unique_ids: UniqueIds | None,
@@ -123,10 +137,11 @@ def requested_experts(
     Raises ``InvalidInputError`` (naming the offending value and the limit) and
     has no side effect, so a provider that calls it first stays unchanged on
     rejection. Costs one ``torch.unique`` of ``topk_ids`` and one host transfer
-    of its result; nothing loops over all E experts.
+    of its result (a Python set for a small CPU ``topk_ids``); nothing loops over all E
+    experts.
     """
     check_topk_ids(topk_ids, op, device)
-    routed: list[int] = torch.unique(topk_ids).tolist()
+    routed = _routed_experts(topk_ids)
     if routed and (routed[0] < 0 or routed[-1] >= num_experts):
         value = routed[0] if routed[0] < 0 else routed[-1]
         raise InvalidInputError(

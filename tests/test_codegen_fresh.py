@@ -65,9 +65,15 @@ def expected(step: Step) -> tuple[str, str, str]:
     return (step.kind, step.stream, step.event or step.ring)
 
 
-def run(module: Any, op: str, plan: Plan) -> tuple[list[tuple[str, str, str]], object]:
+# The owner is the current stream: no handoff.
+SAME_OWNER = Roles(current="current", owner="current", copy="copy")
+
+
+def run(
+    module: Any, op: str, plan: Plan, roles: Roles[str] = ROLES
+) -> tuple[list[tuple[str, str, str]], object]:
     backend = Calls()
-    owner = getattr(module, f"run_{op}")(backend, ROLES, plan)
+    owner = getattr(module, f"run_{op}")(backend, roles, plan)
     return backend.log, owner
 
 
@@ -86,8 +92,17 @@ def test_every_operation_calls_its_steps_in_table_order() -> None:
     for op in table.operations:
         log, owner = run(_generated, op.name, busy)
         assert log == [expected(s) for s in op.steps], op.name
+        # Nothing copied, the map unchanged, a call from another stream: the handoff runs.
         log, _ = run(_generated, op.name, idle)
-        assert log == [expected(s) for s in op.steps if s.when == "always"], op.name
+        handoff = ("always", "misses_or_handoff")
+        assert log == [expected(s) for s in op.steps if s.when in handoff], op.name
+        # The same on the owner stream: only the unconditional steps (the hit path).
+        log, _ = run(_generated, op.name, idle, SAME_OWNER)
+        on_owner = [expected(s) for s in op.steps if s.when == "always"]
+        assert log == [
+            (kind, "current" if stream == "owner" else stream, label)
+            for kind, stream, label in on_owner
+        ], op.name
         assert owner == ("current" if op.set_owner == "current" else None)
 
 

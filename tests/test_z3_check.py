@@ -274,6 +274,8 @@ def test_effect_facts_hold(bounds: Bounds, variant: tuple[str, Table]) -> None:
                 assert not eff.changed
             if facts.change_needs_forward and eff.changed:
                 assert host.forward is not None
+            if facts.change_needs_copy and eff.changed:
+                assert eff.copies
             if op.guard == "has_forward":
                 assert host.forward is not None
             # A resident expert needs an earlier accepted prepare, which set the owner.

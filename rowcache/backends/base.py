@@ -20,7 +20,7 @@ from torch import Tensor
 
 from rowcache.sources import ExpertSources, SlotBuffers
 
-__all__ = ["RINGS", "Backend", "ConsumerBackend", "Plan", "Roles", "S"]
+__all__ = ["RINGS", "Backend", "ConsumerBackend", "MapContent", "Plan", "Roles", "S", "map_values"]
 
 S = TypeVar("S")
 """A backend's stream type (``torch.cuda.Stream``, a label for the recording backend...)."""
@@ -43,6 +43,20 @@ class Roles(Generic[S]):
     copy: S
 
 
+MapContent = Sequence[int] | Tensor
+"""A full map (one int32 entry per expert) as ``write_staging`` receives it: a sequence of
+ints, or a CPU int32 tensor ``[E]`` (the provider passes views of its host mirrors, so that
+staging a map is one memory copy, not a conversion of E Python ints)."""
+
+
+def map_values(content: MapContent) -> list[int]:
+    """The entries of a map as Python ints (for backends that keep a copy as a list)."""
+    if isinstance(content, Tensor):
+        values: list[int] = content.tolist()
+        return values
+    return list(content)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What one accepted host call needs its steps to do.
@@ -50,14 +64,15 @@ class Plan:
     ``copies``: (expert, slot) for every miss, in copy order (ascending expert id); a step with
     ``when = "misses"`` runs when it is non-empty. ``changed``: the call changed the resident
     map (``when = "changed"``). ``resident`` and ``forward``: the full maps (one slot per expert,
-    -1 elsewhere) that ``write_staging`` puts into the ``"resident"`` and ``"forward"`` rings.
+    -1 elsewhere) that ``write_staging`` puts into the ``"resident"`` and ``"forward"`` rings;
+    they may be live views of the provider's host mirrors, valid until the next host call.
     ``forward_pairs``: (expert, slot) of the exposed experts, ascending, for consumer steps.
     """
 
     copies: Sequence[tuple[int, int]] = ()
     changed: bool = False
-    resident: Sequence[int] = ()
-    forward: Sequence[int] = ()
+    resident: MapContent = ()
+    forward: MapContent = ()
     forward_pairs: Sequence[tuple[int, int]] = ()
 
 
@@ -108,7 +123,7 @@ class Backend(Protocol[S]):
         """For each (expert, slot), copy the expert's rows of every source into the slot."""
         ...
 
-    def write_staging(self, ring: str, content: Sequence[int]) -> None:
+    def write_staging(self, ring: str, content: MapContent) -> None:
         """Host write of ``content`` into a free staging buffer of ``ring`` (never blocking)."""
         ...
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from rowcache.backends.base import RINGS
+from rowcache.backends.base import RINGS, MapContent
 from rowcache.sources import ExpertSources, SlotBuffers
 
 __all__ = ["CPU_STREAM", "CpuBackend"]
@@ -73,8 +73,9 @@ class CpuBackend:
             for expert, slot in copies:
                 buf[slot].copy_(src[expert])
 
-    def write_staging(self, ring: str, content: Sequence[int]) -> None:
-        self._staged[ring] = torch.tensor(content, dtype=torch.int32)
+    def write_staging(self, ring: str, content: MapContent) -> None:
+        # A copy: the content may be a live view of the provider's host mirror.
+        self._staged[ring] = torch.as_tensor(content, dtype=torch.int32).clone()
 
     def upload_map(self, stream: str, ring: str) -> None:
         self._maps[ring].copy_(self._staged[ring])

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from rowcache.backends.base import RINGS
+from rowcache.backends.base import RINGS, MapContent, map_values
 from rowcache.sources import ExpertSources, SlotBuffers
 
 __all__ = ["COPY_STREAM", "RecordingBackend"]
@@ -113,9 +113,9 @@ class RecordingBackend:
             self.trace.append(f"copy expert {expert} to slot {slot} on {sid}")
             self.slot_experts[slot] = expert
 
-    def write_staging(self, ring: str, content: Sequence[int]) -> None:
+    def write_staging(self, ring: str, content: MapContent) -> None:
         self.trace.append(f"stage {ring}")
-        self._staged[ring] = list(content)
+        self._staged[ring] = map_values(content)
 
     def upload_map(self, stream: Hashable, ring: str) -> None:
         self.trace.append(f"upload {ring} map on {self.stream_index(stream)}")

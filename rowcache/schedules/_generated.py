@@ -28,27 +28,30 @@ def run_prepare(backend: Backend[S], ctx: Roles[S], plan: Plan) -> S | None:
     """prepare(ids): guard valid_prepare, effect plan_prepare; owner := current.
 
     Steps, in table order:
-      0. record_event on owner event=release
-      1. wait_event on copy event=release
+      0. record_event on owner event=release when=misses_or_handoff
+      1. wait_event on copy event=release when=misses_or_handoff
       2. copy_rows on copy when=misses
-      3. write_staging ring=resident
-      4. upload_map on copy ring=resident
-      5. release_staging on copy ring=resident
-      6. record_event on copy event=ready
-      7. wait_event on current event=ready
+      3. write_staging ring=resident when=changed
+      4. upload_map on copy ring=resident when=changed
+      5. release_staging on copy ring=resident when=changed
+      6. record_event on copy event=ready when=misses_or_handoff
+      7. wait_event on current event=ready when=misses_or_handoff
       8. write_staging ring=forward
       9. upload_map on current ring=forward
       10. release_staging on current ring=forward
     """
-    backend.record_event(ctx.owner, "release")
-    backend.wait_event(ctx.copy, "release")
+    if plan.copies or ctx.owner != ctx.current:
+        backend.record_event(ctx.owner, "release")
+        backend.wait_event(ctx.copy, "release")
     if plan.copies:
         backend.copy_rows(ctx.copy, plan.copies)
-    backend.write_staging("resident", plan.resident)
-    backend.upload_map(ctx.copy, "resident")
-    backend.release_staging(ctx.copy, "resident")
-    backend.record_event(ctx.copy, "ready")
-    backend.wait_event(ctx.current, "ready")
+    if plan.changed:
+        backend.write_staging("resident", plan.resident)
+        backend.upload_map(ctx.copy, "resident")
+        backend.release_staging(ctx.copy, "resident")
+    if plan.copies or ctx.owner != ctx.current:
+        backend.record_event(ctx.copy, "ready")
+        backend.wait_event(ctx.current, "ready")
     backend.write_staging("forward", plan.forward)
     backend.upload_map(ctx.current, "forward")
     backend.release_staging(ctx.current, "forward")

@@ -316,6 +316,31 @@ def forward_staging_under_busy_stream(make: Factory) -> Report:
     return b.finish()
 
 
+def all_hit_handoff_then_eviction(make: Factory) -> Report:
+    """An all-hit prepare from another stream (the hit path with a handoff), then a prepare
+    there that evicts slots an earlier reader on the old owner still reads: the handoff must
+    have put the old owner's reads behind the new owner's release."""
+    b = Bench("all_hit_handoff_then_eviction", make, {"r1": SLEEP_MS, "r2": 0, "r3": 0})
+    b.prepare(b.profile, 0, 1, 2)
+    r1 = b.read("r1", b.profile)
+    b.prepare(b.capture, 0, 1, 2, watch=(r1,))  # all hits, owner change
+    b.read("r2", b.capture)
+    b.prepare(b.capture, 3, 4, watch=(r1,))  # evicts 0 and 1 while r1 reads them
+    b.read("r3", b.capture)
+    return b.finish()
+
+
+def all_hit_handoff_sees_copies(make: Factory) -> Report:
+    """Copies held back behind busy work on the owner stream, then an all-hit prepare from
+    another stream and a read there: the read must wait for those copies."""
+    b = Bench("all_hit_handoff_sees_copies", make, {"r1": 0})
+    busy = b.busy(b.profile, SLEEP_MS)
+    b.prepare(b.profile, 0, 1, 2, watch=(busy,))  # its copies wait behind the busy kernel
+    b.prepare(b.capture, 0, 1, 2, watch=(busy,))  # all hits, owner change
+    b.read("r1", b.capture)
+    return b.finish()
+
+
 def every_call_behind_a_reader(make: Factory) -> Report:
     """Every kind of provider call, from the owner and from other streams, issued while one
     long reader is pending: none may block the host."""
@@ -347,6 +372,8 @@ FIXTURES: dict[str, Callable[[Factory], Report]] = {
         invalidate_reuse_from_other_stream,
         invalidate_behind_pending_upload,
         forward_staging_under_busy_stream,
+        all_hit_handoff_then_eviction,
+        all_hit_handoff_sees_copies,
         every_call_behind_a_reader,
     )
 }
