@@ -526,3 +526,16 @@ def test_other_backend_is_rejected(fake_vllm: Any, monkeypatch: pytest.MonkeyPat
         _method(fake_vllm, {"moe_expert_cache_size": 4})
     # Without the cache the backend is vLLM's business.
     assert _method(fake_vllm, None).rowcache_settings is None
+
+
+def test_lowering_is_logged_once(fake_vllm: Any, caplog: pytest.LogCaptureFixture) -> None:
+    plugin.register()
+    from rowcache.vllm import _plugin
+
+    _plugin._said.clear()
+    caplog.set_level(logging.WARNING, logger="rowcache.vllm")
+    for _ in range(3):
+        _config(fake_vllm, {"moe_expert_cache_size": 16})
+    lowered = [m for m in _rowcache_warnings(caplog) if "lowered to PIECEWISE" in m]
+    assert len(lowered) == 1
+    assert "FULL_AND_PIECEWISE" in lowered[0] and "16 slots" in lowered[0]

@@ -53,6 +53,7 @@ MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
 """vLLM's MoE custom ops; as splitting ops they run eagerly between captured pieces."""
 
 _WRAPPED = "_rowcache_wrapped"
+_said: set[str] = set()
 
 
 class RowcacheError(RuntimeError):
@@ -117,12 +118,15 @@ def adjust_graphs(config: Any, settings: CacheSettings) -> None:
             f"attention ops together with {', '.join(MOE_OPS)}."
         )
     if cc.cudagraph_mode.has_full_cudagraphs():
-        logger.warning(
-            "rowcache (%s): cudagraph_mode %s lowered to PIECEWISE: a full CUDA graph would "
-            "freeze one step's expert plan; the MoE op now runs eagerly between captured pieces.",
-            settings.describe(),
-            cc.cudagraph_mode.name,
+        message = (
+            f"rowcache ({settings.describe()}): cudagraph_mode {cc.cudagraph_mode.name} lowered "
+            "to PIECEWISE: a full CUDA graph would freeze one step's expert plan; the MoE op "
+            "now runs eagerly between captured pieces."
         )
+        # vLLM builds its config more than once per engine; say it once.
+        if message not in _said:
+            _said.add(message)
+            logger.warning(message)
         cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
     ops = list(cc.splitting_ops or [])
     for op in MOE_OPS:
