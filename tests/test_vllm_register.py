@@ -539,3 +539,33 @@ def test_lowering_is_logged_once(fake_vllm: Any, caplog: pytest.LogCaptureFixtur
     lowered = [m for m in _rowcache_warnings(caplog) if "lowered to PIECEWISE" in m]
     assert len(lowered) == 1
     assert "FULL_AND_PIECEWISE" in lowered[0] and "16 slots" in lowered[0]
+
+
+def test_weight_loader_writes_the_host_tensor(fake_vllm: Any) -> None:
+    import torch
+
+    plugin.register()
+    from rowcache.vllm._plugin import _host_loader
+
+    host = torch.zeros(4, 3)
+    param = torch.nn.Parameter(torch.full((4, 3), -1.0), requires_grad=False)
+    view = param.data
+    seen = []
+
+    def vllm_loader(param: Any, loaded_weight: Any, expert_id: int) -> None:
+        seen.append(param.data.data_ptr())
+        param.data[expert_id].copy_(loaded_weight)
+
+    load = _host_loader(vllm_loader, param, host)
+    load(param=param, loaded_weight=torch.ones(3), expert_id=2)
+    assert seen == [host.data_ptr()]
+    assert host[2].tolist() == [1.0, 1.0, 1.0] and host[0].tolist() == [0.0, 0.0, 0.0]
+    assert param.data.data_ptr() == view.data_ptr()  # the device view is back
+    assert view[2].tolist() == [-1.0, -1.0, -1.0]
+
+    def failing(**kw: Any) -> None:
+        raise ValueError("bad shard")
+
+    with pytest.raises(ValueError, match="bad shard"):
+        _host_loader(failing, param, host)(param=param)
+    assert param.data.data_ptr() == view.data_ptr()
