@@ -36,10 +36,10 @@ from typing import Any
 
 from model_check.core import Accepted, Action, DeviceCall, Pairs, Violation, begin_call
 from model_check.explorer import HbModel, Result, forget_dead, swap_host, swap_pending
-from model_check.hb import HbState, NotExpressible, Places, reduce_pending
+from model_check.hb import HbState, NotExpressible, Places
 from model_check.reference import Bounds, Effect, HostState
 from model_check.semantics import NO_COUNTS
-from model_check.table import RINGS, Table
+from model_check.table import EVENTS, RINGS, Table
 
 # Primitive device operations of a program, as tuples headed by one of these codes.
 REC, WAIT, COPY, READ, STAGE, UPLOAD, RELEASE, SYNC = range(8)
@@ -59,16 +59,82 @@ Recipe = tuple[int, int, bool, frozenset[str], bool, int]
 Item = tuple[int, int, int, int, int]
 HostInfo = tuple[bool, frozenset[str], tuple[Item, ...]]
 Chain = tuple[tuple[int, ...], bool, frozenset[str]]
+# The frontier (states at the depth bound, whose successors are not stored) needs per action only
+# a count, whether some verdict failed and the tags; they are packed into one int: the count in
+# the low 32 bits, then FAILED, then one bit per tag (`FastHb.tag_mask`).
+COUNT = (1 << 32) - 1
+FAILED = 1 << 32
+TAG_SHIFT = 33
+Frontier = tuple[bool, int, int, tuple[int, ...]]
+
+
+class Packing:
+    """A pending operation `(kind, what, mask)` of `hb` packed into one int: the mask in the
+    low bits (the places of `hb.Places`), then one bit per kind, then what the operation
+    touches as bits: a copy its slot, a read the set of its slots, a map upload its
+    (ring, staging buffer or -1). Record, wait and the other mask updates then apply to the
+    packed int as they stand, and "same kind, same thing" is equality of the high part."""
+
+    def __init__(self, bounds: Bounds, places: Places) -> None:
+        self.places = places
+        self.buffers = bounds.staging_buffers
+        self.low_bits = places.n_streams + len(EVENTS) + len(RINGS) * self.buffers
+        self.low = (1 << self.low_bits) - 1
+        self.read = 1 << self.low_bits
+        self.copy = 1 << (self.low_bits + 1)
+        self.map = 1 << (self.low_bits + 2)
+        self.what = self.low_bits + 3
+        self.map_buffered = 0  # map uploads from a tracked staging buffer
+        for r in range(len(RINGS)):
+            for b in range(self.buffers):
+                self.map_buffered |= self.map_bit(r, b)
+
+    def slot_bit(self, slot: int) -> int:
+        return 1 << (self.what + slot)
+
+    def map_bit(self, ring: int, buffer: int) -> int:
+        return 1 << (self.what + ring * (self.buffers + 1) + buffer + 1)
+
+    def ring_bits(self, ring: int) -> int:
+        bits = 0
+        for b in range(-1, self.buffers):
+            bits |= self.map_bit(ring, b)
+        return bits
+
+    def encode(self, op: Pending) -> int:
+        kind, what, mask = op
+        if kind == "read":
+            bits = 0
+            for slot in what:
+                bits |= self.slot_bit(slot)
+            return self.read | bits | mask
+        if kind == "copy":
+            return self.copy | self.slot_bit(what) | mask
+        assert kind == "map"
+        return self.map | self.map_bit(what[0], what[1]) | mask
+
+    def decode(self, e: int) -> Pending:
+        mask = e & self.low
+        bits = e >> self.what
+        indices = [i for i in range(bits.bit_length()) if bits >> i & 1]
+        if e & self.read:
+            return ("read", tuple(indices), mask)
+        if e & self.copy:
+            return ("copy", indices[0], mask)
+        ring, buffer = divmod(indices[0], self.buffers + 1)
+        return ("map", (ring, buffer - 1), mask)
 
 
 class _Recorder(DeviceCall):
-    """Runs a call's table steps and records the device operations they resolve to."""
+    """Runs a call's table steps and records the device operations they resolve to, with
+    their constants in `Packing` form."""
 
     def __init__(
-        self, bounds: Bounds, stream: int, effect: Effect, before: HostState, places: Places
+        self, bounds: Bounds, stream: int, effect: Effect, before: HostState, packing: Packing
     ) -> None:
         super().__init__(bounds, stream, effect, before)
-        self.places = places
+        self.pk = packing
+        self.places = packing.places
         self.prims: list[Prim] = []
         self.log: list[tuple[object, ...]] = []
 
@@ -84,29 +150,43 @@ class _Recorder(DeviceCall):
 
     def copy(self, stream: int, slot: int, expert: int) -> None:
         freed = slot not in {self.before.slot_of[v] for v in self.effect.victims}
-        self.prims.append((COPY, self.places.stream(stream), slot, freed))
+        here, bit = self.places.stream(stream), self.pk.slot_bit(slot)
+        self.prims.append((COPY, here, bit, freed, self.pk.copy | bit | here))
         self.log.append(("copy", slot, expert))
 
     def read(self, stream: int, pairs: Pairs) -> None:
-        slots = frozenset(s for _, s in pairs)
-        self.prims.append((READ, self.places.stream(stream), slots, tuple(sorted(slots))))
+        bits = 0
+        for _, slot in pairs:
+            bits |= self.pk.slot_bit(slot)
+        here = self.places.stream(stream)
+        self.prims.append((READ, here, bits, self.pk.read | bits | here))
         self.log.append(("read", pairs))
 
     def stage(self, ring: str) -> None:
         r = RINGS.index(ring)
-        bits = tuple(self.places.reuse(r, b) for b in range(self.bounds.staging_buffers))
-        self.prims.append(
-            (STAGE, r, bits, f"staging_{ring}_fresh_buffer", f"staging_{ring}_buffer_reused")
-        )
+        buffers = range(self.bounds.staging_buffers)
+        bits = tuple(self.places.reuse(r, b) for b in buffers)
+        codes = tuple(self.pk.map | self.pk.map_bit(r, b) for b in buffers)
+        fresh, reused = f"staging_{ring}_fresh_buffer", f"staging_{ring}_buffer_reused"
+        self.prims.append((STAGE, r, bits, fresh, reused, codes))
 
     def upload(self, stream: int, ring: str, content: tuple[object, ...]) -> None:
+        r = RINGS.index(ring)
         resident = ring == "resident"
-        self.prims.append((UPLOAD, self.places.stream(stream), RINGS.index(ring), resident))
+        here = self.places.stream(stream)
+        # The new operation per staging buffer chosen (-1: a fresh one), indexed by chosen + 1.
+        new = tuple(
+            self.pk.map | self.pk.map_bit(r, b) | here
+            for b in range(-1, self.bounds.staging_buffers)
+        )
+        self.prims.append((UPLOAD, here, r, resident, self.pk.ring_bits(r), new))
         if resident:
             self.log.append(("map",))
 
     def release_staging(self, stream: int, ring: str) -> None:
-        self.prims.append((RELEASE, self.places.stream(stream), RINGS.index(ring)))
+        r = RINGS.index(ring)
+        places = tuple(self.places.reuse(r, b) for b in range(self.bounds.staging_buffers))
+        self.prims.append((RELEASE, self.places.stream(stream), r, places))
 
     def host_sync(self, streams: list[int], provider: bool, op_name: str) -> bool:
         mask = 0
@@ -116,93 +196,156 @@ class _Recorder(DeviceCall):
         return True
 
 
-def _run(
-    prims: Program, pending: frozenset[Pending], choices: list[int], places: Places
-) -> tuple[list[Pending], bool, set[str], list[int]]:
-    """One branch of `hb.HbCall` on `pending`: what `run_steps` does, on plain tuples.
+Run = tuple[list[int], bool, set[str]]
 
-    Returns the pending operations (before reduction), whether some verdict failed, the tags,
-    and the number of options at each staging decision taken (as `HbCall.branches`)."""
-    pend = list(pending)
-    violated = False
-    tags: set[str] = set()
-    chosen = [-1] * len(RINGS)
-    decisions = 0
-    branches: list[int] = []
-    for prim in prims:
+
+def _run(
+    prims: Program,
+    i: int,
+    pend: list[int],
+    violated: bool,
+    tags: set[str],
+    chosen: list[int],
+    pk: Packing,
+    out: list[Run],
+) -> None:
+    """`hb.HbCall` on packed operations: run `prims[i:]` and append to `out` every outcome
+    (the pending operations before reduction, whether some verdict failed, the tags).
+
+    Where the host asks whether a staging buffer's reuse event completed, the run forks; the
+    outcome where it has not comes first, which is the order `hb._device_branches` produces
+    (its choice vectors are explored in lexicographic order)."""
+    is_read, is_copy, is_map = pk.read, pk.copy, pk.map
+    n = len(prims)
+    while i < n:
+        prim = prims[i]
+        i += 1
         code = prim[0]
         if code == REC:
             source, place = prim[1], prim[2]
-            pend = [(k, w, (m | place) if m & source else (m & ~place)) for k, w, m in pend]
+            pend = [(e | place) if e & source else (e & ~place) for e in pend]
         elif code == WAIT:
             target, bit = prim[1], prim[2]
-            if prim[3] and any(k == "read" and m & bit and not m & target for k, _, m in pend):
-                tags.add("copy_waits_on_reader")
-            pend = [(k, w, m | target) if m & bit else (k, w, m) for k, w, m in pend]
+            if prim[3]:
+                for e in pend:
+                    if e & is_read and e & bit and not e & target:
+                        tags.add("copy_waits_on_reader")
+                        break
+            pend = [(e | target) if e & bit else e for e in pend]
         elif code == COPY:
             here, slot = prim[1], prim[2]
-            for k, w, m in pend:
-                if k == "read":
-                    if slot in w:
-                        tags.add("copy_while_slot_read_pending")
-                        if prim[3]:
-                            tags.add("freed_slot_reused_while_read_pending")
-                        if not m & here:
-                            violated = True
-                elif k == "copy" and w == slot and not m & here:
+            for e in pend:
+                if not e & slot:
+                    continue
+                if e & is_read:
+                    tags.add("copy_while_slot_read_pending")
+                    if prim[3]:
+                        tags.add("freed_slot_reused_while_read_pending")
+                    if not e & here:
+                        violated = True
+                elif e & is_copy and not e & here:
                     violated = True
-            pend.append(("copy", slot, here))
+            pend.append(prim[4])
         elif code == READ:
             here, slots = prim[1], prim[2]
-            for k, w, m in pend:
-                if k == "copy" and w in slots and not m & here:
+            for e in pend:
+                if e & is_copy and e & slots and not e & here:
                     violated = True
-            pend.append(("read", prim[3], here))
+            pend.append(prim[3])
         elif code == STAGE:
-            r = prim[1]
-            index = -1
-            for b, bit in enumerate(prim[2]):
-                if not any(m & bit for _, _, m in pend):
-                    index = b
-                    break
-                if decisions == len(choices):
-                    choices.append(0)
-                pick = choices[decisions]
-                branches.append(2)
-                decisions += 1
-                if pick == 1:
-                    pend = [p for p in pend if not p[2] & bit]
-                    index = b
-                    break
-            chosen[r] = index
-            if index < 0:
-                tags.add(prim[3])
-                continue
-            tags.add(prim[4])
-            if any(k == "map" and w == (r, index) for k, w, _ in pend):
-                violated = True
+            _stage(prims, i, 0, pend, violated, tags, chosen, pk, out)
+            return
         elif code == UPLOAD:
             here, r = prim[1], prim[2]
-            if prim[3] and any(k == "map" and w[0] == r and not m & here for k, w, m in pend):
-                violated = True
+            if prim[3]:
+                ring = prim[4]
+                for e in pend:
+                    if e & is_map and e & ring and not e & here:
+                        violated = True
             if prim[3] or chosen[r] >= 0:
-                pend.append(("map", (r, chosen[r]), here))
+                pend.append(prim[5][chosen[r] + 1])
         elif code == RELEASE:
             source, r = prim[1], prim[2]
             if chosen[r] >= 0:
-                place = places.reuse(r, chosen[r])
+                place = prim[3][chosen[r]]
                 pend = [
-                    (k, w, ((m | place) if m & source else (m & ~place)) if k == "map" else m)
-                    for k, w, m in pend
+                    (((e | place) if e & source else (e & ~place)) if e & is_map else e)
+                    for e in pend
                 ]
         else:  # SYNC
             mask = prim[1]
-            if prim[2] and any(k == "read" and m & mask for k, _, m in pend):
-                violated = True
-            pend = [p for p in pend if not p[2] & mask]
+            if prim[2]:
+                for e in pend:
+                    if e & is_read and e & mask:
+                        violated = True
+            pend = [e for e in pend if not e & mask]
             if not pend:
                 tags.add("device_idle")
-    return pend, violated, tags, branches
+    out.append((pend, violated, tags))
+
+
+def _stage(
+    prims: Program,
+    i: int,
+    b: int,
+    pend: list[int],
+    violated: bool,
+    tags: set[str],
+    chosen: list[int],
+    pk: Packing,
+    out: list[Run],
+) -> None:
+    """The host picks a staging buffer of the stage step `prims[i - 1]`, from buffer `b` on
+    (`HbCall.stage`), then the run goes on."""
+    prim = prims[i - 1]
+    r, bits = prim[1], prim[2]
+    index = -1
+    while b < len(bits):
+        bit = bits[b]
+        for e in pend:
+            if e & bit:
+                break
+        else:
+            index = b  # its reuse event completed, or was never recorded
+            break
+        # The device may or may not have reached the event: first "not yet".
+        _stage(prims, i, b + 1, list(pend), violated, set(tags), list(chosen), pk, out)
+        pend = [e for e in pend if not e & bit]
+        index = b
+        break
+    chosen[r] = index
+    if index < 0:
+        tags.add(prim[3])
+    else:
+        tags.add(prim[4])
+        same = prim[5][index]
+        for e in pend:
+            if e & ~pk.low == same:
+                violated = True
+    _run(prims, i, pend, violated, tags, chosen, pk, out)
+
+
+def _reduce(
+    pend: list[int], pk: Packing, keep_reads: bool, live: int, streams: int
+) -> frozenset[int]:
+    """`hb.reduce_pending` on packed operations (`streams`: the mask of every stream)."""
+    ops = {e & live for e in pend}  # live clears only event bits
+    out: set[int] = set()
+    is_read, is_map, buffered, shift = pk.read, pk.map, pk.map_buffered, pk.low_bits
+    for e in ops:
+        if keep_reads and e & is_read:
+            out.add(e)
+            continue
+        if e & streams == streams and not (e & is_map and e & buffered):
+            continue
+        # Dominated: another operation of the same kind on the same thing whose mask is a
+        # proper subset of this one's.
+        for f in ops:
+            if f != e and not f & ~e and not (f ^ e) >> shift:
+                break
+        else:
+            out.add(e)
+    return frozenset(out)
 
 
 class FastHb:
@@ -217,8 +360,10 @@ class FastHb:
         # Interning.
         self.hparts: list[HostPart] = []
         self.hpart_id: dict[HostPart, int] = {}
-        self.pendings: list[frozenset[Pending]] = []
-        self.pending_id: dict[frozenset[Pending], int] = {}
+        self.pk = Packing(bounds, self.places)
+        self.all_streams = (1 << self.places.n_streams) - 1
+        self.pendings: list[frozenset[int]] = []  # packed
+        self.pending_id: dict[frozenset[int], int] = {}
         self.programs: dict[Program, int] = {}
         self.program_list: list[Program] = []
         # Memo tables.
@@ -228,6 +373,12 @@ class FastHb:
         self.canon_h: dict[int, tuple[int, int, int]] = {}  # raw -> (canon, swapped, cmp)
         self.canon_p: dict[int, tuple[int, int]] = {}  # pending -> (swapped, cmp)
         self.infos: dict[int, HostInfo] = {}
+        self.frontiers: dict[int, Frontier] = {}
+        self.light: dict[int, int] = {}
+        self.light_reads: dict[int, int] = {}
+        self.tag_names: list[str] = []
+        self.tag_index: dict[str, int] = {}
+        self.tag_masks: dict[frozenset[str], int] = {}
         self.chains: dict[int, Chain] = {}
         self.compiled: dict[tuple[object, ...], tuple[int, tuple[tuple[object, ...], ...], bool]]
         self.compiled = {}
@@ -242,7 +393,7 @@ class FastHb:
             self.hpart_id[part] = found
         return found
 
-    def pid(self, pending: frozenset[Pending]) -> int:
+    def pid(self, pending: frozenset[int]) -> int:
         found = self.pending_id.get(pending)
         if found is None:
             found = len(self.pendings)
@@ -252,11 +403,13 @@ class FastHb:
 
     def state(self, h: int, p: int) -> HbState:
         host, last_copy, last_map, read_issued = self.hparts[h]
-        return HbState(host, self.pendings[p], last_copy, last_map, read_issued)
+        pending = frozenset(self.pk.decode(e) for e in self.pendings[p])
+        return HbState(host, pending, last_copy, last_map, read_issued)
 
     def key_of(self, state: HbState) -> int:
         part = (state.host, state.last_copy, state.last_map, state.read_issued)
-        return (self.hid(part) << 32) | self.pid(state.pending)
+        pending = frozenset(self.pk.encode(op) for op in state.pending)
+        return (self.hid(part) << 32) | self.pid(pending)
 
     # ------------------------------------------------------------ host side
 
@@ -267,7 +420,7 @@ class FastHb:
         key = (host, op_name, args, stream)
         found = self.compiled.get(key)
         if found is None:
-            recorder = _Recorder(self.bounds, stream, begun.effect, begun.host, self.places)
+            recorder = _Recorder(self.bounds, stream, begun.effect, begun.host, self.pk)
             recorder.run_steps(self.table.op(op_name))
             prims = tuple(recorder.prims)
             prog = self.programs.get(prims)
@@ -346,20 +499,26 @@ class FastHb:
         found = self.device.get(key)
         if found is not None:
             return found
-        prims = self.program_list[prog]
-        pending = self.pendings[p]
+        runs: list[Run] = []
+        _run(
+            self.program_list[prog],
+            0,
+            list(self.pendings[p]),
+            False,
+            set(),
+            [-1] * len(RINGS),
+            self.pk,
+            runs,
+        )
         model = self.model
-        out: list[Branch] = []
-        stack: list[list[int]] = [[]]
-        while stack:
-            choices = stack.pop()
-            fixed = len(choices)
-            pend, violated, tags, counts = _run(prims, pending, choices, self.places)
-            reduced = reduce_pending(set(pend), self.places, model.keep_reads, model.live)
-            out.append((self.pid(reduced), violated, frozenset(tags)))
-            for depth in range(fixed, len(counts)):
-                for option in range(choices[depth] + 1, counts[depth]):
-                    stack.append([*choices[:depth], option])
+        out = [
+            (
+                self.pid(_reduce(pend, self.pk, model.keep_reads, model.live, self.all_streams)),
+                violated,
+                frozenset(tags),
+            )
+            for pend, violated, tags in runs
+        ]
         found = tuple(out)
         self.device[key] = found
         return found
@@ -386,6 +545,75 @@ class FastHb:
             items.append((prog, then, *self.canon_host(final)))
         found = (violated, frozenset(tags), tuple(items))
         self.infos[h] = found
+        return found
+
+    def tag_mask(self, tags: frozenset[str]) -> int:
+        found = self.tag_masks.get(tags)
+        if found is None:
+            found = 0
+            for tag in sorted(tags):
+                index = self.tag_index.get(tag)
+                if index is None:
+                    index = len(self.tag_names)
+                    self.tag_names.append(tag)
+                    self.tag_index[tag] = index
+                found |= 1 << (TAG_SHIFT + index)
+            self.tag_masks[tags] = found
+        return found
+
+    def tag_set(self, mask: int) -> set[str]:
+        return {name for i, name in enumerate(self.tag_names) if mask >> (TAG_SHIFT + i) & 1}
+
+    def frontier_info(self, h: int) -> Frontier:
+        """`host_info` for a state at the depth bound: whether some host half may violate a
+        property, the host tags as a mask, the number of rejected calls (one transition
+        each, no device work) and a code `prog << 20 | then + 1` per accepted one."""
+        found = self.frontiers.get(h)
+        if found is None:
+            violated, tags, items = self.host_info(h)
+            rejected = sum(1 for item in items if item[0] < 0)
+            codes = tuple((prog << 20) | (then + 1) for prog, then, *_ in items if prog >= 0)
+            found = (violated, self.tag_mask(tags), rejected, codes)
+            self.frontiers[h] = found
+        return found
+
+    def light_chain(self, p: int, code: int) -> int:
+        """`chain` for the frontier, packed: transition count, FAILED and tag bits. The
+        pending sets reached after the read are not needed there, so they are not reduced."""
+        prog, then = code >> 20, (code & 0xFFFFF) - 1
+        count = 0
+        acc = 0
+        for q, failed, qtags in self.branches(p, prog):
+            acc |= self.tag_mask(qtags)
+            if failed:
+                acc |= FAILED
+                count += 1
+            elif then < 0:
+                count += 1
+            else:
+                key = (q << 20) | then
+                v = self.light_reads.get(key)
+                if v is None:
+                    runs: list[Run] = []
+                    prims = self.program_list[then]
+                    _run(
+                        prims,
+                        0,
+                        list(self.pendings[q]),
+                        False,
+                        set(),
+                        [-1] * len(RINGS),
+                        self.pk,
+                        runs,
+                    )
+                    v = len(runs)
+                    for _, rfailed, rtags in runs:
+                        v |= (FAILED if rfailed else 0) | self.tag_mask(frozenset(rtags))
+                    self.light_reads[key] = v
+                count += v & COUNT
+                acc |= v
+        found = count | (acc & ~COUNT)
+        self.light[(p << 40) | code] = found
         return found
 
     def chain(self, p: int, prog: int, then: int) -> Chain:
@@ -455,10 +683,11 @@ class FastHb:
         return canon, swapped, cmp
 
     def _canon_pending(self, p: int) -> tuple[int, int]:
-        pending = self.pendings[p]
+        pending = frozenset(self.pk.decode(e) for e in self.pendings[p])
         swapped = swap_pending(pending)
         a, b = sorted(pending), sorted(swapped)
-        return self.pid(swapped), (-1 if a < b else (1 if a > b else 0))
+        packed = frozenset(self.pk.encode(op) for op in swapped)
+        return self.pid(packed), (-1 if a < b else (1 if a > b else 0))
 
 
 def explore_hb(
@@ -479,6 +708,7 @@ def explore_hb(
     seen: set[int] = {init}
     level = [init]
     tagsets: set[frozenset[str]] = set()
+    tag_mask = 0
     d = 0
     stopped = False
     low = (1 << 32) - 1
@@ -488,6 +718,12 @@ def explore_hb(
         nxt_level: list[int] = []
         for key in level:
             h, p = key >> 32, key & low
+            if not grow:
+                counted = _count_frontier(fast, h, p)
+                if counted is not None:
+                    result.transitions += counted[0]
+                    tag_mask |= counted[1]
+                    continue
             found = _expand(fast, h, p, grow, tagsets)
             if found is None:
                 stopped = _slow_expand(
@@ -506,6 +742,7 @@ def explore_hb(
         d += 1
     for tags in tagsets:
         result.tags |= tags
+    result.tags |= fast.tag_set(tag_mask)
     result.states = len(seen)
     result.seconds = time.perf_counter() - start
     if result.violation is not None:
@@ -560,6 +797,25 @@ def _expand(
                 successors.append((canon << 32) | q)
     tagsets.add(host_tags)
     return count, successors
+
+
+def _count_frontier(fast: FastHb, h: int, p: int) -> tuple[int, int] | None:
+    """Transition count and tag mask of state (h, p) at the depth bound, or None when some
+    transition may violate a property."""
+    violated, acc, count, codes = fast.frontier_info(h)
+    if violated:
+        return None
+    shifted = p << 40
+    light = fast.light
+    for code in codes:
+        v = light.get(shifted | code)
+        if v is None:
+            v = fast.light_chain(p, code)
+        count += v & COUNT
+        acc |= v
+    if acc & FAILED:
+        return None
+    return count, acc
 
 
 def _slow_expand(
