@@ -78,3 +78,41 @@ def test_batched_without_bindings_names_what_is_missing() -> None:
     # The backend refuses at construction, before touching CUDA (this machine may have none).
     with pytest.raises(BatchedCopyUnavailable, match=r"cuda\.bindings\.runtime"):
         CudaBackend("cuda:0")
+
+
+def test_batched_copies_are_reported_to_the_stream_sanitizer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A batched copy is no aten operation, so the backend reports its destination rows to
+    PyTorch's stream sanitizer itself: an unordered write after a read on another stream is
+    reported, an event-ordered one is not. Runs the sanitizer's analysis half on the CPU."""
+    import sys
+    import types
+
+    from torch.cuda._sanitizer import CUDASanitizerErrors, EventHandler
+
+    from rowcache.backends import cuda as cuda_backend
+
+    handler = EventHandler()
+    fake = types.SimpleNamespace(
+        cuda_sanitizer=types.SimpleNamespace(
+            enabled=True, dispatch=types.SimpleNamespace(event_handler=handler)
+        ),
+        CUDASanitizerErrors=CUDASanitizerErrors,
+    )
+    monkeypatch.setitem(sys.modules, "torch.cuda._sanitizer", fake)
+    consumer, copy, row = 0x11, 0x22, 0x1000
+    for stream in (consumer, copy):
+        handler._handle_stream_creation(stream)
+    handler._handle_event_creation(7)
+    assert not handler._handle_kernel_launch(consumer, {row}, set(), set(), "read", {row: []})
+    handler._handle_event_record(7, consumer)
+    handler._handle_event_wait(7, copy)
+    cuda_backend._sanitizer_write(copy, [row])  # ordered after the read: clean
+    other = 0x2000
+    assert not handler._handle_kernel_launch(consumer, {other}, set(), set(), "read", {other: []})
+    with pytest.raises(CUDASanitizerErrors):
+        cuda_backend._sanitizer_write(copy, [other])  # not ordered: reported
+    assert "rowcache cudaMemcpyBatchAsync" in capsys.readouterr().err
+    fake.cuda_sanitizer.enabled = False
+    cuda_backend._sanitizer_write(copy, [other])  # off: nothing is checked
