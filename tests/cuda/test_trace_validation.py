@@ -50,7 +50,9 @@ READ_MS = 2.0
 WORKLOAD: list[tuple[str, tuple[object, ...], int]] = [
     ("prepare", ((0, 1, 2),), 0),
     ("read", (), 0),
-    ("prepare", ((2, 3),), 1),  # owner change; evicts 0 under the pending read
+    ("prepare", ((0, 1, 2),), 1),  # all hits from another stream: the hit path's handoff
+    ("read", (), 1),
+    ("prepare", ((2, 3),), 1),  # evicts 0 under stream 0's pending read
     ("read", (), 1),
     ("prepare", ((4, 5),), 2),  # a third stream; evicts 1 and 2
     ("read", (), 2),
