@@ -151,12 +151,24 @@ class RowLayout:
 class BatchedCopier:
     """Issues the rows of a ``RowLayout`` as one ``cudaMemcpyBatchAsync`` per call."""
 
-    __slots__ = ("_attr_idxs", "_attrs", "_call", "_handles", "_runtime", "_success", "layout")
+    __slots__ = (
+        "_attr_idxs",
+        "_attrs",
+        "_call",
+        "_h2d",
+        "_handles",
+        "_memcpy",
+        "_runtime",
+        "_success",
+        "layout",
+    )
 
     def __init__(self, runtime: Any, layout: RowLayout, device: torch.device) -> None:
         self._runtime = runtime
         self.layout = layout
         self._call = runtime.cudaMemcpyBatchAsync
+        self._memcpy = runtime.cudaMemcpyAsync
+        self._h2d = runtime.cudaMemcpyKind.cudaMemcpyHostToDevice
         self._success = runtime.cudaError_t.cudaSuccess
         # One attribute entry covers every copy (attrsIdxs = [0]): the source is host memory
         # (pinned: the sources are pinned at construction) read in stream order, like
@@ -197,3 +209,13 @@ class BatchedCopier:
                 f"{handle:#x} failed: {result[0]!r}"
             )
         return dsts
+
+    def upload(self, handle: int, destination: int, source: int, num_bytes: int) -> None:
+        """One ``cudaMemcpyAsync`` of ``num_bytes`` from pinned host ``source`` to device
+        ``destination`` on the stream ``handle`` (the backend's map uploads)."""
+        result = self._memcpy(destination, source, num_bytes, self._h2d, self._stream(handle))
+        if result[0] != self._success:
+            raise RuntimeError(
+                f"cudaMemcpyAsync of a {num_bytes}-byte map on stream {handle:#x} failed: "
+                f"{result[0]!r}"
+            )

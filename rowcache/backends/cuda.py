@@ -31,9 +31,12 @@ operation and nothing else:
   writes the map (a ``Sequence[int]`` or an int32 CPU tensor) into a buffer whose reuse event
   has completed (``event.query()``, never blocking; a buffer never used counts as free) and
   appends a fresh pinned buffer when none is free; the upload is one non-blocking copy of the
-  whole map; the reuse event is recorded on the upload's stream right after it. A stream
-  context is entered only when the upload's stream is not already current (entering one costs
-  host microseconds).
+  whole map; the reuse event is recorded on the upload's stream right after it. These are the
+  hit path's only calls, so each is as cheap as it can be: the host write of a map tensor is a
+  ``memmove`` into the pinned buffer, and with ``copy="batched"`` the upload is one
+  ``cudaMemcpyAsync`` through the same bindings (reported to the stream sanitizer like the
+  batched copies); with ``copy="per_tensor"`` it is a tensor ``copy_``, under a stream context
+  only when the upload's stream is not already current (entering one costs host microseconds).
 * ``host_sync``: ``stream.synchronize()`` (or the device's, for ``all``). The real table has
   none on the provider's path.
 
@@ -55,6 +58,7 @@ Importing this module needs no GPU (nothing touches ``torch.cuda`` until a backe
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -110,11 +114,12 @@ class CudaCall(NamedTuple):
 class _Ring:
     """Pinned staging buffers of one map, each paired with the event that orders its reuse."""
 
-    __slots__ = ("buffers", "chosen", "events", "size")
+    __slots__ = ("buffers", "chosen", "events", "pointers", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.buffers: list[Tensor] = []
+        self.pointers: list[int] = []  # data_ptr() of each buffer, read once
         self.events: list[torch.cuda.Event] = []
         self.chosen = -1
 
@@ -125,6 +130,7 @@ class _Ring:
                 self.chosen = index
                 return self.buffers[index]
         self.buffers.append(torch.empty(self.size, dtype=torch.int32, pin_memory=True))
+        self.pointers.append(self.buffers[-1].data_ptr())
         self.events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
         self.chosen = len(self.buffers) - 1
         return self.buffers[-1]
@@ -155,7 +161,12 @@ def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
-def _sanitizer_write(handle: int, addresses: Sequence[int]) -> None:
+def _sanitizer_write(
+    handle: int,
+    addresses: Sequence[int],
+    what: str = "rowcache cudaMemcpyBatchAsync (slot rows)",
+    kind: str = "slot row",
+) -> None:
     """Tell PyTorch's stream sanitizer, when it is enabled, that the stream ``handle`` wrote
     the rows at ``addresses``: it only sees aten operations, and a batched copy is none.
 
@@ -172,8 +183,8 @@ def _sanitizer_write(handle: int, addresses: Sequence[int]) -> None:
         set(),
         written,
         set(),
-        "rowcache cudaMemcpyBatchAsync (slot rows)",
-        {address: ["slot row"] for address in written},
+        what,
+        {address: [kind] for address in written},
     )
     if errors:
         for error in errors:
@@ -334,7 +345,17 @@ class CudaBackend:
         here: the caller may rewrite it once this returns)."""
         staging = self._rings[ring]
         buffer = staging.choose()
-        if isinstance(content, Tensor):
+        if (
+            isinstance(content, Tensor)
+            and content.dtype == torch.int32
+            and content.device.type == "cpu"
+            and content.is_contiguous()
+            and content.numel() == staging.size
+        ):
+            # A plain host memcpy: a few hundred bytes, where a tensor copy_ costs microseconds
+            # of dispatch on the hit path. The buffer is free (its last upload has run).
+            ctypes.memmove(staging.pointers[staging.chosen], content.data_ptr(), 4 * staging.size)
+        elif isinstance(content, Tensor):
             buffer.copy_(content)
         else:
             buffer.copy_(torch.tensor(content, dtype=torch.int32))
@@ -347,6 +368,17 @@ class CudaBackend:
         staging = self._rings[ring]
         source = staging.buffers[staging.chosen]
         device_map = self._maps[ring]
+        batched = self._batched
+        handle: int = stream.cuda_stream
+        if batched is not None and handle != 0:
+            # One cudaMemcpyAsync through the bindings the batched miss path already holds:
+            # the hit path's only device work, without a tensor copy_'s dispatch.
+            destination = device_map.data_ptr()
+            batched.upload(handle, destination, staging.pointers[staging.chosen], 4 * staging.size)
+            _sanitizer_write(handle, [destination], f"rowcache {ring} map upload", "map")
+            if self._log is not None:
+                self._log.append(CudaCall("upload", handle, ring, buffer=staging.chosen))
+            return
         if torch.cuda.current_stream(self._device).cuda_stream == stream.cuda_stream:
             device_map.copy_(source, non_blocking=True)
             if self._log is not None:
