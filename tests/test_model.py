@@ -14,7 +14,7 @@ from model_check.machines import run_machine
 from model_check.mutants import MUTANTS, mutant
 from model_check.reference import Bounds, Effect, initial_host
 from model_check.semantics import QueueCall, host_call, initial_state
-from model_check.table import Step, TableError, load_table, parse_table
+from model_check.table import Step, Table, TableError, load_table, parse_table
 
 BOUNDS = Bounds(num_experts=3, capacity=2)
 TABLE = load_table()
@@ -116,6 +116,71 @@ def test_real_table_holds_and_matches_the_manifest(check: object) -> None:
     assert result.violation is None, result.violation
     pinned = load_manifest()[check.key]
     assert Pinned(result.states, result.transitions, result.max_depth_reached) == pinned
+
+
+def _same_search(table: Table, bounds: Bounds, depth: int, only: str | None = None) -> None:
+    fast = explore(table, bounds, depth, model="hb", only=only)
+    reference = explore(table, bounds, depth, model="hb", only=only, fast=False)
+    assert (fast.states, fast.transitions, fast.max_depth_reached) == (
+        reference.states,
+        reference.transitions,
+        reference.max_depth_reached,
+    )
+    assert fast.tags == reference.tags
+    assert fast.violation == reference.violation
+    assert [str(a) for a, _ in fast.trace] == [str(a) for a, _ in reference.trace]
+
+
+@pytest.mark.parametrize(("bounds", "depth"), [(Bounds(3, 2), 3), (Bounds(4, 3), 2)])
+def test_fast_summary_search_is_the_reference_search_on_the_real_table(
+    bounds: Bounds, depth: int
+) -> None:
+    _same_search(TABLE, bounds, depth)
+
+
+@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
+def test_fast_summary_search_is_the_reference_search_on_every_mutant(m: object) -> None:
+    from model_check.mutants import Mutant
+
+    assert isinstance(m, Mutant)
+    mutated = m.apply(TABLE)
+    for only in (None, m.breaks):
+        try:
+            _same_search(mutated, BOUNDS, 3, only)
+        except NotExpressible:
+            assert m.breaks == "P7_no_deadlock"
+
+
+def test_packed_pending_operations_round_trip() -> None:
+    from model_check.hb_fast import Packing
+
+    bounds = Bounds(4, 3, staging_buffers=2)
+    packing = Packing(bounds, Places(bounds))
+    ops = [
+        ("read", (0, 2), 0b101),
+        ("read", (1,), 0),
+        ("copy", 2, 0b1111111),
+        ("map", (0, -1), 0b10),
+        ("map", (1, 1), 0b1000001),
+    ]
+    packed = [packing.encode(op) for op in ops]
+    assert [packing.decode(e) for e in packed] == ops
+    assert len(set(packed)) == len(ops)
+
+
+def test_full_run_schedules_every_checker_once_longest_first() -> None:
+    from model_check.cli import _schedule
+
+    jobs = _schedule(CHECKS)
+    assert jobs[0] == (
+        "explore",
+        max((c for c in CHECKS if c.model == "hb"), key=lambda c: c.bounds.num_experts),
+    )
+    assert sorted(c.key for kind, c in jobs if kind == "explore" and c is not None) == sorted(
+        c.key for c in CHECKS
+    )
+    assert sum(1 for kind, _ in jobs if kind == "z3") == sum(1 for c in CHECKS if c.model == "hb")
+    assert sum(1 for kind, _ in jobs if kind == "machine") == 1
 
 
 def test_every_observation_is_reached_by_each_model() -> None:
