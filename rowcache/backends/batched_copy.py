@@ -58,7 +58,7 @@ def load_runtime() -> Any:
         raise BatchedCopyUnavailable(
             "CudaBackend(copy='batched') needs NVIDIA's CUDA Python bindings: the package "
             "cuda-bindings (module cuda.bindings.runtime) is not importable "
-            f"({error}). Install cuda-bindings matching the CUDA driver, or pass "
+            f"({error}). Install it (pip install 'rowcache[cuda]') to match the driver, or pass "
             "backend=CudaBackend(device, copy='per_tensor') for one copy per tensor per miss."
         ) from error
     if not hasattr(runtime, "cudaMemcpyBatchAsync"):
