@@ -27,8 +27,7 @@ from torch import Tensor
 
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
-from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
-from rowcache.surface import SlotSurface, check_split
+from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_experts
 
@@ -56,21 +55,18 @@ class CachedWeightProvider(SlotSurface):
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
     ) -> None:
-        self._split = check_split(split)
-        self._device = torch.device(device)
-        self._sources = ExpertSources(
+        self._set_up_slots(
             w13,
             w2,
             w13_scale,
             w2_scale,
-            w13_scale_2=w13_scale_2,
-            w2_scale_2=w2_scale_2,
-            device=self._device,
+            w13_scale_2,
+            w2_scale_2,
+            capacity=capacity,
+            split=split,
+            device=torch.device(device),
         )
-        self._slots: SlotBuffers = allocate_slot_buffers(self._sources, capacity, self._device)
-        self._capacity = capacity
-        num_experts = self._sources.num_experts
-        self._num_experts = num_experts
+        num_experts = self._num_experts
         self._copy_pairs: list[tuple[Tensor, Tensor]] = [
             (buf, src)
             for buf, src in zip(self._slots.tensors(), self._sources.tensors(), strict=True)

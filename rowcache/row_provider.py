@@ -37,7 +37,6 @@ from rowcache.backends.cpu import CpuBackend
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.schedules import run_invalidate, run_prepare
-from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
 from rowcache.surface import SlotSurface, check_split
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_experts
@@ -81,26 +80,24 @@ class RowCacheWeightProvider(SlotSurface):
         w2_scale_2: Tensor | None = None,
         backend: Backend[Any] | None = None,
     ) -> None:
-        self._split = check_split(split)
-        self._device = torch.device(device)
-        if backend is None and self._device.type not in ("cpu", "cuda"):
+        check_split(split)
+        target = torch.device(device)
+        if backend is None and target.type not in ("cpu", "cuda"):
             raise InvalidInputError(
-                f"no backend for device {self._device} (supported: cpu, cuda); "
-                "pass backend= explicitly"
+                f"no backend for device {target} (supported: cpu, cuda); pass backend= explicitly"
             )
-        self._sources = ExpertSources(
+        self._set_up_slots(
             w13,
             w2,
             w13_scale,
             w2_scale,
-            w13_scale_2=w13_scale_2,
-            w2_scale_2=w2_scale_2,
-            device=self._device,
+            w13_scale_2,
+            w2_scale_2,
+            capacity=capacity,
+            split=split,
+            device=target,
         )
-        self._slots: SlotBuffers = allocate_slot_buffers(self._sources, capacity, self._device)
-        self._capacity = capacity
-        num_experts = self._sources.num_experts
-        self._num_experts = num_experts
+        num_experts = self._num_experts
         self._backend: Backend[Any] = default_backend(self._device) if backend is None else backend
         self._backend.bind(self._sources, self._slots)
         # The generated schedules, as attributes so that a test can substitute a mutant.

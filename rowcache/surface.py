@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
-from rowcache.sources import SlotBuffers
+from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
 from rowcache.types import Split
 
 SPLITS: tuple[Split, ...] = ("token", "expert")
@@ -20,13 +20,44 @@ def check_split(split: object) -> Split:
 
 
 class SlotSurface:
-    """Read-only properties over the attributes every provider sets in its constructor."""
+    """The sources, slot buffers and shape every provider sets up in its constructor
+    (``_set_up_slots``), and read-only properties over them."""
 
     _capacity: int
     _split: Split
     _num_experts: int
     _device: torch.device
+    _sources: ExpertSources
     _slots: SlotBuffers
+
+    def _set_up_slots(
+        self,
+        w13: Tensor,
+        w2: Tensor,
+        w13_scale: Tensor | None,
+        w2_scale: Tensor | None,
+        w13_scale_2: Tensor | None,
+        w2_scale_2: Tensor | None,
+        *,
+        capacity: int,
+        split: object,
+        device: torch.device,
+    ) -> None:
+        """Validate the split and the sources, allocate ``capacity`` slots on ``device``."""
+        self._split = check_split(split)
+        self._device = device
+        self._sources = ExpertSources(
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            w13_scale_2=w13_scale_2,
+            w2_scale_2=w2_scale_2,
+            device=device,
+        )
+        self._slots = allocate_slot_buffers(self._sources, capacity, device)
+        self._capacity = capacity
+        self._num_experts = self._sources.num_experts
 
     @property
     def capacity(self) -> int:
