@@ -344,10 +344,23 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
     return row
 
 
+def _kill_job(job: tuple[str, Table, int, int, bool]) -> list[Kill]:
+    name, table, examples, steps, use_z3 = job
+    return kill_row(mutant(name), table, examples, steps, use_z3)
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
     table = load_table()
     use_z3 = not args.no_z3
-    rows = [(m, kill_row(m, table, args.examples, args.steps, use_z3)) for m in MUTANTS]
+    jobs = [(m.name, table, args.examples, args.steps, use_z3) for m in MUTANTS]
+    workers = min(len(jobs), os.cpu_count() or 1, 2)
+    if workers <= 1:
+        kills = [_kill_job(j) for j in jobs]
+    else:
+        # Rows are independent; the matrix is printed in catalogue order either way.
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            kills = list(pool.map(_kill_job, jobs))
+    rows = list(zip(MUTANTS, kills, strict=True))
     survivors = [
         (m.name, k.checker)
         for m, row in rows
