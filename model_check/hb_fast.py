@@ -332,6 +332,14 @@ def _reduce(
     ops = {e & live for e in pend}  # live clears only event bits
     out: set[int] = set()
     is_read, is_map, buffered, shift = pk.read, pk.map, pk.map_buffered, pk.low_bits
+    if len({e >> shift for e in ops}) == len(ops):
+        # No two operations of the same kind on the same thing: nothing is dominated.
+        for e in ops:
+            if (keep_reads and e & is_read) or not (
+                e & streams == streams and not (e & is_map and e & buffered)
+            ):
+                out.add(e)
+        return frozenset(out)
     for e in ops:
         if keep_reads and e & is_read:
             out.add(e)
