@@ -38,6 +38,7 @@ from model_check.hb import (
 from model_check.reference import NO_STREAM, Bounds, HostState
 from model_check.semantics import (
     NO_COUNTS,
+    QueueCall,
     State,
     can_resume,
     deadlocked,
@@ -120,6 +121,7 @@ class QueueModel:
     def __init__(self, table: Table, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
         self.actions = host_actions(bounds)
+        self.plans: dict[tuple[object, ...], Accepted | Rejected] = {}
 
     def initial(self) -> State:
         return initial_state(self.bounds)
@@ -168,11 +170,33 @@ class QueueModel:
         for action in self.actions:
             if action.op == "read" and state.read_issued:
                 continue  # one read per forward map bounds the consumer
-            outcome = host_call(
-                self.table, self.bounds, state, action.op, action.args, action.stream
-            )
-            out.append((action, outcome, 1))
+            out.append((action, self._host_call(state, action), 1))
         return out
+
+    def _host_call(self, state: State, action: Action) -> Outcome[State]:
+        """`semantics.host_call`, with guard and effect computed once per host state: they
+        depend on the host state, the arguments and the stream alone, and few states differ
+        there."""
+        key = (state.host, action.op, action.args, action.stream)
+        begun = self.plans.get(key)
+        if begun is None:
+            begun = begin_call(
+                self.table,
+                self.bounds,
+                state.host,
+                NO_COUNTS,
+                action.op,
+                action.args,
+                action.stream,
+            )
+            self.plans[key] = begun
+        if isinstance(begun, Rejected):
+            return host_call(self.table, self.bounds, state, action.op, action.args, action.stream)
+        op = self.table.op(action.op)
+        call = QueueCall(state._replace(host=begun.host), self.bounds, action.stream, begun.effect)
+        if begun.violation is not None:
+            call.flag(begun.violation)
+        return call.outcome(state, op, call.run_steps(op), begun.tags)
 
 
 def forget_dead(state: HbState) -> HbState:

@@ -151,6 +151,24 @@ def test_fast_summary_search_is_the_reference_search_on_every_mutant(m: object) 
             assert m.breaks == "P7_no_deadlock"
 
 
+@pytest.mark.parametrize("name", [None, "victim_not_protected", "validate_after_touch"])
+def test_explicit_model_host_calls_with_cached_plans_are_the_semantics(name: str | None) -> None:
+    from model_check.explorer import QueueModel
+
+    table = TABLE if name is None else mutant(name).apply(TABLE)
+    model = QueueModel(table, BOUNDS)
+    states, seen = [model.initial()], 0
+    while states and seen < 300:
+        state = states.pop(0)
+        seen += 1
+        for action, outcome, cost in model.successors(state):
+            if cost:
+                assert outcome == host_call(
+                    table, BOUNDS, state, action.op, action.args, action.stream
+                )
+            states.append(outcome.state)
+
+
 def test_packed_pending_operations_round_trip() -> None:
     from model_check.hb_fast import Packing
 
