@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -317,31 +318,35 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
         )
     )
     if use_z3:
-        from model_check import z3_check
-
-        start = time.perf_counter()
-        found_z3: str | None = None
-        for check in CHECKS:
-            if check.model == "hb":
-                report = z3_check.check_table(
-                    mutated,
-                    check.bounds,
-                    check.depth,
-                    induction=False,
-                    reachability=False,
-                    replay_counterexamples=False,
-                    stop_at_first=True,
-                )
-                if report.violation is not None:
-                    found_z3 = report.violation.prop
-                    break
-        row.append(Kill("z3", found_z3, time.perf_counter() - start))
+        row.append(z3_kill(mutated))
     from model_check.machines import run_machine
 
     start = time.perf_counter()
     found_h = run_machine(mutated, MACHINE_BOUNDS, max_examples=examples, steps=steps)
     row.append(Kill("hypothesis", found_h.prop if found_h else None, time.perf_counter() - start))
     return row
+
+
+def z3_kill(mutated: Table) -> Kill:
+    from model_check import z3_check
+
+    start = time.perf_counter()
+    found_z3: str | None = None
+    for check in CHECKS:
+        if check.model == "hb":
+            report = z3_check.check_table(
+                mutated,
+                check.bounds,
+                check.depth,
+                induction=False,
+                reachability=False,
+                replay_counterexamples=False,
+                stop_at_first=True,
+            )
+            if report.violation is not None:
+                found_z3 = report.violation.prop
+                break
+    return Kill("z3", found_z3, time.perf_counter() - start)
 
 
 def _kill_job(job: tuple[str, Table, int, int, bool]) -> list[Kill]:
@@ -352,13 +357,17 @@ def _kill_job(job: tuple[str, Table, int, int, bool]) -> list[Kill]:
 def cmd_mutants(args: argparse.Namespace) -> int:
     table = load_table()
     use_z3 = not args.no_z3
-    jobs = [(m.name, table, args.examples, args.steps, use_z3) for m in MUTANTS]
-    workers = min(len(jobs), os.cpu_count() or 1, 2)
+    workers = min(len(MUTANTS), os.cpu_count() or 1, 2)
     if workers <= 1:
-        kills = [_kill_job(j) for j in jobs]
+        kills = [kill_row(m, table, args.examples, args.steps, use_z3) for m in MUTANTS]
     else:
-        # Rows are independent; the matrix is printed in catalogue order either way.
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # Rows are independent and printed in catalogue order. Each runs in a fresh process:
+        # which property z3's first counterexample shows depends on the queries the process
+        # made before, and a fresh process makes the matrix the same from run to run.
+        jobs = [(m.name, table, args.examples, args.steps, use_z3) for m in MUTANTS]
+        with ProcessPoolExecutor(
+            max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1
+        ) as pool:
             kills = list(pool.map(_kill_job, jobs))
     rows = list(zip(MUTANTS, kills, strict=True))
     survivors = [
