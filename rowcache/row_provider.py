@@ -37,7 +37,7 @@ from rowcache.backends.cpu import CpuBackend
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.schedules import run_invalidate, run_prepare
-from rowcache.surface import SlotSurface, check_split
+from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_experts
 
@@ -80,7 +80,6 @@ class RowCacheWeightProvider(SlotSurface):
         w2_scale_2: Tensor | None = None,
         backend: Backend[Any] | None = None,
     ) -> None:
-        check_split(split)
         target = torch.device(device)
         if backend is None and target.type not in ("cpu", "cuda"):
             raise InvalidInputError(

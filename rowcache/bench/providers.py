@@ -27,16 +27,17 @@ class BenchProvider(Protocol):
 Factory = Callable[[dict[str, Tensor], int, torch.device], BenchProvider]
 
 
+def _weights(sources: dict[str, Tensor]) -> dict[str, Tensor | None]:
+    """The provider constructors' weight arguments, from a geometry's source tensors."""
+    names = ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
+    return {name: sources.get(name) for name in names}
+
+
 def _row_with(
     copy: CopyPath, sources: dict[str, Tensor], capacity: int, device: torch.device
 ) -> RowCacheWeightProvider:
     return RowCacheWeightProvider(
-        sources["w13"],
-        sources["w2"],
-        sources.get("w13_scale"),
-        sources.get("w2_scale"),
-        w13_scale_2=sources.get("w13_scale_2"),
-        w2_scale_2=sources.get("w2_scale_2"),
+        **_weights(sources),  # type: ignore[arg-type]
         capacity=capacity,
         device=device,
         backend=CudaBackend(device, copy=copy),
@@ -53,12 +54,7 @@ def _row_pt(sources: dict[str, Tensor], capacity: int, device: torch.device) -> 
 
 def _cached(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
     return CachedWeightProvider(
-        sources["w13"],
-        sources["w2"],
-        sources.get("w13_scale"),
-        sources.get("w2_scale"),
-        w13_scale_2=sources.get("w13_scale_2"),
-        w2_scale_2=sources.get("w2_scale_2"),
+        **_weights(sources),  # type: ignore[arg-type]
         capacity=capacity,
         device=device,
     )
