@@ -81,10 +81,8 @@ class RowCacheWeightProvider(SlotSurface):
         backend: Backend[Any] | None = None,
     ) -> None:
         target = torch.device(device)
-        if backend is None and target.type not in ("cpu", "cuda"):
-            raise InvalidInputError(
-                f"no backend for device {target} (supported: cpu, cuda); pass backend= explicitly"
-            )
+        # Chosen first: an unsupported device is rejected before any allocation.
+        self._backend: Backend[Any] = default_backend(target) if backend is None else backend
         self._set_up_slots(
             w13,
             w2,
@@ -97,7 +95,6 @@ class RowCacheWeightProvider(SlotSurface):
             device=target,
         )
         num_experts = self._num_experts
-        self._backend: Backend[Any] = default_backend(self._device) if backend is None else backend
         self._backend.bind(self._sources, self._slots)
         # The generated schedules, as attributes so that a test can substitute a mutant.
         self._run_prepare = run_prepare
