@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import rowcache.vllm as plugin
+from rowcache.vllm._post_import import forget, pending
 from rowcache.vllm.knob import KnobError
 
 FAKE_VLLM = {
@@ -90,7 +91,12 @@ FAKE_VLLM = {
                 setattr(weight, key, value)
         """,
     "vllm/model_executor/layers/__init__.py": "",
-    "vllm/model_executor/layers/fused_moe/__init__.py": "",
+    # As vLLM's: the package imports the method's module midway.
+    "vllm/model_executor/layers/fused_moe/__init__.py": """
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+        """,
     "vllm/model_executor/layers/fused_moe/oracle/__init__.py": "",
     "vllm/model_executor/layers/fused_moe/oracle/unquantized.py": """
         import enum
@@ -134,15 +140,29 @@ FAKE_VLLM = {
 }
 
 
+FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+
+
 def _forget_vllm() -> None:
     for name in list(sys.modules):
-        if name == "vllm" or name.startswith("vllm.") or name == "rowcache.vllm._plugin":
+        if name == "vllm" or name.startswith("vllm.") or name in VLLM_SIDE:
             del sys.modules[name]
+    # `from rowcache.vllm import _config` would otherwise find the old module's attribute.
+    for name in VLLM_SIDE:
+        if hasattr(plugin, name.rpartition(".")[2]):
+            delattr(plugin, name.rpartition(".")[2])
+    # A post-import hook left waiting by one test must not fire in another.
+    for callback in pending(FUSED_MOE):
+        forget(FUSED_MOE, callback)
+
+
+VLLM_SIDE = ("rowcache.vllm._config", "rowcache.vllm._method")
 
 
 @pytest.fixture
 def fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setitem(plugin._state, "done", False)
+    monkeypatch.setattr(plugin._state, "registered", False)
+    monkeypatch.setattr(plugin._state, "method", "pending")
     _forget_vllm()
     yield
     _forget_vllm()
@@ -162,7 +182,7 @@ def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_plugin: Non
     import vllm.model_executor.custom_op as custom_op
 
     assert "site-packages" not in str(config_module.__file__)
-    return SimpleNamespace(config=config_module, custom_op=custom_op)
+    return SimpleNamespace(config=config_module, custom_op=custom_op, root=tmp_path)
 
 
 def _rowcache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -207,14 +227,17 @@ def test_installer_failure_is_not_fatal(
 def test_register_is_idempotent_against_fake_registry(fake_vllm: Any) -> None:
     plugin.register()
     plugin.register()
-    from rowcache.vllm import _plugin
+    import vllm.model_executor.layers.fused_moe  # noqa: F401  (fires the hook)
+
+    from rowcache.vllm import _config, _method
 
     registry = fake_vllm.custom_op.op_registry_oot
-    assert registry == {"UnquantizedFusedMoEMethod": _plugin.RowcacheMoEMethod}
+    assert registry == {"UnquantizedFusedMoEMethod": _method.RowcacheMoEMethod}
     post_init = fake_vllm.config.VllmConfig.__post_init__
     assert getattr(post_init, "_rowcache_wrapped", False)
     # A second install in the same process (a second plugin loader) changes nothing.
-    assert _plugin.install() is False
+    assert _method.install() is False
+    assert _config.install(lambda: True) is False
     assert fake_vllm.config.VllmConfig.__post_init__ is post_init
     assert post_init.__wrapped__.__name__ == "__post_init__"
     assert not getattr(post_init.__wrapped__, "_rowcache_wrapped", False)
@@ -228,9 +251,98 @@ def test_register_refuses_to_replace_another_plugin(
 
     fake_vllm.custom_op.op_registry_oot["UnquantizedFusedMoEMethod"] = Other
     plugin.register()
+    import vllm.model_executor.layers.fused_moe  # noqa: F401  (the hook fires and fails)
+
     assert fake_vllm.custom_op.op_registry_oot["UnquantizedFusedMoEMethod"] is Other
     warnings = _rowcache_warnings(caplog)
     assert len(warnings) == 1 and "another plugin already substitutes" in warnings[0]
+
+
+# -- when the substitution is installed ----------------------------------------------------------
+
+
+def _registry(fake: Any) -> dict[str, Any]:
+    registry: dict[str, Any] = fake.custom_op.op_registry_oot
+    return registry
+
+
+def test_register_defers_the_method_until_fused_moe_is_imported(fake_vllm: Any) -> None:
+    plugin.register()
+    # Cheap: the config hook only; neither vLLM's fused-MoE package nor our method module.
+    assert getattr(fake_vllm.config.VllmConfig.__post_init__, "_rowcache_wrapped", False)
+    assert FUSED_MOE not in sys.modules and "rowcache.vllm._method" not in sys.modules
+    assert _registry(fake_vllm) == {}
+    assert pending(FUSED_MOE) == [plugin._install_method]
+    # A configuration without the knob does not import it either.
+    _config(fake_vllm, None)
+    assert FUSED_MOE not in sys.modules
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+    from rowcache.vllm._method import RowcacheMoEMethod
+
+    assert _registry(fake_vllm) == {"UnquantizedFusedMoEMethod": RowcacheMoEMethod}
+    assert pending(FUSED_MOE) == [] and plugin._state.method == "installed"
+    _engine(fake_vllm, None)
+    assert type(UnquantizedFusedMoEMethod(_moe())) is RowcacheMoEMethod
+
+
+def test_register_installs_at_once_when_fused_moe_is_imported(fake_vllm: Any) -> None:
+    import vllm.model_executor.layers.fused_moe  # noqa: F401
+
+    plugin.register()
+    from rowcache.vllm._method import RowcacheMoEMethod
+
+    assert _registry(fake_vllm) == {"UnquantizedFusedMoEMethod": RowcacheMoEMethod}
+    assert pending(FUSED_MOE) == []
+
+
+def test_knob_on_config_installs_the_method_before_adjusting(fake_vllm: Any) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+
+    plugin.register()
+    config = _config(fake_vllm, {"moe_expert_cache_size": 8})
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert FUSED_MOE in sys.modules and plugin._state.method == "installed"
+    assert set(_registry(fake_vllm)) == {"UnquantizedFusedMoEMethod"}
+
+
+@pytest.mark.parametrize("package_first", [True, False])
+def test_failed_substitution_leaves_the_config_unchanged(
+    fake_vllm: Any, caplog: pytest.LogCaptureFixture, package_first: bool
+) -> None:
+    """The MoE op split out of the graphs but run by vLLM's method gives wrong tokens, so a
+    configuration is adjusted only when the substitution is in place."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    class Other:
+        pass
+
+    _registry(fake_vllm)["UnquantizedFusedMoEMethod"] = Other
+    plugin.register()
+    if package_first:
+        import vllm.model_executor.layers.fused_moe  # noqa: F401  (no exception escapes)
+    for _ in range(2):
+        config = _config(fake_vllm, {"moe_expert_cache_size": 8}, ep=True)
+        cc = config.compilation_config
+        assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+        assert cc.splitting_ops == ["vllm::unified_attention_with_output"]
+    assert _registry(fake_vllm)["UnquantizedFusedMoEMethod"] is Other
+    warnings = _rowcache_warnings(caplog)
+    assert len(warnings) == 1 and "another plugin already substitutes" in warnings[0]
+
+
+def test_register_while_fused_moe_is_being_imported(
+    fake_vllm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    init = fake_vllm.root / "vllm/model_executor/layers/fused_moe/__init__.py"
+    init.write_text(init.read_text() + "\nimport rowcache.vllm\nrowcache.vllm.register()\n")
+    import vllm.model_executor.layers.fused_moe  # noqa: F401
+
+    warnings = _rowcache_warnings(caplog)
+    assert len(warnings) == 1 and "is being imported" in warnings[0]
+    assert _registry(fake_vllm) == {} and plugin._state.method == "failed"
+    config = _config(fake_vllm, {"moe_expert_cache_size": 8})
+    assert config.compilation_config.splitting_ops == ["vllm::unified_attention_with_output"]
 
 
 def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
@@ -267,7 +379,7 @@ def test_config_hook_lowers_full_graphs_and_splits_moe(fake_vllm: Any) -> None:
     plugin.register()
     from vllm.config.compilation import CUDAGraphMode
 
-    from rowcache.vllm._plugin import MOE_OPS
+    from rowcache.vllm._config import MOE_OPS
 
     config = _config(fake_vllm, {"moe_expert_cache_size": 32})
     cc = config.compilation_config
@@ -425,7 +537,7 @@ def test_cached_apply_matches_uncached(fake_vllm: Any, provider: str, split: str
 
     from rowcache.cached import CachedWeightProvider
     from rowcache.row_provider import RowCacheWeightProvider
-    from rowcache.vllm._plugin import RowcacheMoEMethod
+    from rowcache.vllm._method import RowcacheMoEMethod
 
     section = {
         "moe_expert_cache_size": 3,
@@ -530,9 +642,9 @@ def test_other_backend_is_rejected(fake_vllm: Any, monkeypatch: pytest.MonkeyPat
 
 def test_lowering_is_logged_once(fake_vllm: Any, caplog: pytest.LogCaptureFixture) -> None:
     plugin.register()
-    from rowcache.vllm import _plugin
+    from rowcache.vllm import _config as config_hook
 
-    _plugin._said.clear()
+    config_hook._said.clear()
     caplog.set_level(logging.WARNING, logger="rowcache.vllm")
     for _ in range(3):
         _config(fake_vllm, {"moe_expert_cache_size": 16})
@@ -545,7 +657,7 @@ def test_weight_loader_writes_the_host_tensor(fake_vllm: Any) -> None:
     import torch
 
     plugin.register()
-    from rowcache.vllm._plugin import _host_loader
+    from rowcache.vllm._method import _host_loader
 
     host = torch.zeros(4, 3)
     param = torch.nn.Parameter(torch.full((4, 3), -1.0), requires_grad=False)

@@ -21,7 +21,7 @@ import pytest
 from rowcache.vllm import seams
 from rowcache.vllm.seams import SEAMS, SUPPORTED_VLLM, Seam, check_seam, check_source, module_path
 
-PLUGIN = Path(seams.__file__).with_name("_plugin.py")
+PLUGIN = sorted(Path(seams.__file__).parent.glob("*.py"))
 
 
 def _wheel_dir() -> Path:
@@ -85,18 +85,39 @@ def test_table_is_complete_and_described() -> None:
         assert seam.why and seam.breaks, seam
 
 
+def _vllm_imports(path: Path) -> set[tuple[str, str]]:
+    tree = ast.parse(path.read_text())
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm"):
+            found |= {(node.module, alias.name) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(a.name, "") for a in node.names if a.name.split(".")[0] == "vllm"}
+    return found
+
+
 def test_every_vllm_import_of_the_plugin_is_a_seam() -> None:
     listed = {(s.module, s.name.split(".")[0].split("(")[0]) for s in SEAMS}
-    tree = ast.parse(PLUGIN.read_text())
-    imported = {
-        (node.module, alias.name)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm")
-        for alias in node.names
-    }
+    imported = set().union(*(_vllm_imports(path) for path in PLUGIN))
     assert imported, "the plugin imports nothing from vLLM?"
     missing = sorted(imported - listed)
     assert not missing, f"vLLM names the plugin imports but the seams table lacks: {missing}"
+
+
+def test_the_hooked_package_is_a_seam() -> None:
+    import rowcache.vllm as plugin
+
+    assert plugin.FUSED_MOE in {s.module for s in SEAMS}
+
+
+def test_registration_imports_only_vllm_config() -> None:
+    """What register() imports at entry-point time: vllm.config (already imported by vLLM when
+    it loads plugins) and nothing else of vLLM; the fused-MoE modules wait for the hook."""
+    directory = Path(seams.__file__).parent
+    for light in ("__init__.py", "_post_import.py", "knob.py", "seams.py"):
+        assert _vllm_imports(directory / light) == set(), light
+    config_hook = _vllm_imports(directory / "_config.py")
+    assert config_hook and all(m.startswith("vllm.config.") for m, _ in config_hook)
 
 
 # -- the checker itself must catch a moved seam -------------------------------------------------

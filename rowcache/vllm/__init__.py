@@ -8,28 +8,99 @@ runs unchanged. The knob (``rowcache.vllm.knob``) decides per engine whether any
     vllm serve MODEL --additional-config '{"rowcache": {"moe_expert_cache_size": 32,
         "moe_expert_cache_provider": "row", "moe_expert_cache_split": "token"}}'
 
-This module imports no vLLM (CI runs without it); the vLLM code is in ``_plugin``.
+Registration does two things, and only the first at once:
+
+1. ``rowcache.vllm._config`` wraps ``VllmConfig.__post_init__`` (it imports only
+   ``vllm.config``, which vLLM has imported before it loads plugins);
+2. ``rowcache.vllm._method`` substitutes vLLM's unquantized MoE method. Importing it imports
+   vLLM's fused-MoE modules (seconds), which a process that builds no MoE model (an API server
+   front end, a model-inspection subprocess, a dense model) never needs. So it is installed
+   when the package ``vllm.model_executor.layers.fused_moe`` has finished importing: at once if
+   it already has, otherwise from a post-import hook (``rowcache.vllm._post_import``), or when
+   a configuration turns the knob on, whichever comes first.
+
+This module imports no vLLM (CI runs without it).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
+from rowcache.vllm._post_import import call_after_import, fully_imported
 from rowcache.vllm.knob import CacheSettings, KnobError, parse_settings
 
 __all__ = ["CacheSettings", "KnobError", "expert_cache_stats", "parse_settings", "register"]
 
 logger = logging.getLogger("rowcache.vllm")
 
-_state: dict[str, bool] = {"done": False}
+FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+"""The package after whose import the MoE method is substituted (a seam)."""
+
+MethodState = Literal["pending", "installed", "failed"]
+
+
+class _State:
+    registered = False
+    method: MethodState = "pending"
+
+
+_state = _State()
+
+
+def _warn(exc: BaseException) -> None:
+    logger.warning(
+        "rowcache: vLLM plugin not installed, vLLM runs without the expert cache (%s: %s)",
+        type(exc).__name__,
+        exc,
+    )
+
+
+def _install_method() -> None:
+    """Substitute the MoE method once; never raises (vLLM may be in the middle of an import)."""
+    if _state.method != "pending":
+        return
+    try:
+        from rowcache.vllm._method import install
+
+        install()
+    except Exception as exc:
+        _state.method = "failed"
+        _warn(exc)
+        return
+    _state.method = "installed"
+
+
+def _method_ready() -> bool:
+    """Whether the MoE method is substituted, installing it first if it is still waiting.
+
+    Called by the config hook for an engine that turns the knob on: its configuration is
+    adjusted only if the substitution is in place (see ``rowcache.vllm._config``).
+    """
+    if _state.method == "pending":
+        try:
+            # Runs _install_method through the post-import hook if the package is new.
+            importlib.import_module(FUSED_MOE)
+        except Exception as exc:
+            _state.method = "failed"
+            _warn(exc)
+            return False
+        # Partially imported: a configuration built from inside the package's own import;
+        # the hook installs the method when the package finishes.
+        if fully_imported(FUSED_MOE):
+            _install_method()
+    return _state.method == "installed"
 
 
 def _install() -> bool:
-    from rowcache.vllm._plugin import install
+    from rowcache.vllm._config import install as install_config_hook
 
-    return install()
+    hooked = install_config_hook(_method_ready)
+    if call_after_import(FUSED_MOE, _install_method):
+        logger.debug("rowcache: %s already imported; MoE method substituted at once", FUSED_MOE)
+    return hooked
 
 
 def register(installer: Callable[[], bool] | None = None) -> None:
@@ -37,20 +108,18 @@ def register(installer: Callable[[], bool] | None = None) -> None:
 
     ``installer`` is for tests; vLLM calls it without arguments.
     """
-    if _state["done"]:
+    if _state.registered:
         return
-    _state["done"] = True
+    _state.registered = True
     try:
         installed = (installer or _install)()
     except Exception as exc:
-        logger.warning(
-            "rowcache: vLLM plugin not installed, vLLM runs without the expert cache (%s: %s)",
-            type(exc).__name__,
-            exc,
-        )
+        if _state.method == "pending":
+            _state.method = "failed"
+        _warn(exc)
         return
     if installed:
-        logger.debug("rowcache: vLLM plugin installed")
+        logger.debug("rowcache: vLLM config hook installed")
 
 
 def expert_cache_stats(model: Any) -> list[dict[str, Any]]:

@@ -42,6 +42,17 @@ _CC = "vllm.config.compilation"
 
 SEAMS: tuple[Seam, ...] = (
     Seam(
+        _MOE,
+        "UnquantizedFusedMoEMethod",
+        "registration substitutes the MoE method only once this package has executed "
+        "(rowcache.vllm.FUSED_MOE, a post-import hook): it imports the method's module, so no "
+        "MoE method is built before the substitution, and processes that never import it "
+        "(API front end, dense models) never pay for vLLM's fused-MoE modules",
+        "renamed: the hook never fires and the knob has no effect (one warning where a "
+        "configuration turns it on); no longer importing the method's module: still correct, "
+        "the hook imports it",
+    ),
+    Seam(
         "vllm.model_executor.custom_op",
         "CustomOp.register_oot(_decorated_op_cls, name)",
         "substitutes our MoE method for vLLM's, out of tree",

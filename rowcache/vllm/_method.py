@@ -1,14 +1,17 @@
-"""The vLLM side of the plugin: imported by ``rowcache.vllm.register`` only, with vLLM present.
+"""The substituted MoE method: imported only once vLLM's fused-MoE package has been imported.
 
-Two changes to vLLM, both through names listed in ``rowcache.vllm.seams``:
+``RowcacheMoEMethod`` subclasses vLLM's ``UnquantizedFusedMoEMethod``, so importing this module
+imports vLLM's fused-MoE modules (seconds in a fresh process). ``rowcache.vllm.register``
+therefore does not import it: it runs ``install`` from a post-import hook on the package
+``vllm.model_executor.layers.fused_moe`` (``rowcache.vllm._post_import``), or at once where
+the package is already imported, or when a configuration turns the knob on
+(``rowcache.vllm._config``). Every MoE method is built after that package has executed, so the
+substitution is always in place before the first one is.
 
-* ``VllmConfig.__post_init__`` is wrapped. Before vLLM's own checks the knob is parsed (bad
-  values stop the engine here) and the guards run (expert or data parallelism, LoRA, a
-  quantized model); after them the MoE ops become splitting ops and full CUDA graphs are
-  lowered to piecewise ones, because a host-planned cache must run between captured pieces.
-* ``UnquantizedFusedMoEMethod`` is substituted out of tree by ``RowcacheMoEMethod``: with the
-  cache on it allocates the expert weights in pinned host memory, builds the provider once the
-  weights are processed, and routes ``apply`` through ``run_with_expert_cache``.
+``CustomOp.register_oot`` puts ``RowcacheMoEMethod`` wherever vLLM builds the unquantized MoE
+method: with the cache on it allocates the expert weights in pinned host memory, builds the
+provider once the weights are processed, and routes ``apply`` through
+``run_with_expert_cache``; with the knob off every override calls the parent.
 
 Why piecewise graphs gave wrong tokens with the MoE op as a splitting op (vLLM 0.25.0): a
 captured piece reads its inputs from the addresses they had at capture time
@@ -23,14 +26,13 @@ next piece always finds it at the captured address.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from vllm.config.compilation import CompilationMode, CUDAGraphMode
-from vllm.config.vllm import VllmConfig, get_current_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from vllm.config.vllm import get_current_vllm_config
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
@@ -43,111 +45,12 @@ from rowcache.cached import CachedWeightProvider
 from rowcache.forward import run_with_expert_cache
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
-from rowcache.vllm.knob import SIZE, CacheSettings, KnobError, parse_settings
+from rowcache.vllm._config import MOE_OPS, RowcacheError, settings_of
+from rowcache.vllm.knob import SIZE, CacheSettings, KnobError
 
-__all__ = ["MOE_OPS", "RowcacheMoEMethod", "install"]
+__all__ = ["RowcacheMoEMethod", "install"]
 
 logger = logging.getLogger("rowcache.vllm")
-
-MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
-"""vLLM's MoE custom ops; as splitting ops they run eagerly between captured pieces."""
-
-_WRAPPED = "_rowcache_wrapped"
-_said: set[str] = set()
-
-
-class RowcacheError(RuntimeError):
-    """A configuration the expert cache cannot serve, found while vLLM starts."""
-
-
-# -- configuration ----------------------------------------------------------------------------
-
-
-def settings_of(config: Any) -> CacheSettings:
-    return parse_settings(getattr(config, "additional_config", None), os.environ)
-
-
-def check_guards(config: Any, settings: CacheSettings) -> None:
-    """Reject what the cache does not support, before vLLM allocates anything."""
-    if not settings.cache_on:
-        return
-    parallel = config.parallel_config
-    what = f"{SIZE}={settings.size}"
-    if getattr(parallel, "enable_expert_parallel", False):
-        raise RowcacheError(
-            f"rowcache: {what} does not support expert parallelism (--enable-expert-parallel); "
-            "each rank would cache experts it does not own. Turn one of them off."
-        )
-    if getattr(parallel, "data_parallel_size", 1) > 1:
-        raise RowcacheError(
-            f"rowcache: {what} does not support data parallelism (data_parallel_size="
-            f"{parallel.data_parallel_size}); use tensor parallelism or one rank."
-        )
-    if getattr(config, "lora_config", None) is not None:
-        raise RowcacheError(
-            f"rowcache: {what} does not support LoRA (--enable-lora): LoRA's MoE path reads "
-            "the full expert weights on the GPU."
-        )
-    model = getattr(config, "model_config", None)
-    quantization = getattr(model, "quantization", None)
-    if quantization is not None:
-        raise RowcacheError(
-            f"rowcache: {what} supports unquantized (bf16/fp16) experts only; this model's "
-            f"quantization {quantization!r} uses a quantized MoE method that rowcache does "
-            "not support yet."
-        )
-
-
-def adjust_graphs(config: Any, settings: CacheSettings) -> None:
-    """Make the MoE op run eagerly between captured pieces, lowering full graphs."""
-    cc = config.compilation_config
-    if cc.mode != CompilationMode.VLLM_COMPILE:
-        if cc.cudagraph_mode != CUDAGraphMode.NONE:
-            logger.warning(
-                "rowcache: cudagraph_mode %s without torch.compile (mode %s) would capture the "
-                "host-planned MoE op; lowered to NONE.",
-                cc.cudagraph_mode.name,
-                cc.mode,
-            )
-            cc.cudagraph_mode = CUDAGraphMode.NONE
-        return
-    if cc.splitting_ops is not None and len(cc.splitting_ops) == 0:
-        raise RowcacheError(
-            "rowcache: compilation_config.splitting_ops=[] (one full graph) cannot run the MoE "
-            "op eagerly, which the expert cache needs; leave splitting_ops unset or list the "
-            f"attention ops together with {', '.join(MOE_OPS)}."
-        )
-    if cc.cudagraph_mode.has_full_cudagraphs():
-        message = (
-            f"rowcache ({settings.describe()}): cudagraph_mode {cc.cudagraph_mode.name} lowered "
-            "to PIECEWISE: a full CUDA graph would freeze one step's expert plan; the MoE op "
-            "now runs eagerly between captured pieces."
-        )
-        # vLLM builds its config more than once per engine; say it once.
-        if message not in _said:
-            _said.add(message)
-            logger.warning(message)
-        cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    ops = list(cc.splitting_ops or [])
-    for op in MOE_OPS:
-        if op not in ops:
-            ops.append(op)
-    cc.splitting_ops = ops
-
-
-def _wrap_post_init(original: Callable[[Any], None]) -> Callable[[Any], None]:
-    def __post_init__(self: Any) -> None:
-        settings = settings_of(self)  # a bad knob value stops vLLM here
-        if settings.active:
-            check_guards(self, settings)
-        original(self)
-        if settings.active:
-            adjust_graphs(self, settings)
-            logger.info("rowcache: %s", settings.describe())
-
-    setattr(__post_init__, _WRAPPED, True)
-    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
-    return __post_init__
 
 
 # -- the MoE method ---------------------------------------------------------------------------
@@ -360,19 +263,19 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
 
 
 def install() -> bool:
-    """Substitute the MoE method and hook the config; False when already installed."""
+    """Substitute the MoE method; False when it is already substituted.
+
+    Raises when another plugin substitutes the same class: replacing it would silently
+    disable that plugin.
+    """
     name = UnquantizedFusedMoEMethod.__name__
     present = op_registry_oot.get(name)
-    hooked = getattr(VllmConfig.__post_init__, _WRAPPED, False)
-    if present is RowcacheMoEMethod and hooked:
+    if present is RowcacheMoEMethod:
         return False
-    if present is not None and present is not RowcacheMoEMethod:
+    if present is not None:
         raise RowcacheError(
             f"another plugin already substitutes {name} ({present.__module__}."
             f"{present.__qualname__}); rowcache would replace it"
         )
-    if not hooked:
-        VllmConfig.__post_init__ = _wrap_post_init(VllmConfig.__post_init__)
-    if present is None:
-        CustomOp.register_oot(RowcacheMoEMethod, name=name)
+    CustomOp.register_oot(RowcacheMoEMethod, name=name)
     return True
