@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib
 import json
 import os
 import statistics
@@ -587,8 +588,17 @@ def run(args: argparse.Namespace) -> int:
             return subprocess.Popen(["bash", "-c", script], stdout=f, stderr=subprocess.STDOUT)
 
     build = builder()
+    # register()'s cost, in fresh processes: with vLLM's config imported (as when vLLM loads
+    # plugins) and its fused-MoE package not yet, and with both imported. Run one after the
+    # other, so that neither times the other's imports.
     probe = subprocess.Popen(
-        [sys.executable, str(HERE), "register-probe", str(logs / "register.json")],
+        [
+            "bash",
+            "-c",
+            f"{sys.executable} {HERE} register-probe {logs / 'register.json'}; "
+            f"{sys.executable} {HERE} register-probe {logs / 'register_preloaded.json'} "
+            "--fused-moe-first",
+        ],
         stdout=open(logs / "register.log", "wb"),  # noqa: SIM115
         stderr=subprocess.STDOUT,
         env=_env(None),
@@ -617,11 +627,12 @@ def run(args: argparse.Namespace) -> int:
             for r in _phase([spec], logs, deadline, None):
                 results[r["name"]] = r
         meta["after_story_s"] = round(time.time() - start, 1)
-    try:
-        probe.wait(timeout=5)
-        meta["register"] = json.loads((logs / "register.json").read_text())
-    except Exception as exc:
-        meta["register"] = repr(exc)
+    for key in ("register", "register_preloaded"):
+        try:
+            probe.wait(timeout=5)
+            meta[key] = json.loads((logs / f"{key}.json").read_text())
+        except Exception as exc:
+            meta[key] = repr(exc)
     meta["wall_s"] = round(time.time() - start, 1)
     summary = summarize(results, meta)
     out.mkdir(parents=True, exist_ok=True)
@@ -634,21 +645,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_probe(path: str) -> None:
-    import vllm  # noqa: F401 - imported first: the probe times register() alone
+def register_probe(path: str, fused_moe_first: bool) -> None:
+    """Time register() alone, then the fused-MoE import that installs the MoE method."""
+    # What vLLM has imported when it loads plugins: its configuration (``import vllm`` alone is
+    # lazy and would leave vllm.config to be timed as part of register()).
+    import vllm.config  # noqa: F401
 
+    fused_moe = "vllm.model_executor.layers.fused_moe"
+    if fused_moe_first:
+        importlib.import_module(fused_moe)
+    preloaded = fused_moe in sys.modules
     t = time.perf_counter()
-    from rowcache.vllm import _state, register
+    import rowcache.vllm as plugin
 
-    _state["done"] = False
-    register()
-    elapsed = time.perf_counter() - t
+    plugin.register()
+    register_s = time.perf_counter() - t
+    imported_by_register = not preloaded and fused_moe in sys.modules
+    state_after_register = plugin._state.method
+    t = time.perf_counter()
+    importlib.import_module(fused_moe)  # fires the post-import hook when it was deferred
+    fused_moe_s = time.perf_counter() - t
     from vllm.model_executor.custom_op import op_registry_oot
 
     Path(path).write_text(
         json.dumps(
             {
-                "register_ms": round(elapsed * 1000, 1),
+                "register_ms": round(register_s * 1000, 1),
+                "fused_moe_imported_first": preloaded,
+                "fused_moe_imported_by_register": imported_by_register,
+                "method_after_register": state_after_register,
+                "fused_moe_import_after_register_ms": round(fused_moe_s * 1000, 1),
+                "method_after_fused_moe": plugin._state.method,
                 "oot": {k: f"{v.__module__}.{v.__qualname__}" for k, v in op_registry_oot.items()},
             }
         )
@@ -663,7 +690,7 @@ def main() -> int:
         print("CHILD_DONE", res["name"], res["ok"], res.get("error", ""), flush=True)
         os._exit(0)  # skip vLLM's shutdown path; the process holds nothing to flush
     if len(sys.argv) >= 3 and sys.argv[1] == "register-probe":
-        register_probe(sys.argv[2])
+        register_probe(sys.argv[2], fused_moe_first="--fused-moe-first" in sys.argv[3:])
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["run"])
