@@ -8,11 +8,14 @@ know E); ``prepare`` does, for every piece.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
-from rowcache.validation import check_topk_ids
+
+# _routed_experts: the distinct experts, with prepare's fast path for a small CPU tensor (a
+# Python set instead of torch.unique's dispatch and sort); shared so that planning and
+# validation cannot disagree on what a routing holds.
+from rowcache.validation import _routed_experts, check_topk_ids
 
 __all__ = ["plan_chunks", "plan_expert_groups"]
 
@@ -41,8 +44,10 @@ def plan_chunks(topk_ids: Tensor, capacity: int) -> list[tuple[int, int]]:
     num_rows = topk_ids.shape[0]
     if num_rows == 0:
         return []
-    # Decode batches usually fit whole: one unique/transfer instead of a row scan.
-    if torch.unique(topk_ids).numel() <= capacity:
+    # Decode batches usually fit whole. No more entries than slots: they fit without reading
+    # a value (no host transfer for a device tensor). Otherwise one count of the distinct
+    # experts instead of a row scan.
+    if topk_ids.numel() <= capacity or len(_routed_experts(topk_ids)) <= capacity:
         return [(0, num_rows)]
 
     chunks: list[tuple[int, int]] = []
@@ -73,5 +78,5 @@ def plan_expert_groups(topk_ids: Tensor, capacity: int) -> list[list[int]]:
     """
     check_topk_ids(topk_ids, "plan_expert_groups")
     _check_capacity(capacity, "plan_expert_groups")
-    experts: list[int] = torch.unique(topk_ids).tolist()
+    experts = _routed_experts(topk_ids)
     return [experts[i : i + capacity] for i in range(0, len(experts), capacity)]

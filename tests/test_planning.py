@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rowcache.errors import InvalidInputError
 from rowcache.planning import plan_chunks, plan_expert_groups
+from rowcache.validation import SMALL_ROUTING
 
 
 def ids(*rows: list[int]) -> torch.Tensor:
@@ -131,3 +132,57 @@ def test_groups_partition_sorted_experts(case: tuple[torch.Tensor, int]) -> None
     assert flat == sorted(set(topk.flatten().tolist()))
     assert all(len(group) == capacity for group in groups[:-1])
     assert all(0 < len(group) <= capacity for group in groups)
+
+
+# -- the fast paths agree with the definition -------------------------------------------------
+
+
+def reference_chunks(rows: list[list[int]], capacity: int) -> list[tuple[int, int]]:
+    """The greedy front-to-back cut, written out directly."""
+    chunks: list[tuple[int, int]] = []
+    start, seen = 0, set[int]()
+    for index, row in enumerate(rows):
+        if len(seen | set(row)) > capacity:
+            chunks.append((start, index))
+            start, seen = index, set()
+        seen |= set(row)
+    return [*chunks, (start, len(rows))] if rows else []
+
+
+@pytest.mark.parametrize("entries", [SMALL_ROUTING - 8, SMALL_ROUTING + 8, 3 * SMALL_ROUTING])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_small_and_large_routings_plan_alike(entries: int, dtype: torch.dtype) -> None:
+    # Below SMALL_ROUTING a CPU routing is reduced with a Python set, above it with
+    # torch.unique; both must give the plans the definition gives.
+    top_k, experts = 8, 64
+    generator = torch.Generator().manual_seed(entries)
+    topk = torch.randint(0, experts, (entries // top_k, top_k), generator=generator, dtype=dtype)
+    rows = topk.tolist()
+    for capacity in (top_k, 20, experts):
+        assert plan_chunks(topk, capacity) == reference_chunks(rows, capacity)
+        distinct = sorted({e for row in rows for e in row})
+        groups = [distinct[i : i + capacity] for i in range(0, len(distinct), capacity)]
+        assert plan_expert_groups(topk, capacity) == groups
+    # A non-contiguous view plans as its contiguous copy.
+    view = topk.t().contiguous().t()
+    assert not view.is_contiguous()
+    assert plan_chunks(view, 20) == plan_chunks(topk, 20)
+    assert plan_expert_groups(view, 20) == plan_expert_groups(topk, 20)
+
+
+def test_decode_sized_routing_does_not_call_torch_unique(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unique(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.unique called for a decode-sized CPU routing")
+
+    monkeypatch.setattr(torch, "unique", unique)
+    topk = ids([0, 1], [1, 2], [3, 4], [4, 3], [0, 4])
+    assert plan_chunks(topk, 3) == [(0, 2), (2, 5)]
+    assert plan_chunks(topk, 5) == [(0, 5)]
+    assert plan_expert_groups(topk, 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_as_many_slots_as_entries_fits_without_reading_values() -> None:
+    # A meta tensor has no values: planning it proves the check reads none (on a GPU it
+    # would otherwise copy them to the host).
+    topk = torch.empty(2, 4, dtype=torch.int64, device="meta")
+    assert plan_chunks(topk, 8) == [(0, 2)]
