@@ -577,6 +577,40 @@ def test_cached_apply_matches_uncached(fake_vllm: Any, provider: str, split: str
     assert only["forwards"] == 1 and only["prepare_calls"] == len(kernel.chunks) > 1
 
 
+class RecordingKernel(ReferenceKernel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: list[tuple[Any, Any, Any]] = []
+
+    def apply(self, **kw: Any) -> Any:
+        self.inputs.append((kw["hidden_states"], kw["topk_weights"], kw["topk_ids"]))
+        return super().apply(**kw)
+
+
+def test_a_forward_that_fits_passes_vllms_tensors_unsliced(fake_vllm: Any) -> None:
+    from rowcache.row_provider import RowCacheWeightProvider
+
+    method = _method(fake_vllm, {"moe_expert_cache_size": 3})
+    layer, x, ids, topk_weights = _layer_and_inputs(tokens=6)
+    method.rowcache_provider = RowCacheWeightProvider(
+        layer.w13_weight, layer.w2_weight, capacity=3, split="token", device="cpu"
+    )
+    kernel = RecordingKernel()
+    method.moe_kernel = kernel
+    # One token routes to two experts, which fit the three slots: one kernel call, given the
+    # very tensors vLLM passed, not views of them.
+    first_x, first_w, first_ids = x[:1], topk_weights[:1], ids[:1]
+    method.apply(layer, first_x, first_w, first_ids, None, None)
+    ((hidden, weights, routed),) = kernel.inputs
+    assert hidden is first_x and weights is first_w and routed is first_ids
+    # Six tokens over eight experts: cut into chunks, each given its own rows.
+    kernel.inputs.clear()
+    method.apply(layer, x, topk_weights, ids, None, None)
+    assert len(kernel.inputs) > 1
+    assert sum(hidden.shape[0] for hidden, _, _ in kernel.inputs) == x.shape[0]
+    assert all(hidden is not x for hidden, _, _ in kernel.inputs)
+
+
 def test_output_is_capture_stable(fake_vllm: Any) -> None:
     import torch
 

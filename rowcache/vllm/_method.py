@@ -236,17 +236,22 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
         assert kernel is not None
         self.rowcache_forwards += 1
         pending_shared = [shared_experts]
+        every_row = slice(0, topk_ids.shape[0])
 
         def run(weights: ExpertWeightResult, rows: slice, include_shared: bool) -> Tensor:
             # vLLM's shared-expert object computes all rows at once: hand it to the first
             # kernel call only, so shared experts run once per forward.
             shared = pending_shared.pop() if include_shared and pending_shared else None
+            # A forward that fits (every decode step with enough slots) covers every row:
+            # pass vLLM's tensors as they are, as its own apply does, instead of three views
+            # whose slicing dispatches cost host time on every layer.
+            whole = rows == every_row
             result: Tensor = kernel.apply(
-                hidden_states=x[rows],
+                hidden_states=x if whole else x[rows],
                 w1=weights.w1,
                 w2=weights.w2,
-                topk_weights=topk_weights[rows],
-                topk_ids=topk_ids[rows],
+                topk_weights=topk_weights if whole else topk_weights[rows],
+                topk_ids=topk_ids if whole else topk_ids[rows],
                 activation=layer.activation,
                 global_num_experts=layer.global_num_experts,
                 expert_map=weights.expert_map,
