@@ -273,11 +273,15 @@ class RowCacheWeightProvider(SlotSurface):
                 slot_of[expert] = slot
                 copies.append((expert, slot))
         move_to_end = lru.move_to_end
-        for expert in requested:
-            if expert in lru:
+        if misses:
+            for expert in requested:
+                if expert in lru:
+                    move_to_end(expert)
+                else:
+                    lru[expert] = None
+        else:
+            for expert in requested:  # all resident: the hit path
                 move_to_end(expert)
-            else:
-                lru[expert] = None
         # The forward map exposes exactly the requested experts: clear the previous call's
         # entries, then write this call's.
         forward = self._forward_host
@@ -290,13 +294,8 @@ class RowCacheWeightProvider(SlotSurface):
         self._hits += len(requested) - len(misses)
         self._misses += len(misses)
         self._prepare_calls += 1
-        return Plan(
-            copies=copies,
-            changed=bool(misses),
-            resident=self._resident_view,
-            forward=self._forward_view,
-            forward_pairs=forward_pairs,
-        )
+        # Consumer steps read their pairs from ``forward_pairs``; prepare has none.
+        return Plan(copies, bool(misses), self._resident_view, self._forward_view)
 
     def _forget(self, copies: Sequence[tuple[int, int]]) -> None:
         """After a failed schedule: the copied experts' slots may hold anything, so they

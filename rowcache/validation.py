@@ -65,7 +65,8 @@ def check_topk_ids(topk_ids: object, op: str, device: torch.device | None = None
             f"{op}: topk_ids must have rank 2 [tokens, k], got rank {topk_ids.dim()} "
             f"(shape {tuple(topk_ids.shape)})"
         )
-    if not _device_accepted(topk_ids.device, device):
+    # ``is_cpu`` first: reading ``.device`` builds a device object, on every prepare.
+    if not (topk_ids.is_cpu or _device_accepted(topk_ids.device, device)):
         raise InvalidInputError(
             f"{op}: topk_ids is on {topk_ids.device} but the provider is on {device} "
             "(accepted: cpu or the provider's device)"
@@ -116,9 +117,10 @@ dispatch and sort cost tens."""
 
 
 def _routed_experts(topk_ids: Tensor) -> list[int]:
-    """The distinct values of ``topk_ids``, ascending."""
-    if topk_ids.device.type == "cpu" and topk_ids.numel() <= SMALL_ROUTING:
-        return sorted(set(topk_ids.reshape(-1).tolist()))
+    """The distinct values of ``topk_ids`` (rank 2, checked), ascending."""
+    if topk_ids.is_cpu and topk_ids.numel() <= SMALL_ROUTING:
+        # The nested list flattened in Python: a reshape's dispatch costs more than the loop.
+        return sorted({expert for row in topk_ids.tolist() for expert in row})
     routed: list[int] = torch.unique(topk_ids).tolist()
     return routed
 

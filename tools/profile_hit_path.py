@@ -7,7 +7,7 @@ then times N all-hit ``prepare`` calls (median and 10th percentile of ``time.per
 and each piece of the hit path on its own (mean over N calls with ``timeit``): the current
 stream lookup, validation, the forward map's staging write, its upload, the staging reuse
 event, and the ring's event query. Calls are made on the current stream as the caller has
-it (the legacy default stream unless the caller set another). Prints one line per figure.
+it: first on the legacy default stream, then on a created stream. Prints one line per figure.
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ def main() -> None:
     ids = torch.arange(TOP_K).reshape(1, TOP_K)
     provider.prepare(ids)
     torch.cuda.synchronize()
+    # The legacy default stream first, then a created stream (what an engine calls from).
+    _profile(provider, ids, calls, "default stream")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        provider.prepare(ids)  # the owner changes hands once, outside the timed calls
+        _profile(provider, ids, calls, "created stream")
+    torch.cuda.synchronize()
 
+
+def _profile(provider: RowCacheWeightProvider, ids: torch.Tensor, calls: int, where: str) -> None:
     times = []
     for _ in range(calls):
         start = time.perf_counter()
@@ -44,7 +52,7 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     times.sort()
     print(
-        f"all-hit prepare: median {times[len(times) // 2] * 1e6:.1f} us, "
+        f"[{where}] all-hit prepare: median {times[len(times) // 2] * 1e6:.1f} us, "
         f"p10 {times[len(times) // 10] * 1e6:.1f} us ({calls} calls)"
     )
 
@@ -61,7 +69,7 @@ def main() -> None:
     }
     for name, piece in pieces.items():
         mean = timeit.timeit(piece, number=calls) / calls
-        print(f"{name}: {mean * 1e6:.2f} us")
+        print(f"[{where}] {name}: {mean * 1e6:.2f} us")
     torch.cuda.synchronize()
 
 

@@ -228,8 +228,17 @@ class CudaBackend:
         self._batched: BatchedCopier | None = None
         self._expert_bytes = 0
         self._maps: dict[str, Tensor] = {}
+        self._map_pointers: dict[str, int] = {}  # data_ptr() of each device map, read once
         self._rings: dict[str, _Ring] = {}
         self._log = call_log
+        # The current-stream lookup by raw handle (what inductor's generated code calls):
+        # building a ``torch.cuda.Stream`` costs several microseconds on every prepare, so the
+        # object is rebuilt only when the handle changes. Equal handles are the same CUDA
+        # stream. Absent from builds without CUDA, where no CudaBackend runs.
+        self._raw_current_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._device_index: int = target.index if target.index is not None else 0
+        self._last_stream: torch.cuda.Stream | None = None
+        self._last_handle = -1
         self.copy_timing: CopyTiming | None = None
         """Set to a ``CopyTiming`` to time every ``copy_rows`` (benchmarks); None: off."""
 
@@ -248,6 +257,7 @@ class CudaBackend:
             ring: torch.full((num_experts,), -1, dtype=torch.int32, device=self._device)
             for ring in RINGS
         }
+        self._map_pointers = {ring: m.data_ptr() for ring, m in self._maps.items()}
         self._rings = {ring: _Ring(num_experts) for ring in RINGS}
         # Slot buffers and the resident map are written on the copy stream: tell the caching
         # allocator, so that their memory is not handed out again while that stream may still
@@ -283,7 +293,16 @@ class CudaBackend:
         return self._log
 
     def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self._device)
+        raw = self._raw_current_stream
+        if raw is None:
+            return torch.cuda.current_stream(self._device)
+        handle: int = raw(self._device_index)
+        stream = self._last_stream
+        if stream is None or handle != self._last_handle:
+            stream = torch.cuda.current_stream(self._device)
+            self._last_stream = stream
+            self._last_handle = stream.cuda_stream
+        return stream
 
     def record_event(self, stream: torch.cuda.Stream, event: str) -> None:
         self._events[event].record(stream)
@@ -348,7 +367,7 @@ class CudaBackend:
         if (
             isinstance(content, Tensor)
             and content.dtype == torch.int32
-            and content.device.type == "cpu"
+            and content.is_cpu
             and content.is_contiguous()
             and content.numel() == staging.size
         ):
@@ -366,19 +385,20 @@ class CudaBackend:
 
     def upload_map(self, stream: torch.cuda.Stream, ring: str) -> None:
         staging = self._rings[ring]
-        source = staging.buffers[staging.chosen]
         device_map = self._maps[ring]
         batched = self._batched
-        handle: int = stream.cuda_stream
-        if batched is not None and handle != 0:
+        if batched is not None:
             # One cudaMemcpyAsync through the bindings the batched miss path already holds:
-            # the hit path's only device work, without a tensor copy_'s dispatch.
-            destination = device_map.data_ptr()
+            # the hit path's only device work, without a tensor copy_'s dispatch. Unlike the
+            # batched call it is valid on every stream, the legacy default stream included.
+            handle: int = stream.cuda_stream
+            destination = self._map_pointers[ring]
             batched.upload(handle, destination, staging.pointers[staging.chosen], 4 * staging.size)
             _sanitizer_write(handle, [destination], f"rowcache {ring} map upload", "map")
             if self._log is not None:
                 self._log.append(CudaCall("upload", handle, ring, buffer=staging.chosen))
             return
+        source = staging.buffers[staging.chosen]
         if torch.cuda.current_stream(self._device).cuda_stream == stream.cuda_stream:
             device_map.copy_(source, non_blocking=True)
             if self._log is not None:
