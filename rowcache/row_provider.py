@@ -36,6 +36,7 @@ from rowcache.backends.base import Backend, Plan, Roles
 from rowcache.backends.cpu import CpuBackend
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
+from rowcache.packing import Layout, check_layout
 from rowcache.schedules import run_invalidate, run_prepare
 from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
@@ -64,6 +65,11 @@ class RowCacheWeightProvider(SlotSurface):
     (a concurrent call raises ``ConcurrentCallError``). Every consumer read of the buffers a
     ``prepare`` returns must be enqueued on the stream that ``prepare`` was called on, before
     the next ``prepare``; the calls themselves may come from any stream.
+
+    ``layout="packed"`` keeps each expert's tensors in one byte range on the host and in every
+    slot, so that a miss is one copy (``rowcache.packing``: the returned weight tensors are then
+    strided views, not contiguous buffers); the default ``"separate"`` gives one contiguous
+    buffer per tensor.
     """
 
     def __init__(
@@ -79,8 +85,10 @@ class RowCacheWeightProvider(SlotSurface):
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
         backend: Backend[Any] | None = None,
+        layout: Layout = "separate",
     ) -> None:
         target = torch.device(device)
+        check_layout(layout)  # before the backend, which allocates a stream and events
         # Chosen first: an unsupported device is rejected before any allocation.
         self._backend: Backend[Any] = default_backend(target) if backend is None else backend
         self._set_up_slots(
@@ -93,6 +101,7 @@ class RowCacheWeightProvider(SlotSurface):
             capacity=capacity,
             split=split,
             device=target,
+            layout=layout,
         )
         num_experts = self._num_experts
         self._backend.bind(self._sources, self._slots)

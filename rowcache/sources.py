@@ -6,12 +6,14 @@ provider can index them without re-checking shapes, devices or dtypes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
+from rowcache.packing import Layout, check_layout, pack_offsets, packed_storage, packed_views
 
 __all__ = [
     "SOURCE_NAMES",
@@ -59,9 +61,13 @@ class ExpertSources:
     the provider, but the caller's original stays alive as long as the caller
     holds it. Pass tensors that are already pinned (``pin_memory()`` at load
     time) to avoid the transient doubling of host memory.
+
+    ``layout="packed"`` (``rowcache.packing``) copies every source into one host buffer
+    ``[E, P]`` (pinned for a CUDA target) holding each expert's tensors in one byte range, and
+    keeps only that copy; the slot buffers then follow the same layout.
     """
 
-    __slots__ = ("_tensors", "device", "num_experts")
+    __slots__ = ("_tensors", "device", "layout", "num_experts", "pack")
 
     def __init__(
         self,
@@ -73,8 +79,10 @@ class ExpertSources:
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
         device: torch.device | str,
+        layout: Layout = "separate",
     ) -> None:
         target = torch.device(device)
+        checked_layout = check_layout(layout)
         raw: dict[str, object] = {
             "w13": w13,
             "w2": w2,
@@ -108,10 +116,25 @@ class ExpertSources:
         if num_experts == 0:
             raise InvalidInputError("expert sources hold no experts (E=0)")
 
-        if _needs_pinning(target):
+        self.pack: tuple[list[int], int] | None = None
+        """(byte offset of each tensor in ``SOURCE_NAMES`` order, range size) when packed."""
+        if checked_layout == "packed":
+            templates = [given[n] for n in SOURCE_NAMES]
+            offsets, size = pack_offsets(templates)
+            storage = packed_storage(
+                num_experts, size, device=torch.device("cpu"), pin_memory=_needs_pinning(target)
+            )
+            views = packed_views(storage, templates, offsets)
+            for view, source in zip(views, templates, strict=True):
+                if view is not None and source is not None:
+                    view.copy_(source)
+            given = dict(zip(SOURCE_NAMES, views, strict=True))
+            self.pack = (offsets, size)
+        elif _needs_pinning(target):
             given = {n: None if t is None else _pinned(t) for n, t in given.items()}
         self._tensors = given
         self.device = target
+        self.layout: Layout = checked_layout
         self.num_experts = num_experts
 
     @property
@@ -148,8 +171,25 @@ class ExpertSources:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host memory held by the sources (all experts, all six tensors)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors.values() if t is not None)
+        """Bytes of host memory held by the sources (all experts, all six tensors, and the
+        alignment padding of a packed layout)."""
+        return _storage_bytes(self._tensors.values())
+
+
+def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    shared: dict[int, int] = {}
+    unaddressed = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+        if address == 0:  # meta or empty: no address to tell storages apart by
+            unaddressed += storage.nbytes()
+        else:
+            shared[address] = storage.nbytes()
+    return sum(shared.values()) + unaddressed
 
 
 def _pinned(t: Tensor) -> Tensor:
@@ -193,13 +233,14 @@ class SlotBuffers:
     @property
     def slot_bytes(self) -> int:
         """Bytes of device memory held by all slot buffers together."""
-        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+        return _storage_bytes(self.tensors())
 
 
 def allocate_slot_buffers(
     sources: ExpertSources, capacity: int, device: torch.device | str
 ) -> SlotBuffers:
-    """Allocate one ``[capacity, *row_shape]`` buffer per present source on ``device``.
+    """Allocate one ``[capacity, *row_shape]`` buffer per present source on ``device`` (views
+    of one ``[capacity, P]`` byte buffer when the sources are packed).
 
     ``device`` must be the one the sources were prepared for, because pinning
     was decided by it.
@@ -210,6 +251,14 @@ def allocate_slot_buffers(
             f"slot buffers requested on {target} but the sources were prepared for {sources.device}"
         )
     validate_capacity(capacity, sources.num_experts)
+
+    if sources.pack is not None:
+        offsets, size = sources.pack
+        storage = packed_storage(capacity, size, device=target)
+        views = packed_views(storage, sources.tensors(), offsets)
+        first, second = views[0], views[1]
+        assert first is not None and second is not None
+        return SlotBuffers(capacity, first, second, views[2], views[3], views[4], views[5])
 
     # torch.empty on the target device is the only allocation: device-generic,
     # so that the CUDA specifics stay in the CUDA backend.

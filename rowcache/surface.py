@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
+from rowcache.packing import Layout
 from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
 from rowcache.types import Split
 
@@ -42,8 +43,10 @@ class SlotSurface:
         capacity: int,
         split: object,
         device: torch.device,
+        layout: Layout = "separate",
     ) -> None:
-        """Validate the split and the sources, allocate ``capacity`` slots on ``device``."""
+        """Validate the split and the sources, allocate ``capacity`` slots on ``device`` in
+        ``layout`` (``rowcache.packing``)."""
         self._split = check_split(split)
         self._device = device
         self._sources = ExpertSources(
@@ -54,6 +57,7 @@ class SlotSurface:
             w13_scale_2=w13_scale_2,
             w2_scale_2=w2_scale_2,
             device=device,
+            layout=layout,
         )
         self._slots = allocate_slot_buffers(self._sources, capacity, device)
         self._capacity = capacity
@@ -66,6 +70,11 @@ class SlotSurface:
     @property
     def split(self) -> Split:
         return self._split
+
+    @property
+    def layout(self) -> Layout:
+        """How the slot buffers lie in memory: ``separate`` or ``packed`` (``rowcache.packing``)."""
+        return self._sources.layout
 
     @property
     def num_experts(self) -> int:

@@ -133,7 +133,7 @@ def test_table_reads_documents_without_copy_columns() -> None:
 
 def test_large_geometry_and_providers() -> None:
     assert GEOMETRIES["bf16_large"].expert_bytes >= 100_000_000
-    assert set(PROVIDERS) == {"row", "row_pt", "cached"}
+    assert set(PROVIDERS) == {"row", "row_packed", "row_pt", "cached"}
 
 
 @pytest.mark.parametrize(

@@ -108,11 +108,11 @@ def test_batched_copies_are_reported_to_the_stream_sanitizer(
     assert not handler._handle_kernel_launch(consumer, {row}, set(), set(), "read", {row: []})
     handler._handle_event_record(7, consumer)
     handler._handle_event_wait(7, copy)
-    cuda_backend._sanitizer_write(copy, [row])  # ordered after the read: clean
+    cuda_backend._sanitizer_write(copy, lambda: [row])  # ordered after the read: clean
     other = 0x2000
     assert not handler._handle_kernel_launch(consumer, {other}, set(), set(), "read", {other: []})
     with pytest.raises(CUDASanitizerErrors):
-        cuda_backend._sanitizer_write(copy, [other])  # not ordered: reported
+        cuda_backend._sanitizer_write(copy, lambda: [other])  # not ordered: reported
     assert "rowcache cudaMemcpyBatchAsync" in capsys.readouterr().err
     fake.cuda_sanitizer.enabled = False
-    cuda_backend._sanitizer_write(copy, [other])  # off: nothing is checked
+    cuda_backend._sanitizer_write(copy, lambda: [other])  # off: nothing is checked

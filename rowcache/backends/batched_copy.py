@@ -102,21 +102,46 @@ def _row_span(name: str, role: str, t: Tensor) -> tuple[int, int, int]:
     return t.data_ptr(), stride, row_bytes
 
 
+def _merged_span(
+    rows: Sequence[tuple[Tensor, int, int, int]],
+) -> tuple[int, int, int] | None:
+    """(base address, row stride, bytes) of ONE range per row covering every tensor's row, when
+    ``rows`` ((tensor, base, stride, row bytes) of each tensor) are views of one storage with a
+    common row stride and the range fits in one stride; None otherwise."""
+    storages = {t.untyped_storage().data_ptr() for t, _, _, _ in rows}
+    strides = {stride for _, _, stride, _ in rows}
+    if len(storages) != 1 or len(strides) != 1:
+        return None
+    (stride,) = strides
+    start = min(base for _, base, _, _ in rows)
+    end = max(base + size for _, base, _, size in rows)
+    if end - start > stride:
+        return None
+    return start, stride, end - start
+
+
 class RowLayout:
     """Where every row of every (slot buffer, source) pair lives, for address arithmetic.
 
     Built once from ``(slot buffer, source, name)`` triples; tensors with empty rows are left
     out of the batch (a zero-byte copy is not a valid batch entry), the others keep their order.
     Works on any tensors (CPU ones too, for tests): it only reads pointers and strides.
+
+    When both sides are packed (``rowcache.packing``: every tensor a view of one storage, with
+    one row stride, each tensor at the same offset from the first on both sides), one range per
+    expert covers all its tensors, alignment padding included, and a miss is ONE batch entry:
+    each entry costs the copy engine a few microseconds whatever its size.
     """
 
-    __slots__ = ("_dst", "_sizes", "_src", "expert_bytes", "names")
+    __slots__ = ("_dst", "_row_bases", "_sizes", "_src", "expert_bytes", "merged", "names")
 
     def __init__(self, pairs: Sequence[tuple[Tensor, Tensor, str]]) -> None:
         dst: list[tuple[int, int]] = []
         src: list[tuple[int, int]] = []
         sizes: list[int] = []
         names: list[str] = []
+        dst_rows: list[tuple[Tensor, int, int, int]] = []
+        src_rows: list[tuple[Tensor, int, int, int]] = []
         for buf, source, name in pairs:
             dst_base, dst_stride, dst_row = _row_span(name, "slot buffer", buf)
             src_base, src_stride, src_row = _row_span(name, "source", source)
@@ -131,21 +156,57 @@ class RowLayout:
             src.append((src_base, src_stride))
             sizes.append(src_row)
             names.append(name)
+            dst_rows.append((buf, dst_base, dst_stride, dst_row))
+            src_rows.append((source, src_base, src_stride, src_row))
+        self.names = tuple(names)
+        self.expert_bytes = sum(sizes)
+        """Bytes of one expert's rows (padding of a packed layout not counted)."""
+        merged = self._merge(dst_rows, src_rows)
+        self.merged = merged is not None
+        """True when a miss is one range (packed on both sides)."""
+        if merged is not None:
+            dst, src, sizes = [merged[0]], [merged[1]], [merged[2]]
         self._dst = tuple(dst)
         self._src = tuple(src)
         self._sizes = sizes
-        self.names = tuple(names)
-        self.expert_bytes = sum(sizes)
+        # Every tensor's own rows, for reporting the written addresses per tensor.
+        self._row_bases = tuple((base, stride) for _, base, stride, _ in dst_rows)
+
+    @staticmethod
+    def _merge(
+        dst_rows: Sequence[tuple[Tensor, int, int, int]],
+        src_rows: Sequence[tuple[Tensor, int, int, int]],
+    ) -> tuple[tuple[int, int], tuple[int, int], int] | None:
+        if len(dst_rows) < 2:
+            return None
+        dst, src = _merged_span(dst_rows), _merged_span(src_rows)
+        if dst is None or src is None or dst[2] != src[2]:
+            return None
+        # The same offset from the range's start on both sides, tensor by tensor.
+        same = all(
+            d_base - dst[0] == s_base - src[0]
+            for (_, d_base, _, _), (_, s_base, _, _) in zip(dst_rows, src_rows, strict=True)
+        )
+        if not same:
+            return None
+        return (dst[0], dst[1]), (src[0], src[1]), dst[2]
 
     def addresses(
         self, copies: Sequence[tuple[int, int]]
     ) -> tuple[list[int], list[int], list[int]]:
-        """Destination addresses, source addresses and sizes of every row of ``copies``
-        ((expert, slot) pairs), miss by miss, tensors in ``names`` order."""
+        """Destination addresses, source addresses and sizes of the batch entries of
+        ``copies`` ((expert, slot) pairs), miss by miss: one per tensor in ``names`` order,
+        or one per miss when merged."""
         dst, src = self._dst, self._src
         dsts = [base + slot * stride for _, slot in copies for base, stride in dst]
         srcs = [base + expert * stride for expert, _ in copies for base, stride in src]
         return dsts, srcs, self._sizes * len(copies)
+
+    def row_addresses(self, copies: Sequence[tuple[int, int]]) -> list[int]:
+        """The destination address of every tensor's row of ``copies``, merged or not (what a
+        per-tensor copy would write: the stream sanitizer tracks tensors by these)."""
+        rows = self._row_bases
+        return [base + slot * stride for _, slot in copies for base, stride in rows]
 
 
 class BatchedCopier:
@@ -194,12 +255,11 @@ class BatchedCopier:
             stream = self._handles[handle] = self._runtime.cudaStream_t(handle)
         return stream
 
-    def copy(self, handle: int, copies: Sequence[tuple[int, int]]) -> list[int]:
-        """Enqueue every row of ``copies`` on the stream ``handle`` (one API call); returns the
-        destination addresses (for the stream sanitizer)."""
+    def copy(self, handle: int, copies: Sequence[tuple[int, int]]) -> None:
+        """Enqueue every row of ``copies`` on the stream ``handle`` (one API call)."""
         dsts, srcs, sizes = self.layout.addresses(copies)
         if not dsts:
-            return dsts
+            return
         result = self._call(
             dsts, srcs, sizes, len(dsts), self._attrs, self._attr_idxs, 1, self._stream(handle)
         )
@@ -208,7 +268,6 @@ class BatchedCopier:
                 f"cudaMemcpyBatchAsync of {len(dsts)} rows ({len(copies)} experts) on stream "
                 f"{handle:#x} failed: {result[0]!r}"
             )
-        return dsts
 
     def upload(self, handle: int, destination: int, source: int, num_bytes: int) -> None:
         """One ``cudaMemcpyAsync`` of ``num_bytes`` from pinned host ``source`` to device

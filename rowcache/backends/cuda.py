@@ -15,10 +15,12 @@ operation and nothing else:
 
   - ``"batched"`` (default): ONE ``cudaMemcpyBatchAsync`` per call, whatever the number of
     misses and tensors, with addresses computed from base pointers and row strides fixed at
-    ``bind`` (``rowcache.backends.batched_copy``). Needs NVIDIA's ``cuda-bindings`` and a
-    CUDA 12.8+ driver; without them the constructor raises ``BatchedCopyUnavailable`` (no
-    silent fallback). The call is invalid on the legacy default stream, so a copy issued
-    there (only a mutated schedule would) takes the per-tensor path. The stream sanitizer
+    ``bind`` (``rowcache.backends.batched_copy``). Its entries are one per tensor per miss, or
+    one per miss when the provider's slots are packed (``layout="packed"``). Needs NVIDIA's
+    ``cuda-bindings`` and a CUDA 12.8+ driver; without them the constructor raises
+    ``BatchedCopyUnavailable`` (no silent fallback). The call is invalid on the legacy
+    default stream, so a copy issued there (only a mutated schedule would) takes the
+    per-tensor path. The stream sanitizer
     (``torch.cuda._sanitizer``) sees only aten operations; while it is enabled, each batched
     call is reported to it as a write of every destination row on the issuing stream, which
     is what the per-tensor ``copy_`` calls report.
@@ -60,7 +62,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -163,12 +165,13 @@ def _timing_event() -> torch.cuda.Event:
 
 def _sanitizer_write(
     handle: int,
-    addresses: Sequence[int],
+    addresses: Callable[[], Sequence[int]],
     what: str = "rowcache cudaMemcpyBatchAsync (slot rows)",
     kind: str = "slot row",
 ) -> None:
     """Tell PyTorch's stream sanitizer, when it is enabled, that the stream ``handle`` wrote
-    the rows at ``addresses``: it only sees aten operations, and a batched copy is none.
+    the rows at ``addresses()`` (computed only then): it only sees aten operations, and a
+    batched copy is none.
 
     Reported exactly as its dispatch mode reports a ``copy_`` into a slot row (a write of the
     destination's data pointer; CPU sources are not tracked), errors printed and raised as it
@@ -177,7 +180,7 @@ def _sanitizer_write(
     csan: Any = sys.modules.get("torch.cuda._sanitizer")
     if csan is None or not csan.cuda_sanitizer.enabled:
         return
-    written = set(addresses)
+    written = set(addresses())
     errors = csan.cuda_sanitizer.dispatch.event_handler._handle_kernel_launch(
         handle,
         set(),
@@ -276,6 +279,14 @@ class CudaBackend:
         return self._copy_path
 
     @property
+    def ranges_per_miss(self) -> int:
+        """Copies (batch entries) one miss costs: 1 when the slots are packed and the copy is
+        batched (``rowcache.packing``), else one per source tensor with non-empty rows."""
+        if self._batched is not None:
+            return 1 if self._batched.layout.merged else len(self._batched.layout.names)
+        return len(self._pairs)
+
+    @property
     def forward_map(self) -> Tensor:
         return self._maps["forward"]
 
@@ -344,7 +355,9 @@ class CudaBackend:
         handle: int = stream.cuda_stream
         # cudaMemcpyBatchAsync rejects the legacy default stream (handle 0).
         if batched is not None and handle != 0:
-            _sanitizer_write(handle, batched.copy(handle, copies))
+            batched.copy(handle, copies)
+            # Every tensor's row, also when a packed layout copies each miss as one range.
+            _sanitizer_write(handle, lambda: batched.layout.row_addresses(copies))
             return handle
         pairs = self._pairs
         if torch.cuda.current_stream(self._device).cuda_stream == handle:
@@ -394,7 +407,7 @@ class CudaBackend:
             handle: int = stream.cuda_stream
             destination = self._map_pointers[ring]
             batched.upload(handle, destination, staging.pointers[staging.chosen], 4 * staging.size)
-            _sanitizer_write(handle, [destination], f"rowcache {ring} map upload", "map")
+            _sanitizer_write(handle, lambda: [destination], f"rowcache {ring} map upload", "map")
             if self._log is not None:
                 self._log.append(CudaCall("upload", handle, ring, buffer=staging.chosen))
             return

@@ -4,8 +4,9 @@ One module per job:
 
 * ``geometry``: the expert layouts (bf16, NVFP4-like, one 100.7 MB bf16 expert) and their
   pinned host sources.
-* ``providers``: ``row`` (batched copies), ``row_pt`` (the row provider with one copy per
-  tensor per miss) and the ``cached`` LFRU baseline.
+* ``providers``: ``row`` (batched copies), ``row_packed`` (the same with the packed slot
+  layout: one range per miss), ``row_pt`` (the row provider with one copy per tensor per miss)
+  and the ``cached`` LFRU baseline.
 * ``ceilings``: pinned host-to-device bandwidth by copy size, timed with CUDA events.
 * ``steps``: requests that produce an exact number of misses on a given provider.
 * ``cells``: host and device time of ``prepare`` per provider, geometry and miss count, and

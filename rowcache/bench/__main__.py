@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         "--providers",
         default=None,
         metavar="A,B",
-        help="comma-separated providers (default: all: row, row_pt, cached)",
+        help="comma-separated providers (default: all: row, row_packed, row_pt, cached)",
     )
     parser.add_argument(
         "--misses",

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from rowcache.backends.cuda import CopyPath, CopyTiming, CudaBackend
 from rowcache.cached import CachedWeightProvider
+from rowcache.packing import Layout
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.types import ExpertWeightResult
 
@@ -34,18 +35,27 @@ def _weights(sources: dict[str, Tensor]) -> dict[str, Tensor | None]:
 
 
 def _row_with(
-    copy: CopyPath, sources: dict[str, Tensor], capacity: int, device: torch.device
+    copy: CopyPath,
+    sources: dict[str, Tensor],
+    capacity: int,
+    device: torch.device,
+    layout: Layout = "separate",
 ) -> RowCacheWeightProvider:
     return RowCacheWeightProvider(
         **_weights(sources),  # type: ignore[arg-type]
         capacity=capacity,
         device=device,
         backend=CudaBackend(device, copy=copy),
+        layout=layout,
     )
 
 
 def _row(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
     return _row_with("batched", sources, capacity, device)
+
+
+def _row_packed(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
+    return _row_with("batched", sources, capacity, device, layout="packed")
 
 
 def _row_pt(sources: dict[str, Tensor], capacity: int, device: torch.device) -> BenchProvider:
@@ -60,11 +70,17 @@ def _cached(sources: dict[str, Tensor], capacity: int, device: torch.device) -> 
     )
 
 
-PROVIDERS: dict[str, Factory] = {"row": _row, "row_pt": _row_pt, "cached": _cached}
+PROVIDERS: dict[str, Factory] = {
+    "row": _row,
+    "row_packed": _row_packed,
+    "row_pt": _row_pt,
+    "cached": _cached,
+}
 """``row``: ``RowCacheWeightProvider`` with its default CUDA backend (one batched copy call per
-``prepare``); ``row_pt``: the same provider with per-tensor copies (one ``copy_`` per tensor
-per miss, ``CudaBackend(copy="per_tensor")``); ``cached``: the LFRU baseline
-``CachedWeightProvider``."""
+``prepare``, one entry per tensor per miss); ``row_packed``: the same with
+``layout="packed"`` (one entry per miss, ``rowcache.packing``); ``row_pt``: the same provider
+with per-tensor copies (one ``copy_`` per tensor per miss, ``CudaBackend(copy="per_tensor")``);
+``cached``: the LFRU baseline ``CachedWeightProvider``."""
 
 
 def _cuda_backend(provider: BenchProvider) -> CudaBackend | None:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from rowcache import RowCacheWeightProvider
 from rowcache.backends.cuda import CudaBackend, CudaCall
+from rowcache.packing import Layout
 from rowcache.sources import SOURCE_NAMES
 
 FP8 = torch.float8_e4m3fn
@@ -84,7 +85,9 @@ class ExpertData:
         self.device = {name: t.to("cuda") for name, t in self.host.items()}
         torch.cuda.synchronize()
 
-    def provider(self, capacity: int, backend: CudaBackend | None = None) -> RowCacheWeightProvider:
+    def provider(
+        self, capacity: int, backend: CudaBackend | None = None, layout: Layout = "separate"
+    ) -> RowCacheWeightProvider:
         h = self.host
         return RowCacheWeightProvider(
             h["w13"],
@@ -96,6 +99,7 @@ class ExpertData:
             w13_scale_2=h["w13_scale_2"],
             w2_scale_2=h["w2_scale_2"],
             backend=backend,
+            layout=layout,
         )
 
     def holder(self, name: str, row: Tensor) -> str:

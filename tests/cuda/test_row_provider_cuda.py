@@ -21,6 +21,7 @@ from mutant_provider import install
 
 from rowcache import RowCacheWeightProvider
 from rowcache.backends.cuda import CudaBackend
+from rowcache.packing import Layout
 
 pytestmark = pytest.mark.cuda
 
@@ -46,9 +47,13 @@ def test_picks_the_cuda_backend_pins_sources_and_keeps_buffer_addresses() -> Non
     assert [t.data_ptr() for t in slot_tensors(p)] == before
 
 
-def test_data_across_streams_owner_changes_and_invalidate() -> None:
+@pytest.mark.parametrize("layout", ["separate", "packed"])
+def test_data_across_streams_owner_changes_and_invalidate(layout: Layout) -> None:
     d = data()
-    p = d.provider(3)
+    p = d.provider(3, layout=layout)
+    # Packed: one batch entry per miss (all six tensors in one range); separate: one per tensor.
+    assert isinstance(p.backend, CudaBackend)
+    assert p.backend.ranges_per_miss == (1 if layout == "packed" else 6)
     streams = consumer_streams(2)
     calls = [[0, 1], [1, 2], [3], [4, 5, 0], [6], [2, 7], [0], [5, 6, 7], [1, 2, 3]]
     for i, call in enumerate(calls):
