@@ -7,7 +7,9 @@ then times N all-hit ``prepare`` calls (median and 10th percentile of ``time.per
 and each piece of the hit path on its own (mean over N calls with ``timeit``): the current
 stream lookup, validation, the forward map's staging write, its upload, the staging reuse
 event, and the ring's event query. Calls are made on the current stream as the caller has
-it: first on the legacy default stream, then on a created stream. Prints one line per figure.
+it: first on the legacy default stream, then on a created stream. Then the row provider and the
+``cached`` baseline side by side, alternating calls, back to back and each right after a
+device synchronization. Prints one line per figure.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import timeit
 
 import torch
 
-from rowcache import RowCacheWeightProvider
+from rowcache import CachedWeightProvider, RowCacheWeightProvider
 from rowcache.validation import requested_experts
 
 NUM_EXPERTS, CAPACITY, TOP_K = 128, 32, 8
@@ -41,6 +43,34 @@ def main() -> None:
     with torch.cuda.stream(torch.cuda.Stream()):
         provider.prepare(ids)  # the owner changes hands once, outside the timed calls
         _profile(provider, ids, calls, "created stream")
+    torch.cuda.synchronize()
+    _side_by_side(provider, CachedWeightProvider(w13, w2, capacity=CAPACITY, device="cuda"), ids)
+
+
+def _side_by_side(
+    row: RowCacheWeightProvider, cached: CachedWeightProvider, ids: torch.Tensor
+) -> None:
+    """Row against the cached baseline, interleaved call by call on one created stream, in
+    two regimes: back to back (the device never drains), and right after the host waited for
+    the device (as in the benchmark's isolated steps, and in an engine that copies topk_ids to
+    the host before each layer's prepare)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for p in (row, cached):
+            p.prepare(ids)
+        for regime in ("back to back", "after a device sync"):
+            times: dict[str, list[float]] = {"row": [], "cached": []}
+            for _ in range(2000):
+                for name, p in (("row", row), ("cached", cached)):
+                    if regime != "back to back":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    p.prepare(ids)
+                    times[name].append(time.perf_counter() - start)
+            medians = {name: sorted(t)[len(t) // 2] * 1e6 for name, t in times.items()}
+            print(
+                f"[{regime}] all-hit prepare median: row {medians['row']:.1f} us, cached "
+                f"{medians['cached']:.1f} us, row/cached {medians['row'] / medians['cached']:.2f}"
+            )
     torch.cuda.synchronize()
 
 
