@@ -1115,6 +1115,9 @@ def run(args: argparse.Namespace) -> int:
         with open(builder_log, "ab") as f:
             return subprocess.Popen(["bash", "-c", script], stdout=f, stderr=subprocess.STDOUT)
 
+    # A marker left by an earlier call on a warm machine would let engines start before this
+    # call's checkpoints exist.
+    built.unlink(missing_ok=True)
     build = builder()
     # register()'s cost, in fresh processes: with vLLM's config imported (as when vLLM loads
     # plugins) and its fused-MoE package not yet, and with both imported. Run one after the
