@@ -24,6 +24,10 @@ Phases (each engine is a child process of this script, ``child`` below):
   two more engines under VLLM_LOGGING_LEVEL=DEBUG, where vLLM asserts that every captured piece
   is replayed with its capture-time input addresses: vLLM's MoE op made a splitting op as is,
   and the same with the plugin's capture-stable output.
+* ``split``: the tiny model's piecewise cache engines (``cached``/``row`` token, ``row`` expert)
+  again, next to their same-mode reference ``tiny.piecewise.eager_moe`` (no cache, the MoE op
+  eager between captured pieces), which they are compared with; a third call:
+  ``--phases split``.
 * ``mp``: the tiny model in vLLM's default multi-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=1:
   the engine core, and with it the plugin and the model, in a process of its own), eager,
   ``row`` with the token split and 6 slots; its tokens are compared with the tiny phase's eager
@@ -755,6 +759,24 @@ def _qwen_specs(model: str) -> list[dict[str, Any]]:
     return specs
 
 
+def _split_specs(tiny: str) -> list[dict[str, Any]]:
+    """The tiny model's piecewise cache engines next to their same-mode reference: no cache with
+    the MoE op eager between pieces, the plugin's baseline mode (``tiny.piecewise.none`` keeps
+    the MoE op inside the pieces, which inductor fuses and rounds differently)."""
+    eager_moe = {"moe_eager_between_graphs": True}
+    reference = {
+        "model": tiny,
+        "prompts": TINY_PROMPTS,
+        "max_tokens": 32,
+        "max_model_len": 512,
+        "name": "tiny.piecewise.eager_moe",
+        "mode": "default",
+        "rowcache": eager_moe,
+    }
+    cache_runs = [s for s in _tiny_specs(tiny) if s["name"].startswith("tiny.piecewise.")]
+    return [reference, *(s for s in cache_runs if s["name"] != "tiny.piecewise.none")]
+
+
 def _rerun_specs(tiny: str, qwen8: str) -> list[dict[str, Any]]:
     """The second run: the same-mode references (MoE op eager between pieces, with and without
     an identity expert_map) next to the cache runs, and (a) to (d) again in one phase."""
@@ -944,6 +966,8 @@ def summarize(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
             ref = idmap if idmap in results else "qwen8.b.eager_moe"
         if name.startswith("tiny.piecewise.") and "tiny.piecewise.eager_moe.idmap" in results:
             ref = "tiny.piecewise.eager_moe.idmap"
+        elif name.startswith("tiny.piecewise.") and "tiny.piecewise.eager_moe" in results:
+            ref = "tiny.piecewise.eager_moe"
         if name.startswith("qwen8.b.eager_moe.") and "qwen8.b.eager_moe" in results:
             ref = "qwen8.b.eager_moe"
         if not r.get("ok"):
@@ -1070,7 +1094,7 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(args.work) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
-    unknown = set(phases) - {"tiny", "mp", "qwen8", "story", "rerun"}
+    unknown = set(phases) - {"tiny", "split", "mp", "qwen8", "story", "rerun"}
     if unknown:
         raise SystemExit(f"unknown phases {sorted(unknown)}")
     results: dict[str, dict[str, Any]] = {}
@@ -1096,7 +1120,7 @@ def run(args: argparse.Namespace) -> int:
     built = work / "ckpt.done"
     builder_log = logs / "checkpoints.log"
     t = time.time()
-    if {"tiny", "mp", "rerun"} & set(phases) and not (tiny / "config.json").exists():
+    if {"tiny", "split", "mp", "rerun"} & set(phases) and not (tiny / "config.json").exists():
         subprocess.run([sys.executable, CKPT_TOOL, str(tiny)], check=True)
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
 
@@ -1143,6 +1167,10 @@ def run(args: argparse.Namespace) -> int:
         for r in _phase(_tiny_specs(str(tiny)), logs, deadline, built):
             results[r["name"]] = r
         meta["after_tiny_s"] = round(time.time() - start, 1)
+    if "split" in phases:
+        for r in _phase(_split_specs(str(tiny)), logs, deadline, None):
+            results[r["name"]] = r
+        meta["after_split_s"] = round(time.time() - start, 1)
     if "mp" in phases:
         reference = results.get("tiny.eager.none", {}).get("ok")
         for r in _phase(_mp_specs(str(tiny), not reference), logs, deadline, None):
