@@ -28,6 +28,8 @@ Phases (each engine is a child process of this script, ``child`` below):
   again, next to their same-mode reference ``tiny.piecewise.eager_moe`` (no cache, the MoE op
   eager between captured pieces), which they are compared with; a third call:
   ``--phases split``.
+* ``qwen8seq``: (b) and (c) ``row`` 128 of the ``qwen8`` phase again, each engine started and
+  run alone (``--phases qwen8seq``).
 * ``mp``: the tiny model in vLLM's default multi-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=1:
   the engine core, and with it the plugin and the model, in a process of its own), eager,
   ``row`` with the token split and 6 slots; its tokens are compared with the tiny phase's eager
@@ -759,6 +761,17 @@ def _qwen_specs(model: str) -> list[dict[str, Any]]:
     return specs
 
 
+def _qwen_seq_specs(qwen8: str) -> list[dict[str, Any]]:
+    """(b) and (c) ``row`` of the qwen8 phase, to be started one at a time (phase ``qwen8seq``):
+    neither compiles nor runs next to another engine, and (c)'s tokens are compared with (b)'s."""
+    wanted = {"qwen8.b.eager_moe": "qwen8seq.b.eager_moe", "qwen8.c.row128": "qwen8seq.c.row128"}
+    return [
+        {**spec, "name": wanted[spec["name"]]}
+        for spec in _qwen_specs(qwen8)
+        if spec["name"] in wanted
+    ]
+
+
 def _split_specs(tiny: str) -> list[dict[str, Any]]:
     """The tiny model's piecewise cache engines next to their same-mode reference: no cache with
     the MoE op eager between pieces, the plugin's baseline mode (``tiny.piecewise.none`` keeps
@@ -957,6 +970,7 @@ def summarize(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         "tiny.debug.": "tiny.piecewise.none",
         "mp.": mp_ref,
         "qwen8.": "qwen8.ref.eager",
+        "qwen8seq.": "qwen8seq.b.eager_moe",
         "story.": "story.none",
     }
     for name, r in results.items():
@@ -1094,7 +1108,7 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(args.work) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
-    unknown = set(phases) - {"tiny", "split", "mp", "qwen8", "story", "rerun"}
+    unknown = set(phases) - {"tiny", "split", "mp", "qwen8", "qwen8seq", "story", "rerun"}
     if unknown:
         raise SystemExit(f"unknown phases {sorted(unknown)}")
     results: dict[str, dict[str, Any]] = {}
@@ -1127,7 +1141,7 @@ def run(args: argparse.Namespace) -> int:
     def builder() -> subprocess.Popen[bytes]:
         cmd = (
             f"{sys.executable} {CKPT_TOOL} {qwen8} --qwen3-30b-a3b --layers 8"
-            if ("qwen8" in phases or "rerun" in phases) and not (qwen8 / "config.json").exists()
+            if {"qwen8", "qwen8seq", "rerun"} & set(phases) and not (qwen8 / "config.json").exists()
             else "true"
         )
         cmd2 = (
@@ -1176,8 +1190,14 @@ def run(args: argparse.Namespace) -> int:
         for r in _phase(_mp_specs(str(tiny), not reference), logs, deadline, None):
             results[r["name"]] = r
         meta["after_mp_s"] = round(time.time() - start, 1)
-    if "qwen8" in phases or "story" in phases:
+    if {"qwen8", "qwen8seq", "story"} & set(phases):
         build.wait(timeout=max(1.0, deadline - time.time()))
+    if "qwen8seq" in phases:
+        # One engine at a time: no other engine starts or compiles while one compiles or runs.
+        for spec in _qwen_seq_specs(str(qwen8)):
+            for r in _phase([spec], logs, deadline, None):
+                results[r["name"]] = r
+        meta["after_qwen8seq_s"] = round(time.time() - start, 1)
     if "qwen8" in phases:
         specs = _qwen_specs(str(qwen8))
         if args.profile:
