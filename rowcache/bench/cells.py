@@ -8,12 +8,12 @@ the events' elapsed time: it covers the copies (on the row provider's copy strea
 its ready event; on the current stream for ``cached``), the map uploads and the read. Each step
 is isolated (synchronized) so that its numbers do not overlap the next one's.
 
-Copy path: for providers with a CUDA backend (``row``, ``row_pt``), a second pass of the same
-number of steps runs with the backend's copy timing on (``CudaBackend.copy_timing``): CUDA
-events recorded on the copy stream immediately before and after the copy API call(s) of each
-step. Its median is the time the copy stream spends on the copies alone, from the first API
-call being enqueued to the last row landing. A separate pass, so that the timing events'
-host cost stays out of the step timings of the first.
+Copy path: for providers with a CUDA backend (``row``, ``row_packed``, ``row_pt``), a second
+pass of the same number of steps runs with the backend's copy timing on
+(``CudaBackend.copy_timing``): CUDA events recorded on the copy stream immediately before and
+after the copy API call(s) of each step. Its median is the time the copy stream spends on the
+copies alone, from the first API call being enqueued to the last row landing. A separate
+pass, so that the timing events' host cost stays out of the step timings of the first.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from rowcache.backends.cuda import CopyPath, CopyTiming, CudaBackend
 from rowcache.cached import CachedWeightProvider
 from rowcache.packing import Layout
 from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.sources import SOURCE_NAMES
 from rowcache.types import ExpertWeightResult
 
 __all__ = ["PROVIDERS", "BenchProvider", "copy_path_of", "copy_timing_of"]
@@ -30,8 +31,7 @@ Factory = Callable[[dict[str, Tensor], int, torch.device], BenchProvider]
 
 def _weights(sources: dict[str, Tensor]) -> dict[str, Tensor | None]:
     """The provider constructors' weight arguments, from a geometry's source tensors."""
-    names = ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
-    return {name: sources.get(name) for name in names}
+    return {name: sources.get(name) for name in SOURCE_NAMES}
 
 
 def _row_with(
