@@ -5,8 +5,8 @@
 Builds a small row provider (128 experts, 32 slots), makes the same top-8 request resident,
 then times N all-hit ``prepare`` calls (median and 10th percentile of ``time.perf_counter``)
 and each piece of the hit path on its own (mean over N calls with ``timeit``): the current
-stream lookup, validation, the forward map's staging write, its upload, the staging reuse
-event, and the ring's event query. Calls are made on the current stream as the caller has
+stream lookup, validation, the forward map's staging write (with the ring's event query), its
+upload, and the staging reuse event. Calls are made on the current stream as the caller has
 it: first on the legacy default stream, then on a created stream. Then the row provider and the
 ``cached`` baseline side by side, alternating calls, back to back and each right after a
 device synchronization. Prints one line per figure.
