@@ -922,13 +922,6 @@ def _phase(
     return results
 
 
-def _build(out: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as f:
-        return subprocess.Popen(
-            [sys.executable, CKPT_TOOL, out, *args], stdout=f, stderr=subprocess.STDOUT
-        )
-
-
 def _fmt_bytes(n: Any) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
