@@ -668,8 +668,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 # -- orchestration ------------------------------------------------------------------------------
 
 
+def _tiny_base(model: str) -> dict[str, Any]:
+    """What every engine of the tiny model shares: prompts, greedy tokens, context length."""
+    return {"model": model, "prompts": TINY_PROMPTS, "max_tokens": 32, "max_model_len": 512}
+
+
+def _tiny_eager_moe(model: str) -> dict[str, Any]:
+    """The tiny model's same-mode reference for its piecewise cache engines: no cache, the MoE
+    op eager between captured pieces (the plugin's baseline mode)."""
+    return {
+        **_tiny_base(model),
+        "name": "tiny.piecewise.eager_moe",
+        "mode": "default",
+        "rowcache": {"moe_eager_between_graphs": True},
+    }
+
+
 def _tiny_specs(model: str) -> list[dict[str, Any]]:
-    base = {"model": model, "prompts": TINY_PROMPTS, "max_tokens": 32, "max_model_len": 512}
+    base = _tiny_base(model)
     cache = {"moe_expert_cache_size": 6}
     specs = []
     for mode in ("eager", "piecewise"):
@@ -705,7 +721,7 @@ def _tiny_specs(model: str) -> list[dict[str, Any]]:
 def _mp_specs(model: str, with_reference: bool) -> list[dict[str, Any]]:
     """vLLM's default multi-process engine with the cache (and an in-process reference when the
     tiny phase's eager no-cache engine is not there to compare with)."""
-    base = {"model": model, "prompts": TINY_PROMPTS, "max_tokens": 32, "max_model_len": 512}
+    base = _tiny_base(model)
     specs = [
         {
             **base,
@@ -776,16 +792,7 @@ def _split_specs(tiny: str) -> list[dict[str, Any]]:
     """The tiny model's piecewise cache engines next to their same-mode reference: no cache with
     the MoE op eager between pieces, the plugin's baseline mode (``tiny.piecewise.none`` keeps
     the MoE op inside the pieces, which inductor fuses and rounds differently)."""
-    eager_moe = {"moe_eager_between_graphs": True}
-    reference = {
-        "model": tiny,
-        "prompts": TINY_PROMPTS,
-        "max_tokens": 32,
-        "max_model_len": 512,
-        "name": "tiny.piecewise.eager_moe",
-        "mode": "default",
-        "rowcache": eager_moe,
-    }
+    reference = _tiny_eager_moe(tiny)
     cache_runs = [s for s in _tiny_specs(tiny) if s["name"].startswith("tiny.piecewise.")]
     return [reference, *(s for s in cache_runs if s["name"] != "tiny.piecewise.none")]
 
@@ -793,17 +800,10 @@ def _split_specs(tiny: str) -> list[dict[str, Any]]:
 def _rerun_specs(tiny: str, qwen8: str) -> list[dict[str, Any]]:
     """The second run: the same-mode references (MoE op eager between pieces, with and without
     an identity expert_map) next to the cache runs, and (a) to (d) again in one phase."""
-    tiny_base = {"model": tiny, "prompts": TINY_PROMPTS, "max_tokens": 32, "max_model_len": 512}
-    eager_moe = {"moe_eager_between_graphs": True}
+    reference = _tiny_eager_moe(tiny)
     specs = [
-        {**tiny_base, "name": "tiny.piecewise.eager_moe", "mode": "default", "rowcache": eager_moe},
-        {
-            **tiny_base,
-            "name": "tiny.piecewise.eager_moe.idmap",
-            "mode": "default",
-            "rowcache": eager_moe,
-            "identity_expert_map": True,
-        },
+        reference,
+        {**reference, "name": "tiny.piecewise.eager_moe.idmap", "identity_expert_map": True},
     ]
     for spec in _qwen_specs(qwen8):
         # Left out to fit the device budget: vLLM-only references and one cache run already
