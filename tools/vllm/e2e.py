@@ -188,32 +188,6 @@ def _first_moe_method(model: Any) -> Any:
     raise RuntimeError("no MoE layer with w13_weight found")
 
 
-def _profile_functions(method: Any) -> dict[str, Any]:
-    """The Python functions of one MoE forward, by breakdown label (``d2h``, ``Tensor.cpu``, is a
-    builtin: the profile finds it by name, the timers patch it on ``torch.Tensor``)."""
-    import rowcache.forward as forward
-    import rowcache.planning as planning
-
-    cls = type(method)
-    funcs: dict[str, Any] = {
-        "apply": cls.apply,
-        "stable": getattr(cls, "_stable_output", None),
-        "run_with_expert_cache": forward.run_with_expert_cache,
-        "plan": planning.plan_chunks,
-    }
-    provider = getattr(method, "rowcache_provider", None)
-    if provider is not None:
-        funcs["prepare"] = type(provider).prepare
-    kernel = getattr(method, "moe_kernel", None)
-    if kernel is not None:
-        funcs["kernel"] = type(kernel).apply
-    for base in cls.__mro__[1:]:  # vLLM's apply, which (b) calls through super()
-        if "apply" in vars(base):
-            funcs["parent_apply"] = vars(base)["apply"]
-            break
-    return funcs
-
-
 def _timer_targets(method: Any) -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of everything ``_Timers`` wraps, where the callers look it up."""
     import torch
@@ -235,6 +209,22 @@ def _timer_targets(method: Any) -> list[tuple[Any, str, str]]:
     if kernel is not None:
         targets.append((type(kernel), "apply", "kernel"))
     return targets
+
+
+def _profile_functions(method: Any) -> dict[str, Any]:
+    """The Python functions of one MoE forward, by breakdown label: what ``_Timers`` wraps,
+    looked up before it does, and vLLM's own ``apply``. ``d2h`` (``Tensor.cpu``) is a builtin,
+    which the profile finds by name."""
+    funcs: dict[str, Any] = {
+        label: getattr(owner, attr)
+        for owner, attr, label in _timer_targets(method)
+        if label != "d2h"
+    }
+    for base in type(method).__mro__[1:]:  # vLLM's apply, which (b) calls through super()
+        if "apply" in vars(base):
+            funcs["parent_apply"] = vars(base)["apply"]
+            break
+    return funcs
 
 
 class _Timers:
