@@ -80,7 +80,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 CKPT_TOOL = os.environ.get("ROWCACHE_CKPT_TOOL", ".gpu/tools/make_moe_checkpoint.py")
-MOE_OPS = ["vllm::moe_forward", "vllm::moe_forward_shared"]
 
 TINY_PROMPTS = [
     [1, 17, 42, 99, 123, 7],
@@ -534,6 +533,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm import LLM, SamplingParams
 
         result["import_s"] = round(time.time() - t0, 1)
+        from rowcache.vllm._config import MOE_OPS  # the plugin's own list (imports vllm.config)
+
         kw: dict[str, Any] = {
             "model": spec["model"],
             "skip_tokenizer_init": True,
