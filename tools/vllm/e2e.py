@@ -4,7 +4,7 @@
         [--deadline S]
     python3 tools/vllm/e2e.py merge --out OUTDIR A/results.json B/results.json ...
 
-One device call is limited to about 9.5 minutes, so the phases run in two calls (each after the
+One device call is limited to about 9.5 minutes, so the phases run in several calls (each after the
 bundle's assemble step and ``export`` line, see docs/VLLM.md), each under its own deadline and
 writing its own $OUT:
 
@@ -45,6 +45,9 @@ Phases (each engine is a child process of this script, ``child`` below):
   wrapped in ``perf_counter`` timers (little overhead), once under cProfile. Each writes
   OUTDIR/profile_<engine>.txt (per-forward breakdown from both, callees of the MoE functions,
   top 40 functions by cumulative and by self time) and OUTDIR/profile_<engine>.pstats.
+* ``rerun``: the 2026-11-29 second run: ``tiny.piecewise.eager_moe`` with and without an identity
+  ``expert_map``, and the ``qwen8`` engines (b) (also with an identity ``expert_map``), (c)
+  ``row`` and (d) in one phase (``--phases rerun``).
 * ``story``: 24 layers of those shapes (about 30 GB of weights) under a GPU budget of
   ``gpu_memory_utilization`` 0.10: no cache (expected not to start), then ``row`` with 32 slots.
 
