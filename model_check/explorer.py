@@ -38,7 +38,6 @@ from model_check.hb import (
 from model_check.reference import NO_STREAM, Bounds, HostState
 from model_check.semantics import (
     NO_COUNTS,
-    QueueCall,
     State,
     can_resume,
     deadlocked,
@@ -113,6 +112,25 @@ def swap_pending(pending: frozenset[Pending]) -> frozenset[Pending]:
     return frozenset((k, w, _swap_mask(m)) for k, w, m in pending)
 
 
+class Plans:
+    """Guard and effect of host calls (`core.begin_call`), computed once per (host state,
+    operation, arguments, stream): they depend on nothing else, and few states differ there."""
+
+    def __init__(self, table: Table, bounds: Bounds) -> None:
+        self.table, self.bounds = table, bounds
+        self.found: dict[tuple[object, ...], Accepted | Rejected] = {}
+
+    def get(
+        self, host: HostState, op: str, args: tuple[object, ...], stream: int
+    ) -> Accepted | Rejected:
+        key = (host, op, args, stream)
+        begun = self.found.get(key)
+        if begun is None:
+            begun = begin_call(self.table, self.bounds, host, NO_COUNTS, op, args, stream)
+            self.found[key] = begun
+        return begun
+
+
 class QueueModel:
     """The explicit model: FIFO queues, every interleaving of device steps."""
 
@@ -121,7 +139,7 @@ class QueueModel:
     def __init__(self, table: Table, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
         self.actions = host_actions(bounds)
-        self.plans: dict[tuple[object, ...], Accepted | Rejected] = {}
+        self.plans = Plans(table, bounds)
 
     def initial(self) -> State:
         return initial_state(self.bounds)
@@ -170,33 +188,12 @@ class QueueModel:
         for action in self.actions:
             if action.op == "read" and state.read_issued:
                 continue  # one read per forward map bounds the consumer
-            out.append((action, self._host_call(state, action), 1))
-        return out
-
-    def _host_call(self, state: State, action: Action) -> Outcome[State]:
-        """`semantics.host_call`, with guard and effect computed once per host state: they
-        depend on the host state, the arguments and the stream alone, and few states differ
-        there."""
-        key = (state.host, action.op, action.args, action.stream)
-        begun = self.plans.get(key)
-        if begun is None:
-            begun = begin_call(
-                self.table,
-                self.bounds,
-                state.host,
-                NO_COUNTS,
-                action.op,
-                action.args,
-                action.stream,
+            begun = self.plans.get(state.host, action.op, action.args, action.stream)
+            outcome = host_call(
+                self.table, self.bounds, state, action.op, action.args, action.stream, begun=begun
             )
-            self.plans[key] = begun
-        if isinstance(begun, Rejected):
-            return host_call(self.table, self.bounds, state, action.op, action.args, action.stream)
-        op = self.table.op(action.op)
-        call = QueueCall(state._replace(host=begun.host), self.bounds, action.stream, begun.effect)
-        if begun.violation is not None:
-            call.flag(begun.violation)
-        return call.outcome(state, op, call.run_steps(op), begun.tags)
+            out.append((action, outcome, 1))
+        return out
 
 
 def forget_dead(state: HbState) -> HbState:
@@ -227,7 +224,7 @@ class HbModel:
         # operation can block the host.
         self.live = live_places(table, self.places)
         self.cache: DeviceCache = {}
-        self.plans: dict[tuple[object, ...], Accepted | Rejected] = {}
+        self.plans = Plans(table, bounds)
         self.keep_reads = any(
             step.kind == "host_sync" for op in table.operations if op.provider for step in op.steps
         )
@@ -270,12 +267,6 @@ class HbModel:
     def _call(
         self, state: HbState, op: str, args: tuple[object, ...], stream: int
     ) -> list[Outcome[HbState]]:
-        # Guard and effect depend on the host state alone, which few states differ in.
-        key = (state.host, op, args, stream)
-        begun = self.plans.get(key)
-        if begun is None:
-            begun = begin_call(self.table, self.bounds, state.host, NO_COUNTS, op, args, stream)
-            self.plans[key] = begun
         return hb_host_call(
             self.table,
             self.bounds,
@@ -286,7 +277,7 @@ class HbModel:
             keep_reads=self.keep_reads,
             live=self.live,
             cache=self.cache,
-            begun=begun,
+            begun=self.plans.get(state.host, op, args, stream),
         )
 
 

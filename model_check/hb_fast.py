@@ -34,11 +34,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from model_check.core import Accepted, Action, DeviceCall, Pairs, Violation, begin_call
+from model_check.core import Accepted, Action, DeviceCall, Pairs, Violation
 from model_check.explorer import HbModel, Result, forget_dead, swap_host, swap_pending
 from model_check.hb import HbState, NotExpressible, Places
 from model_check.reference import Bounds, Effect, HostState
-from model_check.semantics import NO_COUNTS
 from model_check.table import EVENTS, RINGS, Table
 
 # Primitive device operations of a program, as tuples headed by one of these codes.
@@ -444,11 +443,7 @@ class FastHb:
     def _recipe(self, h: int, op_name: str, args: tuple[object, ...], stream: int) -> Recipe:
         """The host half of one host call from host part `h` (as `hb.hb_host_call`)."""
         host, last_copy, last_map, read_issued = self.hparts[h]
-        plan_key = (host, op_name, args, stream)
-        begun = self.model.plans.get(plan_key)
-        if begun is None:
-            begun = begin_call(self.table, self.bounds, host, NO_COUNTS, op_name, args, stream)
-            self.model.plans[plan_key] = begun
+        begun = self.model.plans.get(host, op_name, args, stream)
         if not isinstance(begun, Accepted):
             nxt = self.hid((begun.host, last_copy, last_map, read_issued))
             tags = frozenset({"rejected_" + op_name})

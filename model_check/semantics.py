@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from model_check.core import (
     PROPERTIES,
+    Accepted,
     Action,
     DeviceCall,
     Outcome,
@@ -431,9 +432,13 @@ def host_call(
     args: tuple[object, ...],
     stream: int,
     counters: Counters = NO_COUNTS,
+    *,
+    begun: Accepted | Rejected | None = None,
 ) -> Outcome[State]:
-    """Run one host call of the table on `state`."""
-    begun = begin_call(table, bounds, state.host, counters, op_name, args, stream)
+    """Run one host call of the table on `state` (`begun`: its `begin_call`, when the caller
+    has it already)."""
+    if begun is None:
+        begun = begin_call(table, bounds, state.host, counters, op_name, args, stream)
     if isinstance(begun, Rejected):
         new = state._replace(host=begun.host)
         return Outcome(new, begun.violation, frozenset({"rejected_" + op_name}), (), counters)
