@@ -412,24 +412,12 @@ def hb_host_call(
             cache[key] = branches
     outcomes = []
     final_host = finish_host(op, effect, stream)
-    read_issued = state.read_issued and op.name != "prepare"
     for branch in branches:
-        violation = begun.violation or branch.violation
-        last_copy = list(state.last_copy)
-        last_map = state.last_map
-        for entry in branch.log:
-            if entry[0] == "copy":
-                slot, expert = entry[1], entry[2]
-                assert isinstance(slot, int) and isinstance(expert, int)
-                last_copy[slot] = expert
-            elif entry[0] == "map":
-                last_map = effect.host.slot_of
-            else:
-                pairs = entry[1]
-                assert isinstance(pairs, tuple)
-                read_issued = True
-                violation = violation or _stale(pairs, last_copy)
-        new = HbState(final_host, branch.pending, tuple(last_copy), last_map, read_issued)
+        last_copy, last_map, read_issued, stale = replay_log(
+            op, effect, branch.log, state.last_copy, state.last_map, state.read_issued
+        )
+        violation = begun.violation or branch.violation or stale
+        new = HbState(final_host, branch.pending, last_copy, last_map, read_issued)
         outcomes.append(
             Outcome(
                 new,
@@ -440,6 +428,35 @@ def hb_host_call(
             )
         )
     return outcomes
+
+
+def replay_log(
+    op: Operation,
+    effect: Effect,
+    log: tuple[tuple[object, ...], ...],
+    last_copy: tuple[int, ...],
+    last_map: tuple[int, ...],
+    read_issued: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...], bool, Violation | None]:
+    """The host-visible device effects `log` of one call replayed on the last copy per slot,
+    the last map upload and whether the forward map was read; with P2's verdict on the
+    content the call's reads find (stale content)."""
+    copies = list(last_copy)
+    read_issued = read_issued and op.name != "prepare"
+    stale = None
+    for entry in log:
+        if entry[0] == "copy":
+            slot, expert = entry[1], entry[2]
+            assert isinstance(slot, int) and isinstance(expert, int)
+            copies[slot] = expert
+        elif entry[0] == "map":
+            last_map = effect.host.slot_of
+        else:
+            pairs = entry[1]
+            assert isinstance(pairs, tuple)
+            read_issued = True
+            stale = stale or _stale(pairs, copies)
+    return tuple(copies), last_map, read_issued, stale
 
 
 def _stale(pairs: Pairs, last_copy: list[int]) -> Violation | None:

@@ -16,9 +16,10 @@ resolve to for that plan. Host parts and pending sets are interned to small inte
 program is recorded once per (host state, action) by running the table's steps through
 `core.DeviceCall.run_steps` against a recorder (so the `when` conditions and stream roles are
 the shared interpreter's, whatever the table says), and the device effect is memoized per
-(pending set, program). The device effect is evaluated by `_run`, which performs the
-operations of `hb.HbCall` on plain tuples, with the same branching over staging reuse in the
-same order as `hb._device_branches`.
+(pending set, program). The host half replays the call's log with `hb.replay_log` and
+`hb.check_drained`; the device effect is evaluated by `_run`, which performs the operations
+of `hb.HbCall` on pending operations packed into ints (`Packing`), with the same branching
+over staging reuse in the same order as `hb._device_branches`.
 
 Violations are not reported from here: as soon as any transition of a state shows a
 violation (or could, as far as this fast path is concerned), the state is expanded again by
@@ -34,9 +35,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from model_check.core import Accepted, Action, DeviceCall, Pairs, Violation
+from model_check.core import Accepted, Action, DeviceCall, Pairs, Violation, finish_host
 from model_check.explorer import HbModel, Result, forget_dead, swap_host, swap_pending
-from model_check.hb import HbState, NotExpressible, Places
+from model_check.hb import HbState, NotExpressible, Places, check_drained, replay_log
 from model_check.reference import Bounds, Effect, HostState
 from model_check.table import EVENTS, RINGS, Table
 
@@ -450,32 +451,13 @@ class FastHb:
             return (-1, nxt, begun.violation is not None, tags, False, stream)
         prog, log, traced = self._program(host, begun, op_name, args, stream)
         op = self.table.op(op_name)
-        effect = begun.effect
-        final_host = effect.host
-        if op.set_owner == "current":
-            final_host = final_host._replace(owner=stream)
-        violated = begun.violation is not None
-        copies = list(last_copy)
-        new_map = last_map
-        issued = read_issued and op.name != "prepare"
-        for entry in log:
-            if entry[0] == "copy":
-                slot, expert = entry[1], entry[2]
-                assert isinstance(slot, int) and isinstance(expert, int)
-                copies[slot] = expert
-            elif entry[0] == "map":
-                new_map = effect.host.slot_of
-            else:
-                pairs = entry[1]
-                assert isinstance(pairs, tuple)
-                issued = True
-                if any(copies[slot] != expert for expert, slot in pairs):
-                    violated = True  # P2: stale content
-        if new_map != final_host.slot_of or any(
-            slot >= 0 and copies[slot] != expert for expert, slot in enumerate(final_host.slot_of)
-        ):
-            violated = True  # P4 once drained
-        nxt = self.hid((final_host, tuple(copies), new_map, issued))
+        final_host = finish_host(op, begun.effect, stream)
+        copies, new_map, issued, stale = replay_log(
+            op, begun.effect, log, last_copy, last_map, read_issued
+        )
+        drained = check_drained(HbState(final_host, frozenset(), copies, new_map, issued))
+        violated = begun.violation is not None or stale is not None or drained is not None
+        nxt = self.hid((final_host, copies, new_map, issued))
         chains = op_name == "prepare" and traced
         return (prog, nxt, violated, begun.tags, chains, stream)
 
