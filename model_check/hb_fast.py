@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from model_check.core import Accepted, Action, DeviceCall, Pairs, Violation, finish_host
+from model_check.core import Accepted, DeviceCall, Pairs, Violation, finish_host
 from model_check.explorer import HbModel, Result, forget_dead, swap_host, swap_pending
 from model_check.hb import HbState, NotExpressible, Places, check_drained, replay_log
 from model_check.reference import Bounds, Effect, HostState
@@ -212,9 +212,8 @@ def _run(
     """`hb.HbCall` on packed operations: run `prims[i:]` and append to `out` every outcome
     (the pending operations before reduction, whether some verdict failed, the tags).
 
-    Where the host asks whether a staging buffer's reuse event completed, the run forks; the
-    outcome where it has not comes first, which is the order `hb._device_branches` produces
-    (its choice vectors are explored in lexicographic order)."""
+    Where the host asks whether a staging buffer's reuse event completed, the run forks (see
+    the STAGE case)."""
     is_read, is_copy, is_map = pk.read, pk.copy, pk.map
     n = len(prims)
     while i < n:
@@ -253,7 +252,32 @@ def _run(
                     violated = True
             pend.append(prim[3])
         elif code == STAGE:
-            _stage(prims, i, 0, pend, violated, tags, chosen, pk, out)
+            # `HbCall.stage`: the host takes the first buffer whose reuse event completed (or
+            # was never recorded); at each buffer before it the device may or may not have
+            # reached the event, and reaching it runs the operations before it. The run forks
+            # there; outcomes come in `hb._device_branches` order: "not yet" at every buffer
+            # first, then a later buffer's "reached" before an earlier one's.
+            r, bits = prim[1], prim[2]
+            options: list[tuple[int, list[int]]] = []
+            index = -1
+            for b, bit in enumerate(bits):
+                if not any(e & bit for e in pend):
+                    index = b
+                    break
+                options.append((b, [e for e in pend if not e & bit]))
+            options.append((index, pend))
+            for index, after in reversed(options):
+                branch_tags = set(tags)
+                branch_violated = violated
+                if index < 0:
+                    branch_tags.add(prim[3])
+                else:
+                    branch_tags.add(prim[4])
+                    same = prim[5][index]
+                    branch_violated = violated or any(e & ~pk.low == same for e in after)
+                branch_chosen = list(chosen)
+                branch_chosen[r] = index
+                _run(prims, i, after, branch_violated, branch_tags, branch_chosen, pk, out)
             return
         elif code == UPLOAD:
             here, r = prim[1], prim[2]
@@ -282,47 +306,6 @@ def _run(
             if not pend:
                 tags.add("device_idle")
     out.append((pend, violated, tags))
-
-
-def _stage(
-    prims: Program,
-    i: int,
-    b: int,
-    pend: list[int],
-    violated: bool,
-    tags: set[str],
-    chosen: list[int],
-    pk: Packing,
-    out: list[Run],
-) -> None:
-    """The host picks a staging buffer of the stage step `prims[i - 1]`, from buffer `b` on
-    (`HbCall.stage`), then the run goes on."""
-    prim = prims[i - 1]
-    r, bits = prim[1], prim[2]
-    index = -1
-    while b < len(bits):
-        bit = bits[b]
-        for e in pend:
-            if e & bit:
-                break
-        else:
-            index = b  # its reuse event completed, or was never recorded
-            break
-        # The device may or may not have reached the event: first "not yet".
-        _stage(prims, i, b + 1, list(pend), violated, set(tags), list(chosen), pk, out)
-        pend = [e for e in pend if not e & bit]
-        index = b
-        break
-    chosen[r] = index
-    if index < 0:
-        tags.add(prim[3])
-    else:
-        tags.add(prim[4])
-        same = prim[5][index]
-        for e in pend:
-            if e & ~pk.low == same:
-                violated = True
-    _run(prims, i, pend, violated, tags, chosen, pk, out)
 
 
 def _reduce(
@@ -478,23 +461,20 @@ class FastHb:
 
     # ------------------------------------------------------------ device side
 
+    def _runs(self, p: int, prog: int) -> list[Run]:
+        """Every outcome of program `prog` on pending set `p`, before reduction."""
+        runs: list[Run] = []
+        pend = list(self.pendings[p])
+        _run(self.program_list[prog], 0, pend, False, set(), [-1] * len(RINGS), self.pk, runs)
+        return runs
+
     def branches(self, p: int, prog: int) -> tuple[Branch, ...]:
         """Every outcome of program `prog` on pending set `p`, in `_device_branches` order."""
         key = (p << 20) | prog
         found = self.device.get(key)
         if found is not None:
             return found
-        runs: list[Run] = []
-        _run(
-            self.program_list[prog],
-            0,
-            list(self.pendings[p]),
-            False,
-            set(),
-            [-1] * len(RINGS),
-            self.pk,
-            runs,
-        )
+        runs = self._runs(p, prog)
         model = self.model
         out = [
             (
@@ -579,18 +559,7 @@ class FastHb:
                 key = (q << 20) | then
                 v = self.light_reads.get(key)
                 if v is None:
-                    runs: list[Run] = []
-                    prims = self.program_list[then]
-                    _run(
-                        prims,
-                        0,
-                        list(self.pendings[q]),
-                        False,
-                        set(),
-                        [-1] * len(RINGS),
-                        self.pk,
-                        runs,
-                    )
+                    runs = self._runs(q, then)
                     v = len(runs)
                     for _, rfailed, rtags in runs:
                         v |= (FAILED if rfailed else 0) | self.tag_mask(frozenset(rtags))
@@ -646,16 +615,6 @@ class FastHb:
             self.canon_p[p] = cp
         return cp
 
-    def canonical(self, h: int, p: int) -> int:
-        """`HbModel.canonical` on interned parts: forget dead data, then the stream swap."""
-        canon, swapped, cmp = self.canon_host(h)
-        if cmp < 0:
-            return (canon << 32) | p
-        cp = self.canon_pending(p)
-        if cmp > 0 or cp[1] > 0:
-            return (swapped << 32) | cp[0]
-        return (canon << 32) | p
-
     def _canon_host(self, h: int) -> tuple[int, int, int]:
         host, last_copy, last_map, read_issued = self.hparts[h]
         live = forget_dead(HbState(host, frozenset(), last_copy, last_map, read_issued))
@@ -664,15 +623,18 @@ class FastHb:
             return canon, canon, -1
         swapped_host = swap_host(live.host)
         swapped = self.hid((swapped_host, live.last_copy, live.last_map, live.read_issued))
-        cmp = -1 if live.host < swapped_host else (1 if live.host > swapped_host else 0)
-        return canon, swapped, cmp
+        return canon, swapped, _order(live.host, swapped_host)
 
     def _canon_pending(self, p: int) -> tuple[int, int]:
         pending = frozenset(self.pk.decode(e) for e in self.pendings[p])
         swapped = swap_pending(pending)
-        a, b = sorted(pending), sorted(swapped)
         packed = frozenset(self.pk.encode(op) for op in swapped)
-        return self.pid(packed), (-1 if a < b else (1 if a > b else 0))
+        return self.pid(packed), _order(sorted(pending), sorted(swapped))
+
+
+def _order(a: Any, b: Any) -> int:
+    """-1, 0 or 1 as `a` is smaller than, equal to or larger than `b`."""
+    return -1 if a < b else (1 if a > b else 0)
 
 
 def explore_hb(
@@ -767,7 +729,9 @@ def _expand(
         count += len(reached)
         if not grow:
             continue
-        # `FastHb.canonical`, inlined.
+        # `HbModel.canonical` on interned parts: `canon_host` forgot the dead host data;
+        # the stream-swapped twin is taken when its host, or with equal hosts its sorted
+        # pending set, is the smaller.
         if cmp < 0:
             for q in reached:
                 successors.append((canon << 32) | q)
@@ -838,4 +802,4 @@ def _slow_expand(
     return result.violation is not None and stop_at_first
 
 
-__all__ = ["Action", "FastHb", "explore_hb"]
+__all__ = ["FastHb", "explore_hb"]
