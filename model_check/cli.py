@@ -139,10 +139,6 @@ def run_all(
     return FullRun(explorers, z3_cols, found)
 
 
-def run_explorers(table: Table, checks: Sequence[Check] = CHECKS) -> list[tuple[Check, Result]]:
-    return run_all(table, checks, z3=False, machine=False).explorers
-
-
 def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinned]) -> list[Column]:
     columns = []
     for check, result in runs:
@@ -211,10 +207,6 @@ def z3_column(table: Table, check: Check) -> Column:
     if not report.ok and report.violation is None:
         col.notes.append(f"{col.name}: not proved:\n{report.text()}")
     return col
-
-
-def z3_columns(table: Table) -> list[Column]:
-    return [z3_column(table, check) for check in CHECKS if check.model == "hb"]
 
 
 def verdict_table(columns: list[Column]) -> str:
@@ -357,18 +349,15 @@ def _kill_job(job: tuple[str, Table, int, int, bool]) -> list[Kill]:
 def cmd_mutants(args: argparse.Namespace) -> int:
     table = load_table()
     use_z3 = not args.no_z3
+    # Rows are independent and printed in catalogue order. Each runs in a fresh process, with
+    # one worker too: which property z3's first counterexample shows depends on the queries
+    # the process made before, and a fresh process makes the matrix the same from run to run.
     workers = min(len(MUTANTS), os.cpu_count() or 1, 2)
-    if workers <= 1:
-        kills = [kill_row(m, table, args.examples, args.steps, use_z3) for m in MUTANTS]
-    else:
-        # Rows are independent and printed in catalogue order. Each runs in a fresh process:
-        # which property z3's first counterexample shows depends on the queries the process
-        # made before, and a fresh process makes the matrix the same from run to run.
-        jobs = [(m.name, table, args.examples, args.steps, use_z3) for m in MUTANTS]
-        with ProcessPoolExecutor(
-            max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1
-        ) as pool:
-            kills = list(pool.map(_kill_job, jobs))
+    jobs = [(m.name, table, args.examples, args.steps, use_z3) for m in MUTANTS]
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1
+    ) as pool:
+        kills = list(pool.map(_kill_job, jobs))
     rows = list(zip(MUTANTS, kills, strict=True))
     survivors = [
         (m.name, k.checker)
