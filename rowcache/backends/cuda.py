@@ -23,7 +23,8 @@ operation and nothing else:
     per-tensor path. The stream sanitizer
     (``torch.cuda._sanitizer``) sees only aten operations; while it is enabled, each batched
     call is reported to it as a write of every destination row on the issuing stream, which
-    is what the per-tensor ``copy_`` calls report.
+    is what the per-tensor ``copy_`` calls report (through the sanitizer's private handler:
+    ``rowcache.torch_seams`` lists it with every other private torch name this module uses).
   - ``"per_tensor"``: one non-blocking ``copy_`` per tensor per miss (the earlier design; the
     benchmark's ``row_pt`` variant).
 
@@ -76,6 +77,14 @@ from rowcache.backends.batched_copy import (
     load_runtime,
 )
 from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
+from rowcache.torch_seams import (
+    RAW_CURRENT_STREAM,
+    SANITIZER,
+    SANITIZER_ENABLED,
+    SANITIZER_ERRORS,
+    SANITIZER_KERNEL_LAUNCH,
+    lookup,
+)
 
 __all__ = ["COPY_PATHS", "BatchedCopyUnavailable", "CopyTiming", "CudaBackend", "CudaCall"]
 
@@ -176,12 +185,13 @@ def _sanitizer_write(
     Reported exactly as its dispatch mode reports a ``copy_`` into a slot row (a write of the
     destination's data pointer; CPU sources are not tracked), errors printed and raised as it
     does. The module is looked up, not imported: importing it switches on PyTorch's GPU trace.
+    Its private names are rows of ``rowcache.torch_seams``, checked in CI against torch.
     """
-    csan: Any = sys.modules.get("torch.cuda._sanitizer")
-    if csan is None or not csan.cuda_sanitizer.enabled:
+    csan: Any = sys.modules.get(SANITIZER)
+    if csan is None or not lookup(SANITIZER_ENABLED, csan):
         return
     written = set(addresses())
-    errors = csan.cuda_sanitizer.dispatch.event_handler._handle_kernel_launch(
+    errors = lookup(SANITIZER_KERNEL_LAUNCH, csan)(
         handle,
         set(),
         written,
@@ -192,7 +202,7 @@ def _sanitizer_write(
     if errors:
         for error in errors:
             print(error, file=sys.stderr)
-        raise csan.CUDASanitizerErrors(errors)
+        raise lookup(SANITIZER_ERRORS, csan)(errors)
 
 
 class CudaBackend:
@@ -237,8 +247,9 @@ class CudaBackend:
         # The current-stream lookup by raw handle (what inductor's generated code calls):
         # building a ``torch.cuda.Stream`` costs several microseconds on every prepare, so the
         # object is rebuilt only when the handle changes. Equal handles are the same CUDA
-        # stream. Absent from builds without CUDA, where no CudaBackend runs.
-        self._raw_current_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        # stream. Private (``rowcache.torch_seams.RAW_CURRENT_STREAM``); absent from builds
+        # without CUDA, where no CudaBackend runs, and if torch drops it (then: the slow path).
+        self._raw_current_stream: Any = lookup(RAW_CURRENT_STREAM)
         self._device_index: int = target.index if target.index is not None else 0
         self._last_stream: torch.cuda.Stream | None = None
         self._last_handle = -1
