@@ -1,0 +1,172 @@
+"""The two implementations of a pass's device work behind one interface.
+
+``TorchKernels`` runs the planner as torch operations (``torch_planner``) and copies misses
+with tensor indexing: it serves CPU caches and is the reference the fused kernels are tested
+against. ``TritonKernels`` launches the fused planner and the gather (``triton_kernels``): one
+launch each per pass, fixed shapes, no host synchronization, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from rowcache.device_plan.regions import chunk_table, copy_regions
+from rowcache.device_plan.state import DeviceCacheState
+from rowcache.device_plan.torch_planner import invalidate_expert, plan_pass
+from rowcache.sources import ExpertSources, SlotBuffers
+
+__all__ = ["Kernels", "TorchKernels", "TritonKernels", "kernels_for"]
+
+
+class Kernels(Protocol):
+    name: str
+
+    def plan(
+        self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
+    ) -> None: ...
+
+    def gather(self, state: DeviceCacheState) -> None: ...
+
+    def invalidate(self, state: DeviceCacheState, expert_id: int) -> None: ...
+
+
+class TorchKernels:
+    """Torch operations; the miss copies read the miss count back, so this serves the CPU
+    (where nothing is asynchronous) and tests, not a captured graph."""
+
+    name = "torch"
+
+    def __init__(self, sources: ExpertSources, slots: SlotBuffers) -> None:
+        self._pairs = [
+            (src, dst)
+            for src, dst in zip(sources.tensors(), slots.tensors(), strict=True)
+            if src is not None and dst is not None
+        ]
+
+    def plan(
+        self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
+    ) -> None:
+        plan_pass(state, topk_ids, pass_index, num_passes)
+
+    def gather(self, state: DeviceCacheState) -> None:
+        count = int(state.miss_count.item())
+        if count == 0:
+            return
+        experts = state.miss_experts[:count].to(torch.int64)
+        slots = state.miss_slots[:count].to(torch.int64)
+        for src, dst in self._pairs:
+            dst.index_copy_(0, slots, src.index_select(0, experts.to(src.device)).to(dst.device))
+
+    def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
+        invalidate_expert(state, expert_id)
+
+
+def _block(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+MAX_LANES = 4096
+"""Largest E or C the one-program planner takes (its vectors live in registers)."""
+
+GATHER_PROGRAMS_PER_SM = 4
+GATHER_BLOCK = 1024  # words (8 KiB) or bytes per load of a gather program
+
+
+class TritonKernels:
+    """The fused Triton planner and gather (CUDA)."""
+
+    name = "triton"
+
+    def __init__(
+        self, sources: ExpertSources, slots: SlotBuffers, num_experts: int, mutant: int = 0
+    ) -> None:
+        from rowcache.errors import InvalidInputError
+
+        self._mutant = mutant  # seeded bugs of the GPU conformance tests; 0 in production
+        capacity = slots.capacity
+        if num_experts > MAX_LANES:
+            raise InvalidInputError(
+                f"the fused device planner takes at most {MAX_LANES} experts, got {num_experts}"
+            )
+        device = slots.w13.device
+        self._table = chunk_table(copy_regions(sources, slots), device)
+        self._num_chunks = int(self._table.shape[0])
+        self._block_e = _block(num_experts)
+        self._block_c = _block(capacity)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._gather_grid = (sms * GATHER_PROGRAMS_PER_SM,)
+
+    def plan(
+        self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
+    ) -> None:
+        from rowcache.device_plan.triton_kernels import plan_kernel
+
+        ids = topk_ids.reshape(-1)
+        plan_kernel[(1,)](
+            ids,
+            ids.numel(),
+            state.resident,
+            state.owners,
+            state.stamps,
+            state.clock,
+            state.forward,
+            state.miss_experts,
+            state.miss_slots,
+            state.miss_count,
+            state.counters,
+            state.first_bad,
+            state.marks,
+            state.order,
+            pass_index,
+            num_passes,
+            state.num_experts,
+            state.capacity,
+            BLOCK_E=self._block_e,
+            BLOCK_C=self._block_c,
+            BLOCK_N=_block(min(ids.numel(), 1024), 16),
+            FIRST_PASS=pass_index == 0,
+            LAST_PASS=pass_index == num_passes - 1,
+            MUTANT=self._mutant,
+            num_warps=4,
+        )
+
+    def gather(self, state: DeviceCacheState) -> None:
+        from rowcache.device_plan.triton_kernels import gather_kernel
+
+        gather_kernel[self._gather_grid](
+            self._table,
+            self._num_chunks,
+            state.miss_experts,
+            state.miss_slots,
+            state.miss_count,
+            state.capacity,
+            BLOCK=GATHER_BLOCK,
+            MUTANT=self._mutant,
+            num_warps=4,
+        )
+
+    def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
+        from rowcache.device_plan.triton_kernels import invalidate_kernel
+
+        invalidate_kernel[(1,)](state.resident, state.owners, state.counters, expert_id)
+
+
+def kernels_for(
+    sources: ExpertSources, slots: SlotBuffers, num_experts: int, kind: str | None, mutant: int = 0
+) -> Kernels:
+    """``kind`` ``"torch"`` or ``"triton"``; None picks Triton on CUDA, torch elsewhere.
+    ``mutant`` (tests only) selects a seeded bug of the Triton kernels."""
+    from rowcache.errors import InvalidInputError
+
+    device = slots.w13.device
+    chosen = kind if kind is not None else ("triton" if device.type == "cuda" else "torch")
+    if chosen == "torch":
+        return TorchKernels(sources, slots)
+    if chosen == "triton":
+        if device.type != "cuda":
+            raise InvalidInputError(f"kernels='triton' needs a CUDA device, got {device}")
+        return TritonKernels(sources, slots, num_experts, mutant)
+    raise InvalidInputError(f"kernels must be 'torch' or 'triton', got {kind!r}")

@@ -1,0 +1,255 @@
+"""``DevicePlannedProvider``: the cache whose planning and miss copies run on the device.
+
+The host does no bookkeeping and reads no device state on the hot path: ``prepare`` checks
+what it can check without reading values (dtype, rank, device, the pass index), hands the
+stream over when the caller's stream changed, and enqueues two launches on the current stream:
+the planner (``rowcache.device_plan.kernels``) and the gather. The returned
+``ExpertWeightResult`` is the same object on every call: the slot buffers and the device
+forward map, at fixed addresses, so a forward that uses them can be captured in a CUDA graph
+once per batch size and replayed with new ``topk_ids`` written into the captured input.
+
+A step with more distinct experts than slots runs as ``num_passes(topk_ids)`` passes, a number
+fixed by the step's shape (``rowcache.device_plan.passes``); ``run_with_expert_cache`` drives
+them. Pass ``p`` exposes the requested experts of rank ``[p*C, (p+1)*C)``: the host path's
+expert groups, so a pass is the host path's ``prepare`` of one group and the model's reference
+decides both.
+
+Ordering (``spec/table.toml``, operations ``device_prepare``, ``invalidate`` and ``replay``):
+every pass runs on the stream it is enqueued on, reading and writing the cache state and the
+slots there, and the consumer reads the slots on that same stream. When an eager call comes
+from another stream than the previous one (the owner), the owner's work is handed over first:
+an event recorded on the owner, waited on by the current stream. ``invalidate`` enqueues its
+update on the owner stream, behind the last forward's reads. Graph replays are not seen by the
+provider: a replay must run on the owner stream, or be preceded by ``handoff()`` on the
+replaying stream.
+
+Errors the device meets (ids outside ``[-1, E)``, a step with more distinct experts than its
+passes expose) cannot raise there: those ids are ignored and counted, and ``check_errors()``
+(which ``stats()`` calls) raises ``DeviceInputError`` once for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rowcache.device_plan.kernels import Kernels, kernels_for
+from rowcache.device_plan.passes import num_passes
+from rowcache.device_plan.state import (
+    COUNTERS,
+    DeviceCacheState,
+    DeviceInputError,
+    error_message,
+    new_state,
+    read_counters,
+)
+from rowcache.errors import InvalidInputError
+from rowcache.guard import CallGuard
+from rowcache.packing import Layout, check_layout
+from rowcache.surface import SlotSurface
+from rowcache.types import ExpertWeightResult, UniqueIds
+from rowcache.validation import check_topk_ids
+
+__all__ = ["DevicePlannedProvider"]
+
+
+class DevicePlannedProvider(SlotSurface):
+    """LRU expert-weight cache planned on the device (see the module docstring).
+
+    ``kernels``: ``"triton"`` (the fused launches; the default on CUDA) or ``"torch"`` (torch
+    operations; the default on the CPU). The split is always by expert groups (``"expert"``):
+    passes over all rows, summed in fp32 when there is more than one.
+    """
+
+    def __init__(
+        self,
+        w13: Tensor,
+        w2: Tensor,
+        w13_scale: Tensor | None = None,
+        w2_scale: Tensor | None = None,
+        *,
+        capacity: int,
+        device: torch.device | str,
+        w13_scale_2: Tensor | None = None,
+        w2_scale_2: Tensor | None = None,
+        layout: Layout = "separate",
+        kernels: str | None = None,
+    ) -> None:
+        target = torch.device(device)
+        check_layout(layout)
+        if target.type not in ("cpu", "cuda"):
+            raise InvalidInputError(f"no device planner for device {target} (supported: cpu, cuda)")
+        self._set_up_slots(
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            w13_scale_2,
+            w2_scale_2,
+            capacity=capacity,
+            split="expert",
+            device=target,
+            layout=layout,
+        )
+        self._kernels: Kernels = kernels_for(self._sources, self._slots, self._num_experts, kernels)
+        self._state: DeviceCacheState = new_state(self._num_experts, capacity, target)
+        self._cuda = target.type == "cuda"
+        self._owner: Any = None
+        self._owner_changes = 0
+        self._guard = CallGuard(type(self).__name__)
+        slots = self._slots
+        self._result = ExpertWeightResult(
+            w1=slots.w13,
+            w2=slots.w2,
+            expert_map=self._state.forward,
+            w1_scale=slots.w13_scale,
+            w2_scale=slots.w2_scale,
+        )
+
+    # -- surface -----------------------------------------------------------------------
+
+    @property
+    def kernels(self) -> str:
+        return self._kernels.name
+
+    @property
+    def state(self) -> DeviceCacheState:
+        """The device tensors (tests and debugging; reading them waits for the device)."""
+        return self._state
+
+    def num_passes(self, topk_ids: Tensor) -> int:
+        """Passes a step of this shape runs (fixed by the shape, so one capture holds)."""
+        return num_passes(topk_ids.numel(), self._num_experts, self._capacity)
+
+    def prepare(
+        self,
+        topk_ids: Tensor,
+        unique_ids: UniqueIds | None = None,
+        *,
+        pass_index: int = 0,
+        passes: int | None = None,
+    ) -> ExpertWeightResult:
+        """Enqueue pass ``pass_index`` of ``passes`` (default ``num_passes(topk_ids)``) for
+        ``topk_ids`` on the current stream and return the live slot buffers and forward map.
+
+        Nothing is read from the device: ids are range-checked there (see the class
+        docstring). Reads of the returned buffers must be enqueued on the current stream
+        before the next ``prepare``.
+        """
+        with self._guard("prepare"):
+            ids = check_topk_ids(topk_ids, "prepare", self._device)
+            if unique_ids is not None:
+                raise InvalidInputError(
+                    "prepare: the device planner takes no unique_ids (pass pass_index to "
+                    "select a group of the routed experts)"
+                )
+            total = self.num_passes(ids) if passes is None else passes
+            if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+                raise InvalidInputError(f"prepare: passes must be an int >= 1, got {total!r}")
+            if isinstance(pass_index, bool) or not isinstance(pass_index, int):
+                raise InvalidInputError(f"prepare: pass_index must be an int, got {pass_index!r}")
+            if not 0 <= pass_index < total:
+                raise InvalidInputError(
+                    f"prepare: pass_index {pass_index} outside [0, {total}) for this step"
+                )
+            if self._cuda and ids.is_cpu:
+                raise InvalidInputError(
+                    "prepare: the device planner reads topk_ids on the device; got a CPU "
+                    f"tensor for a cache on {self._device}"
+                )
+            self._take_over()
+            self._kernels.plan(self._state, ids, pass_index, total)
+            self._kernels.gather(self._state)
+            return self._result
+
+    def handoff(self) -> None:
+        """Make the current stream the owner, ordered after the owner's work: call before
+        replaying a captured forward on another stream than the last eager call's."""
+        with self._guard("handoff"):
+            self._take_over()
+
+    def invalidate(self, expert_id: int) -> None:
+        """Free ``expert_id``'s slot (a no-op when it is not resident), on the owner stream."""
+        with self._guard("invalidate"):
+            if isinstance(expert_id, bool) or not isinstance(expert_id, int):
+                raise InvalidInputError(
+                    f"invalidate: expert_id must be an int, got {expert_id!r} "
+                    f"({type(expert_id).__name__})"
+                )
+            if not 0 <= expert_id < self._num_experts:
+                raise InvalidInputError(
+                    f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
+                )
+            if self._cuda and self._owner is not None:
+                with torch.cuda.stream(self._owner):
+                    self._kernels.invalidate(self._state, expert_id)
+            else:
+                self._kernels.invalidate(self._state, expert_id)
+
+    def check_errors(self) -> None:
+        """Raise ``DeviceInputError`` for errors the device counted since the last report
+        (waits for the device; never call it on the hot path)."""
+        counters, first_bad = read_counters(self._state)
+        message = error_message(counters, first_bad, self._num_experts)
+        if message is not None:
+            self._state.counters[COUNTERS.index("bad_ids")] = 0
+            self._state.counters[COUNTERS.index("overflow")] = 0
+            raise DeviceInputError(message)
+
+    def stats(self) -> dict[str, int]:
+        """Counters read back from the device (waits for it); raises ``DeviceInputError``
+        first when the device counted errors."""
+        self.check_errors()
+        counters, _ = read_counters(self._state)
+        resident = int((self._state.resident >= 0).sum().item())
+        return {
+            "hits": counters["hits"],
+            "misses": counters["misses"],
+            "evictions": counters["evictions"],
+            "resident": resident,
+            "capacity": self._capacity,
+            "prepare_calls": counters["prepare_calls"],
+            "passes": counters["passes"],
+            "owner_changes": self._owner_changes,
+            "invalidations": counters["invalidations"],
+            "slot_bytes": self._slots.slot_bytes,
+            "host_bytes": self._sources.host_bytes,
+        }
+
+    # -- inspection (tests, debugging; each waits for the device) ----------------------
+
+    def resident_experts(self) -> dict[int, int]:
+        """Resident expert id -> slot."""
+        return {e: s for e, s in enumerate(self._state.resident.tolist()) if s >= 0}
+
+    def lru_order(self) -> tuple[int, ...]:
+        """Resident experts, least recently used first."""
+        owners = self._state.owners.tolist()
+        stamps = self._state.stamps.tolist()
+        held = sorted((stamps[s], e) for s, e in enumerate(owners) if e >= 0)
+        return tuple(e for _, e in held)
+
+    def slot_of(self) -> tuple[int, ...]:
+        return tuple(self._state.resident.tolist())
+
+    def forward_map(self) -> tuple[int, ...]:
+        return tuple(self._state.forward.tolist())
+
+    # -- streams ------------------------------------------------------------------------
+
+    def _take_over(self) -> None:
+        """On CUDA, outside capture: order the current stream after the owner's work when
+        the stream changed, and make it the owner. A capture runs after the device drained
+        (``torch.cuda.graph`` synchronizes first) and does not change the owner."""
+        if not self._cuda or torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream(self._device)
+        owner = self._owner
+        if owner is not None and owner != current:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(owner)
+            current.wait_event(event)
+            self._owner_changes += 1
+        self._owner = current

@@ -1,0 +1,209 @@
+"""The fused CUDA kernels of the device-planned path, in Triton.
+
+* ``plan_kernel``: one program plans one pass (``rowcache.device_plan.torch_planner`` is the
+  same algorithm in torch operations and the reference the GPU tests compare against). One
+  program is enough: the vectors are ``E`` experts and ``C`` slots long, a few hundred lanes,
+  and one program can order its own global writes and reads with ``debug_barrier`` (a block
+  barrier), which a multi-program kernel could not.
+* ``gather_kernel``: a fixed grid of programs walks the work items (miss, piece of a region)
+  of the chunk table (``rowcache.device_plan.regions``); the number of items comes from the
+  miss count on the device, so with no miss every program returns after one load. Sources are
+  pinned host memory read through unified addressing.
+* ``invalidate_kernel``: frees one expert's slot.
+
+No kernel here can write outside its tensors: every store is masked by bounds derived from
+``E``, ``C`` and the miss count, and ids outside ``[0, E)`` only ever reach counters.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEVER = tl.constexpr(1 << 52)  # sort key of a slot that must not be taken; stamps stay far below it
+
+
+@triton.jit
+def plan_kernel(
+    ids_ptr,
+    n_ids,
+    resident_ptr,
+    owners_ptr,
+    stamps_ptr,
+    clock_ptr,
+    forward_ptr,
+    miss_experts_ptr,
+    miss_slots_ptr,
+    miss_count_ptr,
+    counters_ptr,
+    first_bad_ptr,
+    marks_ptr,
+    order_ptr,
+    pass_index,
+    num_passes,
+    E,
+    C,
+    BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FIRST_PASS: tl.constexpr,
+    LAST_PASS: tl.constexpr,
+    MUTANT: tl.constexpr = 0,
+):
+    e = tl.arange(0, BLOCK_E)
+    e_in = e < E
+    s = tl.arange(0, BLOCK_C)
+    s_in = s < C
+
+    # 1. Mark the requested experts; count ids outside [-1, E) (first pass only).
+    tl.store(marks_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_in)
+    tl.debug_barrier()
+    n_bad = tl.zeros([], dtype=tl.int64)
+    first_k = tl.zeros([], dtype=tl.int64) + n_ids
+    for start in range(0, n_ids, BLOCK_N):
+        k = start + tl.arange(0, BLOCK_N)
+        k_in = k < n_ids
+        ids = tl.load(ids_ptr + k, mask=k_in, other=-1).to(tl.int64)
+        valid = k_in & (ids >= 0) & (ids < E)
+        tl.store(marks_ptr + ids, tl.full([BLOCK_N], 1, tl.int32), mask=valid)
+        if FIRST_PASS:
+            bad = k_in & (ids != -1) & ~valid
+            n_bad += tl.sum(bad.to(tl.int64), axis=0)
+            first_k = tl.minimum(first_k, tl.min(tl.where(bad, k.to(tl.int64), n_ids), axis=0))
+    tl.debug_barrier()
+
+    # 2. This pass selects the requested experts of rank [pass*C, (pass+1)*C).
+    requested = (tl.load(marks_ptr + e, mask=e_in, other=0) > 0) & e_in
+    req_i = requested.to(tl.int32)
+    rank = tl.cumsum(req_i, axis=0) - req_i
+    low = pass_index * C
+    selected = requested & (rank >= low) & (rank < low + C)
+    slot_of = tl.load(resident_ptr + e, mask=e_in, other=0)
+    miss = selected & (slot_of < 0)
+    miss_i = miss.to(tl.int32)
+    miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+    n_selected = tl.sum(selected.to(tl.int64), axis=0)
+    n_miss = tl.sum(miss_i, axis=0)
+
+    # 3. Victim order: free slots by number, then unselected residents oldest first.
+    tl.debug_barrier()
+    tl.store(marks_ptr + e, selected.to(tl.int32), mask=e_in)
+    tl.debug_barrier()
+    owners = tl.load(owners_ptr + s, mask=s_in, other=-1)
+    free = owners < 0
+    owner_selected = tl.load(marks_ptr + owners, mask=s_in & ~free, other=0) > 0
+    stamps = tl.load(stamps_ptr + s, mask=s_in, other=0)
+    s64 = s.to(tl.int64)
+    if MUTANT == 1:  # seeded bug: a selected expert's slot may be taken
+        key = tl.where(free, s64, C + stamps)
+    else:
+        key = tl.where(free, s64, tl.where(owner_selected, NEVER, C + stamps))
+    key = tl.where(s_in, key, NEVER)
+    ordered = tl.sort(key * BLOCK_C + s64)
+    tl.store(order_ptr + s, (ordered % BLOCK_C).to(tl.int32), mask=s_in)
+    tl.debug_barrier()
+
+    # 4. Misses take the first slots of that order; their previous owners are evicted.
+    assigned = tl.load(order_ptr + miss_rank, mask=miss, other=0)
+    evicted = tl.load(owners_ptr + assigned, mask=miss, other=-1)
+    evicts = miss & (evicted >= 0)
+    tl.debug_barrier()
+    tl.store(resident_ptr + evicted, tl.full([BLOCK_E], -1, tl.int32), mask=evicts)
+    tl.debug_barrier()
+    tl.store(resident_ptr + e, assigned, mask=miss)
+    tl.store(owners_ptr + assigned, e.to(tl.int32), mask=miss)
+
+    # 5. Selected experts become the most recently used, in ascending id order.
+    slot_now = tl.where(miss, assigned, slot_of)
+    clock = tl.load(clock_ptr)
+    if MUTANT == 4:  # seeded bug: hits keep their old stamps
+        tl.store(stamps_ptr + slot_now, clock + (rank - low).to(tl.int64), mask=miss)
+    else:
+        tl.store(stamps_ptr + slot_now, clock + (rank - low).to(tl.int64), mask=selected)
+    if MUTANT == 2:  # seeded bug: entries of the previous pass stay in the forward map
+        tl.store(forward_ptr + e, slot_now, mask=selected)
+    else:
+        tl.store(forward_ptr + e, tl.where(selected, slot_now, -1), mask=e_in)
+    tl.store(miss_experts_ptr + miss_rank, e.to(tl.int32), mask=miss)
+    tl.store(miss_slots_ptr + miss_rank, assigned, mask=miss)
+    if MUTANT != 3:  # seeded bug 3 leaves the previous pass's entries past the count
+        stale = s_in & (s >= n_miss)
+        tl.store(miss_experts_ptr + s, tl.full([BLOCK_C], -1, tl.int32), mask=stale)
+        tl.store(miss_slots_ptr + s, tl.full([BLOCK_C], -1, tl.int32), mask=stale)
+    tl.store(miss_count_ptr, n_miss)
+    tl.store(clock_ptr, clock + n_selected)
+
+    # 6. Counters (storage order of rowcache.device_plan.state.COUNTERS).
+    n_evicted = tl.sum(evicts.to(tl.int64), axis=0)
+    n_miss64 = n_miss.to(tl.int64)
+    tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + n_selected - n_miss64)
+    tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_miss64)
+    tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + n_evicted)
+    tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + (n_selected > 0).to(tl.int64))
+    tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + 1)
+    if FIRST_PASS:
+        bad_before = tl.load(counters_ptr + 5)
+        first_id = tl.load(ids_ptr + first_k, mask=first_k < n_ids, other=0).to(tl.int64)
+        old_first = tl.load(first_bad_ptr)
+        tl.store(first_bad_ptr, tl.where((bad_before == 0) & (n_bad > 0), first_id, old_first))
+        tl.store(counters_ptr + 5, bad_before + n_bad)
+    if LAST_PASS:
+        over = requested & (rank >= num_passes * C)
+        tl.store(counters_ptr + 6, tl.load(counters_ptr + 6) + tl.sum(over.to(tl.int64), axis=0))
+
+
+@triton.jit
+def gather_kernel(
+    table_ptr,
+    num_chunks,
+    miss_experts_ptr,
+    miss_slots_ptr,
+    miss_count_ptr,
+    capacity,
+    BLOCK: tl.constexpr,
+    MUTANT: tl.constexpr = 0,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # Seeded bug 3 copies every entry of the miss list, not the first count.
+    if MUTANT == 3:  # noqa: SIM108 (a branch on a constexpr, resolved at compile time)
+        total = capacity * num_chunks
+    else:
+        total = tl.load(miss_count_ptr) * num_chunks
+    for item in range(pid, total, nprog):
+        m = item // num_chunks
+        j = item % num_chunks
+        expert = tl.load(miss_experts_ptr + m).to(tl.int64)
+        slot = tl.load(miss_slots_ptr + m).to(tl.int64)
+        # Entries are never negative below the count; past it (only mutant 3 reads there) a
+        # -1 entry must not turn into an address before the buffers.
+        if (expert >= 0) & (slot >= 0):
+            row = table_ptr + j * 7
+            offset = tl.load(row + 4)
+            src = tl.load(row) + expert * tl.load(row + 1) + offset
+            dst = tl.load(row + 2) + slot * tl.load(row + 3) + offset
+            length = tl.load(row + 5)
+            if tl.load(row + 6) != 0:
+                src_words = src.to(tl.pointer_type(tl.int64))
+                dst_words = dst.to(tl.pointer_type(tl.int64))
+                n_words = length // 8
+                for w in range(0, n_words, BLOCK):
+                    at = w + tl.arange(0, BLOCK)
+                    inside = at < n_words
+                    tl.store(dst_words + at, tl.load(src_words + at, mask=inside), mask=inside)
+            else:
+                src_bytes = src.to(tl.pointer_type(tl.uint8))
+                dst_bytes = dst.to(tl.pointer_type(tl.uint8))
+                for b in range(0, length, BLOCK):
+                    at = b + tl.arange(0, BLOCK)
+                    inside = at < length
+                    tl.store(dst_bytes + at, tl.load(src_bytes + at, mask=inside), mask=inside)
+
+
+@triton.jit
+def invalidate_kernel(resident_ptr, owners_ptr, counters_ptr, expert):
+    slot = tl.load(resident_ptr + expert)
+    if slot >= 0:
+        tl.store(owners_ptr + slot, -1)
+        tl.store(resident_ptr + expert, -1)
+        tl.store(counters_ptr + 7, tl.load(counters_ptr + 7) + 1)

@@ -1,0 +1,320 @@
+"""GPU conformance of the device-planned path: the fused Triton planner and gather against the
+torch planner on the CPU (itself checked step by step against the host path and the model's
+reference by ``tests/test_device_planner.py``), inside CUDA graphs.
+
+Every step of the hypothesis machine is a forward of a random batch size. Forwards of a
+captured size are replays: the graph of every size is captured once (all its passes, and after
+each pass a snapshot of the forward map and of every slot buffer, which is the consumer's read),
+and each replay writes new ``topk_ids`` into the captured input. Replays run on the capture's
+replay stream or on another one (``handoff()`` first), eager forwards of other sizes come
+between them, and so do invalidations. After every step: each pass's forward map equals the
+reference's, every slot it maps holds exactly its expert's bytes in every tensor, and the
+device state (resident map, slot owners, stamps, counters) equals the reference's.
+
+The race fixture replays a graph that overwrites slots while a reader of them on another stream
+is still pending. The GPU mutants are seeded bugs of the fused kernels and of the handoff; each
+must be detected.
+
+``ROWCACHE_CUDA_EXAMPLES`` sets the number of examples (default 200).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from cuda_support import cycles_for_ms, gpu_sleep
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+from torch import Tensor
+
+from rowcache.device_plan.kernels import TritonKernels
+from rowcache.device_plan.provider import DevicePlannedProvider
+from rowcache.packing import Layout
+
+pytestmark = pytest.mark.cuda
+
+E, C, K = 8, 3, 2
+SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
+EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
+GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4")
+
+
+def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
+    """Random per-expert tensors with distinct bytes per expert: bf16 (two tensors), bf16 with
+    block scales (four) or NVFP4-like (six: packed fp4 weights and fp8 scales as bytes, fp32
+    global scales, whose 4-byte rows take the gather's byte path)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def raw(*shape: int) -> Tensor:
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+
+    if geometry == "bf16":
+        return {
+            "w13": torch.randn(E, 64, 32, generator=gen).to(torch.bfloat16),
+            "w2": torch.randn(E, 32, 32, generator=gen).to(torch.bfloat16),
+        }
+    if geometry == "bf16_scaled":
+        return {
+            "w13": torch.randn(E, 64, 32, generator=gen).to(torch.bfloat16),
+            "w2": torch.randn(E, 32, 32, generator=gen).to(torch.bfloat16),
+            "w13_scale": torch.rand(E, 4, 2, generator=gen),
+            "w2_scale": torch.rand(E, 2, 2, generator=gen),
+        }
+    return {
+        "w13": raw(E, 64, 16),
+        "w2": raw(E, 32, 32),
+        "w13_scale": raw(E, 64, 2),
+        "w2_scale": raw(E, 32, 4),
+        "w13_scale_2": torch.rand(E, generator=gen),
+        "w2_scale_2": torch.rand(E, generator=gen),
+    }
+
+
+def provider(
+    tensors: dict[str, Tensor], device: str, layout: Layout, mutant: int = 0
+) -> DevicePlannedProvider:
+    p = DevicePlannedProvider(
+        **{k: v.pin_memory() if device == "cuda" else v for k, v in tensors.items()},
+        capacity=C,
+        device=device,
+        layout=layout,
+        kernels="triton" if device == "cuda" else "torch",
+    )
+    if mutant:
+        p._kernels = TritonKernels(p._sources, p._slots, E, mutant=mutant)
+    return p
+
+
+def slot_buffers(p: DevicePlannedProvider) -> list[Tensor]:
+    return [t for t in p._slots.tensors() if t is not None]
+
+
+def host_rows(p: DevicePlannedProvider) -> list[Tensor]:
+    return [t for t in p._sources.tensors() if t is not None]
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """The bytes of every row (works for strided packed views too)."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    ids: Tensor
+    passes: int
+    maps: list[Tensor]
+    slots: list[list[Tensor]]
+
+
+@dataclass
+class Harness:
+    """The GPU provider, the CPU reference and the captured graphs of one example."""
+
+    geometry: str
+    layout: Layout
+    mutant: int = 0
+    skip_handoff: bool = False
+    gpu: DevicePlannedProvider = field(init=False)
+    ref: DevicePlannedProvider = field(init=False)
+    graphs: dict[int, Captured] = field(default_factory=dict)
+    streams: list[torch.cuda.Stream] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tensors = sources(self.geometry)
+        self.gpu = provider(tensors, "cuda", self.layout, self.mutant)
+        self.ref = provider(tensors, "cpu", self.layout)
+        self.streams = [torch.cuda.Stream() for _ in range(2)]
+        self._warm(tensors)
+
+    def _warm(self, tensors: dict[str, Tensor]) -> None:
+        """Compile every kernel specialization the captures use, on a throwaway cache (a
+        compilation cannot happen inside a capture)."""
+        scratch = provider(tensors, "cuda", self.layout, self.mutant)
+        for rows in (*SIZES, 4, 5):
+            ids = torch.zeros(rows, K, dtype=torch.int32, device="cuda")
+            total = scratch.num_passes(ids)
+            for index in range(total):
+                scratch.prepare(ids, pass_index=index, passes=total)
+        torch.cuda.synchronize()
+
+    def _capture(self, rows: int) -> Captured:
+        ids = torch.zeros(rows, K, dtype=torch.int32, device="cuda")
+        total = self.gpu.num_passes(ids)
+        maps = [torch.empty(E, dtype=torch.int32, device="cuda") for _ in range(total)]
+        snaps = [[torch.empty_like(t) for t in slot_buffers(self.gpu)] for _ in range(total)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for index in range(total):
+                result = self.gpu.prepare(ids, pass_index=index, passes=total)
+                maps[index].copy_(result.expert_map)
+                for snap, buf in zip(snaps[index], slot_buffers(self.gpu), strict=True):
+                    snap.copy_(buf)
+        return Captured(graph, ids, total, maps, snaps)
+
+    def forward(self, rows: list[list[int]], stream: int, replay: bool) -> list[str]:
+        size = len(rows)
+        host_ids = torch.tensor(rows, dtype=torch.int32)
+        problems: list[str] = []
+        with torch.cuda.stream(self.streams[stream]):
+            if replay:
+                captured = self.graphs.get(size)
+                if captured is None:
+                    torch.cuda.synchronize()
+                    captured = self.graphs[size] = self._capture(size)
+                captured.ids.copy_(host_ids, non_blocking=False)
+                if not self.skip_handoff:
+                    self.gpu.handoff()
+                captured.graph.replay()
+                maps, snaps, total = captured.maps, captured.slots, captured.passes
+            else:
+                ids = host_ids.cuda()
+                total = self.gpu.num_passes(ids)
+                maps, snaps = [], []
+                for index in range(total):
+                    result = self.gpu.prepare(ids, pass_index=index, passes=total)
+                    maps.append(result.expert_map.clone())
+                    snaps.append([t.clone() for t in slot_buffers(self.gpu)])
+        torch.cuda.synchronize()
+        for index in range(total):
+            expected = self.ref.prepare(host_ids, pass_index=index, passes=total).expert_map
+            got = maps[index].cpu()
+            if not torch.equal(got, expected):
+                problems.append(f"pass {index}: forward map {got.tolist()} != {expected.tolist()}")
+                continue
+            for expert, slot in enumerate(got.tolist()):
+                if slot < 0:
+                    continue
+                for snap, src in zip(snaps[index], host_rows(self.gpu), strict=True):
+                    if not torch.equal(
+                        as_bytes(snap[slot : slot + 1].cpu()), as_bytes(src[expert : expert + 1])
+                    ):
+                        problems.append(f"pass {index}: slot {slot} does not hold expert {expert}")
+        return problems + self.state_mismatches()
+
+    def invalidate(self, expert: int) -> list[str]:
+        self.gpu.invalidate(expert)
+        self.ref.invalidate(expert)
+        torch.cuda.synchronize()
+        return self.state_mismatches()
+
+    def state_mismatches(self) -> list[str]:
+        out = []
+        for name in ("resident", "owners", "counters", "clock"):
+            got = getattr(self.gpu.state, name).cpu()
+            want = getattr(self.ref.state, name)
+            if not torch.equal(got, want):
+                out.append(f"{name}: {got.tolist()} != {want.tolist()}")
+        if self.gpu.lru_order() != self.ref.lru_order():
+            out.append(f"LRU order {self.gpu.lru_order()} != {self.ref.lru_order()}")
+        return out
+
+
+ROWS = st.lists(
+    st.lists(st.integers(min_value=-1, max_value=E - 1), min_size=K, max_size=K),
+    min_size=1,
+    max_size=5,
+)
+
+
+def machine(geometry: str, layout: Layout, mutant: int, skip_handoff: bool) -> type:
+    class DevicePlannerMachine(RuleBasedStateMachine):
+        @initialize()
+        def start(self) -> None:
+            self.h = Harness(geometry, layout, mutant, skip_handoff)
+
+        @rule(rows=ROWS, stream=st.integers(0, 1))
+        def replay(self, rows: list[list[int]], stream: int) -> None:
+            rows = rows[: max(SIZES)]
+            problems = self.h.forward(rows, stream, replay=True)
+            assert not problems, problems
+
+        @rule(rows=ROWS, stream=st.integers(0, 1))
+        def eager(self, rows: list[list[int]], stream: int) -> None:
+            problems = self.h.forward(rows, stream, replay=False)
+            assert not problems, problems
+
+        @rule(expert=st.integers(0, E - 1))
+        def invalidate(self, expert: int) -> None:
+            problems = self.h.invalidate(expert)
+            assert not problems, problems
+
+    return DevicePlannerMachine
+
+
+def run_machine(geometry: str, layout: Layout, examples: int, mutant: int = 0) -> None:
+    run_state_machine_as_test(
+        machine(geometry, layout, mutant, skip_handoff=False),
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            # A mutant only has to be found; shrinking GPU runs would cost minutes.
+            phases=[Phase.explicit, Phase.reuse, Phase.generate]
+            if mutant
+            else [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+        ),
+    )
+
+
+@pytest.mark.parametrize("layout", ["separate", "packed"])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_device_planner_in_lockstep_inside_graphs(geometry: str, layout: Layout) -> None:
+    # 200 examples in all by default, spread over the six geometry x layout cells.
+    run_machine(
+        geometry, layout, max(1, EXAMPLES // 3) if geometry == "nvfp4" else max(1, EXAMPLES // 6)
+    )
+
+
+def _race(skip_handoff: bool) -> list[str]:
+    """A reader on stream 0 is still pending (it spins first) when a replay on stream 1
+    overwrites every slot it reads; with the handoff the replay waits for it."""
+    h = Harness("bf16", "separate", skip_handoff=skip_handoff)
+    first = [[0, 1], [2, 0]]
+    h.forward(first, stream=0, replay=False)
+    h.graphs[2] = h._capture(2)  # captured now: a capture drains the device first
+    reader = h.streams[0]
+    with torch.cuda.stream(reader):
+        gpu_sleep(cycles_for_ms(20.0))
+        seen = [t.clone() for t in slot_buffers(h.gpu)]
+    expected = {e: s for e, s in enumerate(h.gpu.forward_map()) if s >= 0}
+    problems = h.forward([[3, 4], [5, 3]], stream=1, replay=True)
+    torch.cuda.synchronize()
+    src = host_rows(h.gpu)
+    for expert, slot in expected.items():
+        for snap, rows in zip(seen, src, strict=True):
+            if not torch.equal(
+                as_bytes(snap[slot : slot + 1].cpu()), as_bytes(rows[expert : expert + 1])
+            ):
+                problems.append(f"pending reader saw slot {slot} overwritten (expert {expert})")
+    return problems
+
+
+def test_replay_waits_for_a_pending_reader_on_another_stream() -> None:
+    assert _race(skip_handoff=False) == []
+
+
+MUTANTS = {
+    "victim_taken_from_selected": 1,
+    "forward_entry_left_from_previous_pass": 2,
+    "gather_past_miss_count": 3,
+    "hits_keep_old_stamps": 4,
+}
+
+
+@pytest.mark.gpu_mutant
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_device_mutant_is_detected(name: str) -> None:
+    with pytest.raises(AssertionError):
+        run_machine("nvfp4", "separate", 50, mutant=MUTANTS[name])
+
+
+@pytest.mark.gpu_mutant
+def test_device_mutant_replay_without_handoff_is_detected() -> None:
+    assert _race(skip_handoff=True) != []

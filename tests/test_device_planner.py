@@ -1,0 +1,212 @@
+"""The device planner (torch implementation, on the CPU) in lockstep with the host planner and
+the model's reference, step by step.
+
+A hypothesis machine drives three things with the same forwards and invalidations: a
+``DevicePlannedProvider`` (every pass planned and copied by ``rowcache.device_plan``), a
+``RowCacheWeightProvider`` (the host planner, one ``prepare`` per expert group) and the model's
+reference effects (``model_check.reference.plan_prepare`` / ``plan_invalidate``). Routings hold
+``-1`` padding. After every pass: the forward maps of all three are equal, every slot the map
+names holds exactly its expert's rows, and the LRU order, the resident map and the counters
+agree; so the victim choice of every step is the reference's.
+
+Then the device's error path: ids outside ``[-1, E)`` are ignored (nothing written for them,
+the maps keep their size), counted, and raised once by ``stats()`` as ``DeviceInputError``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from torch import Tensor
+
+from model_check.reference import (
+    NO_SLOT,
+    Bounds,
+    Counters,
+    initial_host,
+    plan_invalidate,
+    plan_prepare,
+)
+from rowcache import RowCacheWeightProvider
+from rowcache.device_plan.forward import run_passes
+from rowcache.device_plan.passes import num_passes
+from rowcache.device_plan.provider import DevicePlannedProvider
+from rowcache.device_plan.state import DeviceInputError
+
+E, C, K = 6, 3, 2
+H, INTER = 4, 3
+
+SETTINGS = settings(
+    max_examples=int(os.environ.get("ROWCACHE_DEVICE_EXAMPLES", "500")),
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=bool(os.environ.get("CI")),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+ROWS = st.lists(st.lists(st.integers(-1, E - 1), min_size=K, max_size=K), min_size=0, max_size=4)
+
+
+def weights(seed: int = 0) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w13": torch.randn(E, 2 * INTER, H, generator=gen),
+        "w2": torch.randn(E, H, INTER, generator=gen),
+        "w13_scale": torch.rand(E, 2, generator=gen),
+        "w2_scale": torch.rand(E, 1, generator=gen),
+        "w13_scale_2": torch.rand(E, generator=gen),
+        "w2_scale_2": torch.rand(E, generator=gen),
+    }
+
+
+def groups_of(rows: list[list[int]]) -> list[list[int]]:
+    experts = sorted({e for row in rows for e in row if e >= 0})
+    return [experts[i : i + C] for i in range(0, len(experts), C)]
+
+
+class Lockstep(RuleBasedStateMachine):
+    @initialize(layout=st.sampled_from(["separate", "packed"]))
+    def start(self, layout: str) -> None:
+        self.w = weights()
+        self.device = DevicePlannedProvider(
+            **self.w,
+            capacity=C,
+            device="cpu",
+            layout=layout,  # type: ignore[arg-type]
+        )
+        self.host = RowCacheWeightProvider(**self.w, capacity=C, device="cpu", split="expert")
+        self.bounds = Bounds(E, C)
+        self.model = initial_host(self.bounds)
+        self.counters = Counters()
+
+    @rule(rows=ROWS)
+    def forward(self, rows: list[list[int]]) -> None:
+        ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), K)
+        total = self.device.num_passes(ids)
+        assert total == num_passes(len(rows) * K, E, C)
+        groups = groups_of(rows)
+        assert len(groups) <= total
+        for index in range(total):
+            result = self.device.prepare(ids, pass_index=index, passes=total)
+            got = result.expert_map.tolist()
+            if index >= len(groups):
+                assert got == [-1] * E, f"an empty pass exposes {got}"
+                continue
+            group = groups[index]
+            host_map = self.host.prepare(torch.tensor([group])).expert_map.tolist()
+            effect = plan_prepare(self.model, self.counters, self.bounds, (tuple(group),), 0)
+            self.model, self.counters = effect.host, effect.counters
+            model_map = [-1] * E
+            for expert, slot in effect.host.forward or ():
+                model_map[expert] = slot
+            assert got == host_map == model_map, (got, host_map, model_map)
+            for expert, slot in enumerate(got):
+                if slot >= 0:
+                    self._check_slot(expert, slot)
+
+    @rule(expert=st.integers(0, E - 1))
+    def invalidate(self, expert: int) -> None:
+        self.device.invalidate(expert)
+        self.host.invalidate(expert)
+        effect = plan_invalidate(self.model, self.counters, self.bounds, (expert,), 0)
+        self.model, self.counters = effect.host, effect.counters
+
+    def _check_slot(self, expert: int, slot: int) -> None:
+        for name, src in self.w.items():
+            buf = getattr(self.device, f"buf_{name}")
+            assert torch.equal(buf[slot], src[expert]), f"slot {slot} {name} != expert {expert}"
+
+    @invariant()
+    def agree(self) -> None:
+        if not hasattr(self, "device"):
+            return
+        model_slots = tuple(-1 if s == NO_SLOT else s for s in self.model.slot_of)
+        assert self.device.slot_of() == self.host.slot_of() == model_slots
+        assert self.device.lru_order() == self.host.lru_order() == self.model.lru
+        stats = self.device.stats()
+        for name in ("hits", "misses", "evictions", "prepare_calls", "invalidations"):
+            assert stats[name] == getattr(self.counters, name) == self.host.stats()[name], name
+
+
+TestLockstep = Lockstep.TestCase
+TestLockstep.settings = SETTINGS
+
+
+def test_planner_never_takes_a_selected_experts_slot() -> None:
+    """A pass over experts that all fit: the hits stay where they are, the misses take the
+    free slots and then the oldest unselected ones."""
+    w = weights()
+    p = DevicePlannedProvider(**w, capacity=C, device="cpu")  # type: ignore[arg-type]
+    p.prepare(torch.tensor([[0, 1], [2, -1]]))
+    assert p.resident_experts() == {0: 0, 1: 1, 2: 2}
+    p.prepare(torch.tensor([[3, 1]]))  # 0 is the oldest unselected (stamps 0 < 2)
+    assert p.resident_experts() == {1: 1, 2: 2, 3: 0}
+    assert p.lru_order() == (2, 1, 3)
+
+
+def test_bad_ids_are_ignored_counted_and_raised_once() -> None:
+    w = weights()
+    p = DevicePlannedProvider(**w, capacity=C, device="cpu")  # type: ignore[arg-type]
+    result = p.prepare(torch.tensor([[E + 7, 1], [-3, 2]]))
+    assert result.expert_map.shape == (E,)
+    assert result.expert_map.tolist() == [-1, 0, 1, -1, -1, -1]
+    assert p.state.resident.shape == (E,) and p.state.owners.shape == (C,)
+    with pytest.raises(
+        DeviceInputError, match=rf"2 topk_ids entries outside \[-1, {E}\).*first was {E + 7}"
+    ):
+        p.stats()
+    assert p.stats()["misses"] == 2  # reported once, then the counters read clean
+
+
+def test_overflow_is_counted_when_a_step_runs_too_few_passes() -> None:
+    w = weights()
+    p = DevicePlannedProvider(**w, capacity=C, device="cpu")  # type: ignore[arg-type]
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    p.prepare(ids, pass_index=0, passes=1)
+    with pytest.raises(DeviceInputError, match="3 requested experts were not exposed"):
+        p.check_errors()
+    p.check_errors()  # reported once
+
+
+def test_passes_sum_in_float32_and_one_pass_is_the_kernel_output() -> None:
+    w = weights()
+    p = DevicePlannedProvider(**w, capacity=C, device="cpu")  # type: ignore[arg-type]
+    calls: list[tuple[list[int], bool]] = []
+
+    def run(weights_: object, rows: slice, shared: bool) -> Tensor:
+        emap = p.state.forward.tolist()
+        calls.append(([e for e, s in enumerate(emap) if s >= 0], shared))
+        return torch.full((rows.stop - rows.start, 2), float(len(calls)), dtype=torch.bfloat16)
+
+    one = run_passes(p, torch.tensor([[0, 1]]), run)
+    assert one.dtype == torch.bfloat16 and one.tolist() == [[1.0, 1.0]]
+    calls.clear()
+    many = run_passes(p, torch.tensor([[0, 1], [2, 3], [4, -1]]), run)
+    assert [c[0] for c in calls] == [[0, 1, 2], [3, 4]]
+    assert [c[1] for c in calls] == [True, False]
+    assert many.dtype == torch.bfloat16 and many[0].tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pass_index": 2, "passes": 2}, r"pass_index 2 outside \[0, 2\)"),
+        ({"passes": 0}, "passes must be an int >= 1"),
+        ({"unique_ids": [0]}, "takes no unique_ids"),
+    ],
+)
+def test_bad_pass_arguments_are_rejected_before_any_change(
+    kwargs: dict[str, object], message: str
+) -> None:
+    w = weights()
+    p = DevicePlannedProvider(**w, capacity=C, device="cpu")  # type: ignore[arg-type]
+    before = [t.clone() for t in (p.state.resident, p.state.owners, p.state.counters)]
+    with pytest.raises(ValueError, match=message):
+        p.prepare(torch.tensor([[0, 1]]), **kwargs)  # type: ignore[arg-type]
+    after = (p.state.resident, p.state.owners, p.state.counters)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
