@@ -40,6 +40,13 @@ class CachedWeightProvider(SlotSurface):
     Host calls must be sequential (a concurrent call raises
     ``ConcurrentCallError``), and all of a forward's reads of the returned
     buffers must be enqueued on the current stream before the next host call.
+
+    Host memory: by default the provider copies the expert tensors it is given, once, into
+    host memory it owns (pinned for CUDA), so that a later in-place write by the caller
+    changes nothing a ``prepare`` serves; drop yours after construction to keep one host copy.
+    ``share_sources=True`` keeps the caller's tensors instead (no copy: for CUDA they must
+    already be pinned; not with ``layout="packed"``), and the caller then owns their contents
+    (``rowcache.sources.ExpertSources`` says what an in-place write does then).
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class CachedWeightProvider(SlotSurface):
         device: torch.device | str,
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
+        share_sources: bool = False,
     ) -> None:
         self._set_up_slots(
             w13,
@@ -65,6 +73,7 @@ class CachedWeightProvider(SlotSurface):
             capacity=capacity,
             split=split,
             device=torch.device(device),
+            share_sources=share_sources,
         )
         num_experts = self._num_experts
         self._copy_pairs: list[tuple[Tensor, Tensor]] = [
@@ -90,6 +99,7 @@ class CachedWeightProvider(SlotSurface):
         self._misses = 0
         self._evictions = 0
         self._prepare_calls = 0
+        self._last_copies = 0  # experts the last accepted prepare copied
         self._guard = CallGuard(type(self).__name__)
 
     # -- surface -----------------------------------------------------------
@@ -112,6 +122,7 @@ class CachedWeightProvider(SlotSurface):
             misses = [e for e in requested if slot_of[e] < 0]
             self._hits += len(requested) - len(misses)
             self._misses += len(misses)
+            self._last_copies = len(misses)
             for e in requested:
                 self._frequency[e] += 1
                 self._last_use[e] = now
@@ -156,6 +167,9 @@ class CachedWeightProvider(SlotSurface):
                 self._expert_map.copy_(self._host_map)
 
     def stats(self) -> dict[str, int]:
+        """Counters since construction, the slots in use, and what the last accepted
+        ``prepare`` copied: ``last_copies`` experts, ``last_copy_bytes`` bytes (0 for an
+        all-hit one; a rejected call changes neither)."""
         return {
             "hits": self._hits,
             "misses": self._misses,
@@ -164,6 +178,8 @@ class CachedWeightProvider(SlotSurface):
             "capacity": self._capacity,
             "prepare_calls": self._prepare_calls,
             "owner_changes": 0,
+            "last_copies": self._last_copies,
+            "last_copy_bytes": self._last_copies * self._sources.expert_bytes,
             "slot_bytes": self._slots.slot_bytes,
             "host_bytes": self._sources.host_bytes,
         }

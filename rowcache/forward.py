@@ -4,7 +4,10 @@ The callback contract (``RunFn``): ``run(weights, rows, include_shared)``
 returns the MoE output for token rows ``rows`` of the layer input, computed
 only from experts that ``weights.expert_map`` maps to a slot (global id ->
 slot, -1 elsewhere); a (token, expert) pair whose expert maps to -1
-contributes nothing. ``include_shared`` says whether to add the shared
+contributes nothing. An entry -1 of ``topk_ids`` is padding
+(``rowcache.validation.PADDING``): it names no expert, is never planned or
+requested, and ``run`` skips it as vLLM's kernels do (it is not an index into
+the map). ``include_shared`` says whether to add the shared
 expert's (or any other once-per-token) output. ``run`` must enqueue all its
 reads of the slot buffers before it returns, because the next ``prepare`` may
 overwrite them. It returns a tensor whose first dimension is the number of
@@ -48,7 +51,8 @@ def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run:
     float32 (so the order of groups costs no low-precision rounding), shared
     work only with the first group, the sum cast back to the first output's
     dtype. When everything fits, there is a single ``prepare`` and ``run``'s
-    output is returned as is.
+    output is returned as is; so it is for a routing of only padding (-1),
+    whose one ``prepare`` requests nothing.
     """
     split = provider.split
     if split == "token":

@@ -2,8 +2,10 @@
 
 Two plans, one per ``Split``: token chunks (row ranges each needing at most
 ``capacity`` experts) and expert groups (the routed experts cut into groups of
-at most ``capacity``). Planning does not range-check expert ids (it does not
-know E); ``prepare`` does, for every piece.
+at most ``capacity``). ``-1`` in ``topk_ids`` is padding (``rowcache.validation.PADDING``):
+it names no expert, so it is never counted or grouped, and a row of only -1 fits any chunk.
+Planning does not range-check the other ids (it does not know E); ``prepare`` does, for
+every piece.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from rowcache.errors import InvalidInputError
 # _routed_experts: the distinct experts, with prepare's fast path for a small CPU tensor (a
 # Python set instead of torch.unique's dispatch and sort); shared so that planning and
 # validation cannot disagree on what a routing holds.
-from rowcache.validation import _routed_experts, check_topk_ids
+from rowcache.validation import PADDING, _routed_experts, check_topk_ids
 
 __all__ = ["plan_chunks", "plan_expert_groups"]
 
@@ -37,7 +39,8 @@ def plan_chunks(topk_ids: Tensor, capacity: int) -> list[tuple[int, int]]:
     experts past ``capacity``, so chunks are maximal and as few as a
     front-to-back scan can make them. Empty ``topk_ids`` gives ``[]``. A single
     row that routes to more distinct experts than ``capacity`` cannot be
-    served by any chunk and is rejected.
+    served by any chunk and is rejected. Padding (-1) is not an expert: it
+    counts toward no chunk.
     """
     check_topk_ids(topk_ids, "plan_chunks")
     _check_capacity(capacity, "plan_chunks")
@@ -56,6 +59,7 @@ def plan_chunks(topk_ids: Tensor, capacity: int) -> list[tuple[int, int]]:
     rows: list[list[int]] = topk_ids.tolist()
     for index, row in enumerate(rows):
         row_experts = set(row)
+        row_experts.discard(PADDING)
         if len(row_experts) > capacity:
             raise InvalidInputError(
                 f"plan_chunks: token row {index} routes to {len(row_experts)} distinct "
@@ -71,10 +75,11 @@ def plan_chunks(topk_ids: Tensor, capacity: int) -> list[tuple[int, int]]:
 
 
 def plan_expert_groups(topk_ids: Tensor, capacity: int) -> list[list[int]]:
-    """Cut the sorted distinct experts of ``topk_ids`` into consecutive groups.
+    """Cut the sorted distinct experts of ``topk_ids`` (padding, -1, dropped) into
+    consecutive groups.
 
     Every group but the last holds exactly ``capacity`` experts; empty
-    ``topk_ids`` gives ``[]``.
+    ``topk_ids``, or one of only padding, gives ``[]``.
     """
     check_topk_ids(topk_ids, "plan_expert_groups")
     _check_capacity(capacity, "plan_expert_groups")

@@ -70,6 +70,13 @@ class RowCacheWeightProvider(SlotSurface):
     slot, so that a miss is one copy (``rowcache.packing``: the returned weight tensors are then
     strided views, not contiguous buffers); the default ``"separate"`` gives one contiguous
     buffer per tensor.
+
+    Host memory: by default the provider copies the expert tensors it is given, once, into
+    host memory it owns (pinned for CUDA), so that a later in-place write by the caller
+    changes nothing a ``prepare`` serves; drop yours after construction to keep one host copy.
+    ``share_sources=True`` keeps the caller's tensors instead (no copy: for CUDA they must
+    already be pinned; not with ``layout="packed"``), and the caller then owns their contents
+    (``rowcache.sources.ExpertSources`` says what an in-place write does then).
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class RowCacheWeightProvider(SlotSurface):
         w2_scale_2: Tensor | None = None,
         backend: Backend[Any] | None = None,
         layout: Layout = "separate",
+        share_sources: bool = False,
     ) -> None:
         target = torch.device(device)
         check_layout(layout)  # before the backend, which allocates a stream and events
@@ -102,6 +110,7 @@ class RowCacheWeightProvider(SlotSurface):
             split=split,
             device=target,
             layout=layout,
+            share_sources=share_sources,
         )
         num_experts = self._num_experts
         self._backend.bind(self._sources, self._slots)
@@ -127,6 +136,7 @@ class RowCacheWeightProvider(SlotSurface):
         self._prepare_calls = 0
         self._owner_changes = 0
         self._invalidations = 0
+        self._last_copies = 0  # experts the last accepted prepare copied
         self._guard = CallGuard(type(self).__name__)
         # Every prepare returns the same live buffers, so the result is built once.
         slots = self._slots
@@ -207,6 +217,9 @@ class RowCacheWeightProvider(SlotSurface):
                 self._owner = new_owner
 
     def stats(self) -> dict[str, int]:
+        """Counters since construction, the slots in use, and what the last accepted
+        ``prepare`` copied: ``last_copies`` experts, ``last_copy_bytes`` bytes (0 for an
+        all-hit one; a rejected call changes neither)."""
         return {
             "hits": self._hits,
             "misses": self._misses,
@@ -216,6 +229,8 @@ class RowCacheWeightProvider(SlotSurface):
             "prepare_calls": self._prepare_calls,
             "owner_changes": self._owner_changes,
             "invalidations": self._invalidations,
+            "last_copies": self._last_copies,
+            "last_copy_bytes": self._last_copies * self._sources.expert_bytes,
             "slot_bytes": self._slots.slot_bytes,
             "host_bytes": self._sources.host_bytes,
         }
@@ -302,6 +317,7 @@ class RowCacheWeightProvider(SlotSurface):
         self._forward = forward_pairs
         self._hits += len(requested) - len(misses)
         self._misses += len(misses)
+        self._last_copies = len(copies)
         self._prepare_calls += 1
         # Consumer steps read their pairs from ``forward_pairs``; prepare has none.
         return Plan(copies, bool(misses), self._resident_view, self._forward_view)

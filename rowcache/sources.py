@@ -55,19 +55,26 @@ class ExpertSources:
     optional but must be given together. All must live on the CPU and share the
     same number of experts E.
 
-    For a CUDA target every source must be pinned so that slot fills are
-    asynchronous. A source that is not pinned is pinned here, which makes one
-    pinned copy of it; only that copy is kept, so no second host copy lives in
-    the provider, but the caller's original stays alive as long as the caller
-    holds it. Pass tensors that are already pinned (``pin_memory()`` at load
-    time) to avoid the transient doubling of host memory.
+    Ownership (``share``): by default (``share=False``) the sources are copied here, once, into
+    host memory the provider owns: pinned for a CUDA target (so that slot fills are
+    asynchronous), plain for the CPU. A later in-place write to the caller's tensors then
+    changes nothing the provider serves. The provider holds exactly one host copy; the
+    caller's original stays alive as long as the caller holds it, so drop it after building
+    the provider (host memory peaks at two copies while the provider is built).
+
+    ``share=True`` keeps the caller's tensors themselves (no copy, no second host copy at any
+    time): for a CUDA target they must already be pinned (``pin_memory()`` at load time), and
+    it cannot be combined with ``layout="packed"``, which copies by construction. The caller
+    then owns the contents: an in-place write changes what a later miss copies, while slots
+    already resident keep the old bytes until their expert is evicted or invalidated (call
+    ``invalidate(e)`` after rewriting expert ``e``).
 
     ``layout="packed"`` (``rowcache.packing``) copies every source into one host buffer
     ``[E, P]`` (pinned for a CUDA target) holding each expert's tensors in one byte range, and
     keeps only that copy; the slot buffers then follow the same layout.
     """
 
-    __slots__ = ("_tensors", "device", "layout", "num_experts", "pack")
+    __slots__ = ("_tensors", "device", "layout", "num_experts", "pack", "shared")
 
     def __init__(
         self,
@@ -80,9 +87,19 @@ class ExpertSources:
         w2_scale_2: Tensor | None = None,
         device: torch.device | str,
         layout: Layout = "separate",
+        share: bool = False,
     ) -> None:
         target = torch.device(device)
         checked_layout = check_layout(layout)
+        if not isinstance(share, bool):
+            raise InvalidInputError(
+                f"share_sources must be a bool, got {share!r} ({type(share).__name__})"
+            )
+        if share and checked_layout == "packed":
+            raise InvalidInputError(
+                "share_sources=True cannot be combined with layout='packed': the packed layout "
+                "copies every source into one host buffer"
+            )
         raw: dict[str, object] = {
             "w13": w13,
             "w2": w2,
@@ -130,12 +147,24 @@ class ExpertSources:
                     view.copy_(source)
             given = dict(zip(SOURCE_NAMES, views, strict=True))
             self.pack = (offsets, size)
-        elif _needs_pinning(target):
-            given = {n: None if t is None else _pinned(t) for n, t in given.items()}
+        elif share:
+            if _needs_pinning(target):
+                unpinned = [n for n, t in present_items if not t.is_pinned()]
+                if unpinned:
+                    raise InvalidInputError(
+                        f"share_sources=True on {target} needs pinned sources, and "
+                        f"{', '.join(unpinned)} {'is' if len(unpinned) == 1 else 'are'} not "
+                        "pinned (pin_memory() them at load time, or let the provider copy them)"
+                    )
+        else:
+            own = _pinned_copy if _needs_pinning(target) else _host_copy
+            given = {n: None if t is None else own(t) for n, t in given.items()}
         self._tensors = given
         self.device = target
         self.layout: Layout = checked_layout
         self.num_experts = num_experts
+        self.shared = share
+        """Whether the sources are the caller's tensors (``share=True``) or the provider's copy."""
 
     @property
     def w13(self) -> Tensor:
@@ -170,6 +199,14 @@ class ExpertSources:
         return tuple(self._tensors[n] for n in SOURCE_NAMES)
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes one miss copies into a slot: one row of every present source (the whole
+        byte range, alignment padding included, when packed)."""
+        if self.pack is not None:
+            return self.pack[1]
+        return sum(_row_bytes(t) for t in self._tensors.values() if t is not None)
+
+    @property
     def host_bytes(self) -> int:
         """Bytes of host memory held by the sources (all experts, all six tensors, and the
         alignment padding of a packed layout)."""
@@ -192,8 +229,22 @@ def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:
     return sum(shared.values()) + unaddressed
 
 
-def _pinned(t: Tensor) -> Tensor:
-    return t if t.is_pinned() else t.pin_memory()
+def _row_bytes(t: Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
+def _host_copy(t: Tensor) -> Tensor:
+    """A contiguous copy of ``t`` in plain host memory."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _pinned_copy(t: Tensor) -> Tensor:
+    """A copy of ``t`` in pinned host memory, one allocation whether ``t`` is pinned or not."""
+    if not t.is_pinned():
+        return t.pin_memory()  # a pinned copy
+    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    copy.copy_(t)
+    return copy
 
 
 def validate_capacity(capacity: object, num_experts: int) -> int:

@@ -44,9 +44,11 @@ class SlotSurface:
         split: object,
         device: torch.device,
         layout: Layout = "separate",
+        share_sources: bool = False,
     ) -> None:
-        """Validate the split and the sources, allocate ``capacity`` slots on ``device`` in
-        ``layout`` (``rowcache.packing``)."""
+        """Validate the split and the sources (copied into host memory the provider owns
+        unless ``share_sources``: ``rowcache.sources.ExpertSources``), allocate ``capacity``
+        slots on ``device`` in ``layout`` (``rowcache.packing``)."""
         self._split = check_split(split)
         self._device = device
         self._sources = ExpertSources(
@@ -58,6 +60,7 @@ class SlotSurface:
             w2_scale_2=w2_scale_2,
             device=device,
             layout=layout,
+            share=share_sources,
         )
         self._slots = allocate_slot_buffers(self._sources, capacity, device)
         self._capacity = capacity
@@ -75,6 +78,12 @@ class SlotSurface:
     def layout(self) -> Layout:
         """How the slot buffers lie in memory: ``separate`` or ``packed`` (``rowcache.packing``)."""
         return self._sources.layout
+
+    @property
+    def share_sources(self) -> bool:
+        """Whether the host sources are the caller's tensors (``share_sources=True``) rather
+        than the provider's own copy."""
+        return self._sources.shared
 
     @property
     def num_experts(self) -> int:

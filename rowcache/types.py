@@ -29,7 +29,8 @@ class ExpertWeightResult:
 
     ``w1``/``w2`` (and the scales) are the provider's slot buffers themselves,
     indexed by slot, not by expert; ``expert_map`` translates a global expert id
-    to its slot and holds -1 for every expert this call did not request. The
+    to its slot and holds -1 for every expert this call did not request (a -1
+    entry of ``topk_ids`` is padding, not an expert: it is never mapped). The
     tensors are live buffers: they stay valid until the next host call on the
     provider, which may rewrite them.
     """
@@ -83,7 +84,8 @@ class ExpertWeightProvider(Protocol):
 
         Without ``unique_ids`` the requested set is the distinct values of
         ``topk_ids``; with it, exactly ``unique_ids`` (see
-        ``rowcache.validation.requested_experts``).
+        ``rowcache.validation.requested_experts``). In both, -1 is padding and
+        requests nothing.
         """
         ...
 
@@ -91,4 +93,8 @@ class ExpertWeightProvider(Protocol):
         """Forget ``expert_id``'s slot so its next use copies it again."""
         ...
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, int]:
+        """Counters, at least ``hits``, ``misses``, ``evictions``, ``resident``, ``capacity``,
+        ``prepare_calls``, and what the last ``prepare`` copied: ``last_copies`` (experts)
+        and ``last_copy_bytes`` (bytes; 0 for both before the first ``prepare``)."""
+        ...

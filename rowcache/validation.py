@@ -7,8 +7,8 @@ provider agrees on what a request means and on which requests are rejected.
 Semantics of ``unique_ids`` (shared by all providers):
 
 * ``None``: the request is the set of distinct values of ``topk_ids``.
-* given: the request is *exactly* ``unique_ids``: no duplicates, every id in
-  ``[0, E)``, and every id routed to by at least one entry of ``topk_ids``. It
+* given: the request is *exactly* ``unique_ids`` (its -1 entries dropped): no duplicates,
+  every id in ``[0, E)``, and every id routed to by at least one entry of ``topk_ids``. It
   need not cover ``topk_ids``: the expert split passes one group of the routed
   experts at a time, and the entries of ``topk_ids`` outside the group see -1 in
   the map. An id no token routes to is rejected rather than silently loaded,
@@ -16,8 +16,13 @@ Semantics of ``unique_ids`` (shared by all providers):
   slot (and possibly evict an expert that is needed).
 
 In both cases ``topk_ids`` itself is checked in full (integer, rank 2, every
-value in ``[0, E)``; -1 padding is rejected), because the consumer indexes the
-map with it. The request may hold at most ``capacity`` experts.
+value in ``[0, E)`` or ``-1``), because the consumer indexes the map with every
+value but -1. The request may hold at most ``capacity`` experts.
+
+``-1`` (``PADDING``) is padding, as in vLLM and the peer providers: in ``topk_ids`` or in
+``unique_ids`` it names no expert. It is not counted, not requested, not mapped (the
+consumer skips such entries, as vLLM's kernels do) and never an error; a routing of only
+-1 is a valid request for nothing. Every other negative id is rejected.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from torch import Tensor
 from rowcache.errors import InvalidInputError
 from rowcache.types import UniqueIds
 
-__all__ = ["check_topk_ids", "is_integer_dtype", "requested_experts"]
+__all__ = ["PADDING", "check_topk_ids", "is_integer_dtype", "requested_experts"]
+
+PADDING = -1
+"""The id of a ``topk_ids`` (or ``unique_ids``) entry that names no expert."""
 
 
 def is_integer_dtype(dtype: torch.dtype) -> bool:
@@ -105,8 +113,8 @@ def _unique_ids_list(unique_ids: object, op: str, device: torch.device | None) -
     return list(unique_ids)
 
 
-def _first_duplicate(ids: list[int]) -> int | None:
-    ordered = sorted(ids)
+def _first_duplicate(ordered: list[int]) -> int | None:
+    """The lowest id that ``ordered`` (ascending) holds more than once."""
     return next((a for a, b in pairwise(ordered) if a == b), None)
 
 
@@ -116,13 +124,31 @@ step (a few tokens times top-k) that costs a few microseconds, where ``torch.uni
 dispatch and sort cost tens."""
 
 
+def _without_padding(ids: list[int]) -> list[int]:
+    """``ids`` (ascending) without ``PADDING``; the list itself when it holds no negative."""
+    if ids and ids[0] < 0:
+        return [e for e in ids if e != PADDING]
+    return ids
+
+
 def _routed_experts(topk_ids: Tensor) -> list[int]:
-    """The distinct values of ``topk_ids`` (rank 2, checked), ascending."""
+    """The distinct values of ``topk_ids`` (rank 2, checked) but ``PADDING``, ascending."""
     if topk_ids.is_cpu and topk_ids.numel() <= SMALL_ROUTING:
         # The nested list flattened in Python: a reshape's dispatch costs more than the loop.
-        return sorted({expert for row in topk_ids.tolist() for expert in row})
-    routed: list[int] = torch.unique(topk_ids).tolist()
-    return routed
+        routed = sorted({expert for row in topk_ids.tolist() for expert in row})
+    else:
+        routed = torch.unique(topk_ids).tolist()
+    return _without_padding(routed)
+
+
+def _out_of_range(ids: list[int], num_experts: int) -> int | None:
+    """An id of ``ids`` (ascending, padding dropped) outside ``[0, num_experts)``: the lowest
+    when one is negative, else the highest; None when all are inside."""
+    if ids and ids[0] < 0:
+        return ids[0]
+    if ids and ids[-1] >= num_experts:
+        return ids[-1]
+    return None
 
 
 def requested_experts(
@@ -144,23 +170,23 @@ def requested_experts(
     """
     check_topk_ids(topk_ids, op, device)
     routed = _routed_experts(topk_ids)
-    if routed and (routed[0] < 0 or routed[-1] >= num_experts):
-        value = routed[0] if routed[0] < 0 else routed[-1]
+    value = _out_of_range(routed, num_experts)
+    if value is not None:
         raise InvalidInputError(
-            f"{op}: topk_ids holds expert id {value}, outside [0, {num_experts})"
+            f"{op}: topk_ids holds expert id {value}, outside [0, {num_experts}) "
+            f"({PADDING} is padding)"
         )
 
     if unique_ids is None:
         requested = routed
     else:
-        ids = _unique_ids_list(unique_ids, op, device)
-        if ids:
-            low, high = min(ids), max(ids)
-            if low < 0 or high >= num_experts:
-                value = low if low < 0 else high
-                raise InvalidInputError(
-                    f"{op}: unique_ids holds expert id {value}, outside [0, {num_experts})"
-                )
+        ids = _without_padding(sorted(_unique_ids_list(unique_ids, op, device)))
+        value = _out_of_range(ids, num_experts)
+        if value is not None:
+            raise InvalidInputError(
+                f"{op}: unique_ids holds expert id {value}, outside [0, {num_experts}) "
+                f"({PADDING} is padding)"
+            )
         duplicate = _first_duplicate(ids)
         if duplicate is not None:
             raise InvalidInputError(f"{op}: unique_ids names expert {duplicate} more than once")
@@ -170,7 +196,7 @@ def requested_experts(
                 f"{op}: unique_ids names expert {min(unrouted)}, which no entry of "
                 "topk_ids routes to (unique_ids must be a subset of topk_ids' experts)"
             )
-        requested = sorted(ids)
+        requested = ids
 
     if len(requested) > capacity:
         raise InvalidInputError(

@@ -4,8 +4,8 @@ Both paths compute every token row with the same sequence of operations (one
 SiLU-gated MLP per routed expert, summed in the routing order, then the shared
 expert), so a provider that puts the right expert's bytes in the right slot
 gives bit-identical rows; only the expert split, which sums partial outputs in
-float32, may differ by rounding. Weights are unquantized: the scale buffers are
-not read.
+float32, may differ by rounding. A -1 in ``topk_ids`` is padding: both paths
+skip it. Weights are unquantized: the scale buffers are not read.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from rowcache.forward import RunFn, run_with_expert_cache
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
+from rowcache.validation import PADDING
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ def _moe_rows(
         row = x[token : token + 1]
         acc = x.new_zeros((1, x.shape[1]))
         for j, expert in enumerate(experts):
+            if expert == PADDING:  # no expert: contributes nothing, never looked up
+                continue
             weights = lookup(expert)
             if weights is None:
                 continue
@@ -166,6 +169,8 @@ def term_magnitude(layer: MoELayer, x: Tensor, topk_ids: Tensor, topk_weights: T
         row = x32[token : token + 1]
         acc = torch.zeros(x.shape[1])
         for j, e in enumerate(experts):
+            if e == PADDING:
+                continue
             term = topk_weights[token, j].float() * _mlp(
                 row, layer.w13[e].float(), layer.w2[e].float()
             )

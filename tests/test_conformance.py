@@ -144,9 +144,12 @@ class Conformance(RuleBasedStateMachine):
 
     # -- provider calls ----------------------------------------------------
 
-    @rule(ids=ID_LISTS, stream=st.integers(0, STREAMS - 1), form=st.integers(0, 2), data=st.data())
+    @rule(ids=ID_LISTS, stream=st.integers(0, STREAMS - 1), form=st.integers(0, 3), data=st.data())
     def prepare(self, ids: list[int], stream: int, form: int, data: st.DataObject) -> None:
-        """form 0: one row per id; 1: one wide row; 2: unique_ids, topk_ids with extra ids."""
+        """form 0: one row per id; 1: one wide row; 2: unique_ids, topk_ids with extra ids
+        (and -1 padding in both); 3: rows padded with -1 and a row of only padding.
+
+        -1 is padding: the model is given the requested experts without it."""
         if len(ids) > self.capacity:
             ids = ids[: self.capacity]
         unique: list[int] | None = None
@@ -154,10 +157,13 @@ class Conformance(RuleBasedStateMachine):
             topk = torch.tensor([[e] for e in ids], dtype=torch.int64).view(len(ids), 1)
         elif form == 1:
             topk = torch.tensor([ids], dtype=torch.int64).view(1 if ids else 0, len(ids))
-        else:
-            extra = data.draw(st.lists(st.integers(0, E - 1), max_size=3), label="extra")
+        elif form == 2:
+            extra = data.draw(st.lists(st.integers(-1, E - 1), max_size=3), label="extra")
             topk = torch.tensor([ids + extra or [0]], dtype=torch.int64)
-            unique = data.draw(st.permutations(ids), label="unique order")
+            padded = data.draw(st.lists(st.just(-1), max_size=2), label="padding") + ids
+            unique = data.draw(st.permutations(padded), label="unique order")
+        else:
+            topk = torch.tensor([*([e, -1] for e in ids), [-1, -1]], dtype=torch.int64)
         self.backend.current = stream
         result = self.provider.prepare(topk, unique)
         expected = self.model("prepare", (tuple(sorted(ids)),), stream)
@@ -182,7 +188,8 @@ class Conformance(RuleBasedStateMachine):
                 (tuple(range(cap + 1)),),
             ),
             (lambda: self.provider.prepare(torch.tensor([[0, E]])), "prepare", ((0, E),)),
-            (lambda: self.provider.prepare(torch.tensor([[-1]])), "prepare", ((-1,),)),
+            # -1 is padding, -2 is out of range (padding beside it hides nothing)
+            (lambda: self.provider.prepare(torch.tensor([[-1, -2]])), "prepare", ((-2,),)),
             (
                 lambda: self.provider.prepare(torch.tensor([[0]]), unique_ids=[0, 0]),
                 "prepare",

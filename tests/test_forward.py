@@ -123,7 +123,8 @@ class RecordingProvider:
     ) -> ExpertWeightResult:
         group = None if unique_ids is None else list(unique_ids)
         self.calls.append((topk_ids, group))
-        requested = group if group is not None else sorted(set(topk_ids.flatten().tolist()))
+        routed = set(topk_ids.flatten().tolist()) - {-1}  # -1 is padding
+        requested = group if group is not None else sorted(routed)
         expert_map = torch.full((E,), -1, dtype=torch.int32)
         expert_map[requested] = torch.arange(len(requested), dtype=torch.int32)
         return ExpertWeightResult(self.buf_w13, self.buf_w2, expert_map)
@@ -242,6 +243,43 @@ def test_wrong_output_rows_rejected(split: str) -> None:
     rows = "0:1, expected a first dimension of 1" if split == "token" else "0:5, expected"
     with pytest.raises(RowCacheError, match=re.escape(f"for rows {rows}")):
         run_with_expert_cache(provider, ROUTING, run)
+
+
+PADDED = topk([0, -1], [-1, -1], [1, 2], [-1, 3], [3, -1])
+
+
+def test_token_split_does_not_count_padding() -> None:
+    provider = RecordingProvider("token", capacity=2)
+    seen: list[slice] = []
+
+    def run(weights: ExpertWeightResult, rows: slice, include_shared: bool) -> torch.Tensor:
+        seen.append(rows)
+        return torch.zeros(rows.stop - rows.start, 1)
+
+    run_with_expert_cache(provider, PADDED, run)
+    # {0} + padding + {1, 2} would be 3 experts: the cut falls before row 2, and the padding
+    # rows join the chunks around them.
+    assert seen == [slice(0, 2), slice(2, 3), slice(3, 5)]
+    assert [sorted(set(t.flatten().tolist()) - {-1}) for t, _ in provider.calls] == [
+        [0],
+        [1, 2],
+        [3],
+    ]
+
+
+def test_expert_split_groups_hold_no_padding() -> None:
+    provider = RecordingProvider("expert", capacity=2)
+    run_with_expert_cache(provider, PADDED, lambda w, rows, shared: torch.zeros(5, 1))
+    assert [g for _, g in provider.calls] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("split", ["token", "expert"])
+def test_a_routing_of_only_padding_runs_once(split: str) -> None:
+    provider = RecordingProvider(split, capacity=1)
+    padding = torch.full((3, 2), -1, dtype=torch.int64)
+    out = run_with_expert_cache(provider, padding, lambda w, rows, shared: torch.ones(3, 1))
+    assert torch.equal(out, torch.ones(3, 1))
+    assert len(provider.calls) == 1 and provider.calls[0] == (padding, None)
 
 
 def test_unknown_split_rejected() -> None:

@@ -46,6 +46,26 @@ def test_row_wider_than_capacity_named() -> None:
         plan_chunks(topk, 1)
 
 
+def test_padding_is_not_counted_by_chunks() -> None:
+    topk = ids([0, -1], [-1, -1], [1, -1], [-1, 2])
+    assert plan_chunks(topk, 3) == [(0, 4)]
+    # One slot: every row fits (padding takes none), and a row of only padding joins its chunk.
+    assert plan_chunks(topk, 1) == [(0, 2), (2, 3), (3, 4)]
+    assert plan_chunks(ids([-1, -1], [-1, -1], [-1, -1]), 1) == [(0, 3)]
+
+
+def test_padding_is_not_grouped() -> None:
+    assert plan_expert_groups(ids([7, -1], [-1, 1]), 1) == [[1], [7]]
+    assert plan_expert_groups(ids([-1, -1], [-1, -1]), 1) == []
+
+
+def test_planning_counts_other_negative_ids() -> None:
+    # Only -1 is padding; planning does not range-check, prepare rejects -2 for every piece.
+    with pytest.raises(InvalidInputError, match="token row 0 routes to 2 distinct experts"):
+        plan_chunks(ids([-2, 0], [0, 0]), 1)
+    assert plan_expert_groups(ids([-2, 0]), 1) == [[-2], [0]]
+
+
 def test_expert_groups_example() -> None:
     topk = ids([7, 1], [3, 1], [0, 9])
     assert plan_expert_groups(topk, 2) == [[0, 1], [3, 7], [9]]
@@ -82,7 +102,8 @@ def routings(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
     capacity = draw(st.integers(top_k, NUM_EXPERTS))
     rows = draw(
         st.lists(
-            st.lists(st.integers(0, NUM_EXPERTS - 1), min_size=top_k, max_size=top_k),
+            # -1 is padding
+            st.lists(st.integers(-1, NUM_EXPERTS - 1), min_size=top_k, max_size=top_k),
             max_size=24,
         )
     )
@@ -90,8 +111,15 @@ def routings(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
     return topk, capacity
 
 
+def experts(rows: object) -> set[int]:
+    """The experts of a tensor of ids or of a row (a list), padding (-1) dropped."""
+    values = rows.flatten().tolist() if isinstance(rows, torch.Tensor) else rows
+    assert isinstance(values, list)
+    return set(values) - {-1}
+
+
 def distinct(topk: torch.Tensor, start: int, stop: int) -> int:
-    return len(set(topk[start:stop].flatten().tolist()))
+    return len(experts(topk[start:stop]))
 
 
 @settings(max_examples=200, deadline=None)
@@ -117,7 +145,7 @@ def test_row_wider_than_capacity_always_rejected(case: tuple[torch.Tensor, int])
     topk, _ = case
     if topk.shape[0] == 0:
         return
-    widest = max(len(set(row)) for row in topk.tolist())
+    widest = max(len(experts(row)) for row in topk.tolist())
     if widest > 1:
         with pytest.raises(InvalidInputError, match="distinct experts but capacity is"):
             plan_chunks(topk, widest - 1)
@@ -129,7 +157,7 @@ def test_groups_partition_sorted_experts(case: tuple[torch.Tensor, int]) -> None
     topk, capacity = case
     groups = plan_expert_groups(topk, capacity)
     flat = [e for group in groups for e in group]
-    assert flat == sorted(set(topk.flatten().tolist()))
+    assert flat == sorted(experts(topk))
     assert all(len(group) == capacity for group in groups[:-1])
     assert all(0 < len(group) <= capacity for group in groups)
 
@@ -142,10 +170,10 @@ def reference_chunks(rows: list[list[int]], capacity: int) -> list[tuple[int, in
     chunks: list[tuple[int, int]] = []
     start, seen = 0, set[int]()
     for index, row in enumerate(rows):
-        if len(seen | set(row)) > capacity:
+        if len(seen | experts(row)) > capacity:
             chunks.append((start, index))
             start, seen = index, set()
-        seen |= set(row)
+        seen |= experts(row)
     return [*chunks, (start, len(rows))] if rows else []
 
 
@@ -154,13 +182,14 @@ def reference_chunks(rows: list[list[int]], capacity: int) -> list[tuple[int, in
 def test_small_and_large_routings_plan_alike(entries: int, dtype: torch.dtype) -> None:
     # Below SMALL_ROUTING a CPU routing is reduced with a Python set, above it with
     # torch.unique; both must give the plans the definition gives.
-    top_k, experts = 8, 64
+    top_k, num = 8, 64
     generator = torch.Generator().manual_seed(entries)
-    topk = torch.randint(0, experts, (entries // top_k, top_k), generator=generator, dtype=dtype)
+    topk = torch.randint(0, num, (entries // top_k, top_k), generator=generator, dtype=dtype)
+    topk[::7, 0] = -1  # padding
     rows = topk.tolist()
-    for capacity in (top_k, 20, experts):
+    for capacity in (top_k, 20, num):
         assert plan_chunks(topk, capacity) == reference_chunks(rows, capacity)
-        distinct = sorted({e for row in rows for e in row})
+        distinct = sorted({e for row in rows for e in row} - {-1})
         groups = [distinct[i : i + capacity] for i in range(0, len(distinct), capacity)]
         assert plan_expert_groups(topk, capacity) == groups
     # A non-contiguous view plans as its contiguous copy.

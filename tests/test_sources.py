@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -38,12 +39,47 @@ def rejected(match: str) -> pytest.RaisesExc[InvalidInputError]:
     return pytest.raises(InvalidInputError, match=re.escape(match))
 
 
-def test_all_six_kept_in_order_without_copies() -> None:
+def test_all_six_copied_in_order_by_default() -> None:
     given = six()
     sources = build(given)
-    assert sources.num_experts == E
+    assert sources.num_experts == E and not sources.shared
+    for name, kept in zip(SOURCE_NAMES, sources.tensors(), strict=True):
+        assert kept is not None and kept.is_contiguous(), name
+        assert kept.untyped_storage().data_ptr() != given[name].untyped_storage().data_ptr()
+        assert torch.equal(kept, given[name]), name
+    given["w13"].fill_(5.0)  # the caller's write reaches no copy
+    assert not torch.equal(sources.w13, given["w13"])
+    assert sources.host_bytes == sum(t.nbytes for t in given.values())
+
+
+def test_a_non_contiguous_source_is_copied_contiguous() -> None:
+    given = six()
+    given["w13"] = torch.randn(4, 6, E).permute(2, 1, 0)
+    sources = build(given)
+    assert sources.w13.is_contiguous() and torch.equal(sources.w13, given["w13"])
+
+
+def test_shared_sources_are_the_callers_tensors() -> None:
+    given = six()
+    sources = ExpertSources(**given, device=CPU, share=True)
+    assert sources.shared
     assert all(s is given[n] for s, n in zip(sources.tensors(), SOURCE_NAMES, strict=True))
-    assert sources.w13 is given["w13"] and sources.w2_scale_2 is given["w2_scale_2"]
+
+
+def test_share_is_checked() -> None:
+    with rejected("share_sources must be a bool, got 1 (int)"):
+        ExpertSources(**six(), device=CPU, share=1)  # type: ignore[arg-type]
+    with rejected("share_sources=True cannot be combined with layout='packed'"):
+        ExpertSources(**six(), device=CPU, layout="packed", share=True)
+
+
+def test_expert_bytes_is_one_row_of_every_source() -> None:
+    given = six()
+    assert build(given).expert_bytes == sum(t[0].nbytes for t in given.values())
+    two = ExpertSources(given["w13"], given["w2"], device=CPU)
+    assert two.expert_bytes == given["w13"][0].nbytes + given["w2"][0].nbytes
+    packed = ExpertSources(**given, device=CPU, layout="packed")
+    assert packed.pack is not None and packed.expert_bytes == packed.pack[1]
 
 
 def test_optional_sources_absent() -> None:
@@ -119,21 +155,50 @@ class FakePinning:
             fake.pinned.add(copy.data_ptr())
             return copy
 
+        real_empty = torch.empty
+
+        def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            t = real_empty(*args, **kwargs)
+            if pin_memory:
+                fake.pin_calls += 1
+                fake.pinned.add(t.data_ptr())
+            return t
+
         monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch, "empty", empty)
 
 
-def test_cuda_target_pins_only_unpinned_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_target_copies_every_source_into_pinned_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fake = FakePinning(monkeypatch)
     given = six()
-    fake.pinned.add(given["w13"].data_ptr())
+    fake.pinned.add(given["w13"].data_ptr())  # already pinned: copied all the same
     sources = build(given, device="cuda")
-    assert fake.pin_calls == len(given) - 1
-    assert sources.w13 is given["w13"]
+    assert fake.pin_calls == len(given)  # one pinned allocation each
     for name, kept in zip(SOURCE_NAMES, sources.tensors(), strict=True):
         assert kept is not None and kept.is_pinned(), name
+        assert kept.data_ptr() != given[name].data_ptr(), name
         assert torch.equal(kept, given[name])
-    assert sources.w2 is not given["w2"]
+
+
+def test_cuda_target_shares_pinned_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakePinning(monkeypatch)
+    given = six()
+    fake.pinned.update(t.data_ptr() for t in given.values())
+    sources = ExpertSources(**given, device="cuda", share=True)
+    assert fake.pin_calls == 0
+    assert all(s is given[n] for s, n in zip(sources.tensors(), SOURCE_NAMES, strict=True))
+
+
+def test_cuda_target_does_not_share_unpinned_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakePinning(monkeypatch)
+    given = six()
+    fake.pinned.update(t.data_ptr() for n, t in given.items() if n not in ("w2", "w2_scale_2"))
+    with rejected("share_sources=True on cuda needs pinned sources, and w2, w2_scale_2 are not"):
+        ExpertSources(**given, device="cuda", share=True)
+    assert fake.pin_calls == 0
 
 
 def test_cpu_target_never_pins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rowcache.errors import InvalidInputError, RowCacheError
-from rowcache.validation import check_topk_ids, is_integer_dtype, requested_experts
+from rowcache.validation import SMALL_ROUTING, check_topk_ids, is_integer_dtype, requested_experts
 
 E = 8
 
@@ -59,10 +59,50 @@ def test_non_tensor_rejected() -> None:
         requested_experts([[1, 2]], None, E, 4)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [-1, -7, E, E + 3])
+@pytest.mark.parametrize("value", [-2, -7, E, E + 3])
 def test_out_of_range_id_rejected(value: int) -> None:
-    with rejected(f"prepare: topk_ids holds expert id {value}, outside [0, {E})"):
+    with rejected(f"prepare: topk_ids holds expert id {value}, outside [0, {E}) (-1 is padding)"):
         requested_experts(ids([0, value]), None, E, 4)
+
+
+# -- -1 is padding -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
+def test_padding_is_not_an_expert_and_not_counted(dtype: torch.dtype) -> None:
+    # Two experts and padding fit two slots: -1 takes none.
+    assert requested_experts(ids([5, -1], [-1, 1], dtype=dtype), None, E, 2) == [1, 5]
+
+
+def test_a_routing_of_only_padding_requests_nothing() -> None:
+    assert requested_experts(ids([-1, -1], [-1, -1]), None, E, 1) == []
+
+
+def test_padding_beside_a_bad_id_does_not_hide_it() -> None:
+    with rejected(f"prepare: topk_ids holds expert id -3, outside [0, {E})"):
+        requested_experts(ids([-1, -3], [-1, 2]), None, E, 4)
+
+
+@pytest.mark.parametrize("unique", [[-1, 5, -1], torch.tensor([5, -1]), (-1, 5)])
+def test_padding_in_unique_ids_is_dropped(unique: list[int] | torch.Tensor) -> None:
+    assert requested_experts(ids([1, 5, -1]), unique, E, 1) == [5]
+
+
+def test_unique_ids_of_only_padding_requests_nothing() -> None:
+    assert requested_experts(ids([1, 5]), [-1, -1], E, 1) == []
+
+
+@pytest.mark.parametrize("entries", [SMALL_ROUTING - 8, SMALL_ROUTING + 8])
+def test_padding_is_dropped_on_both_reductions(entries: int) -> None:
+    # Below SMALL_ROUTING a CPU routing is reduced with a Python set, above it with torch.unique.
+    topk = torch.arange(entries, dtype=torch.int64).remainder(E).view(-1, 4)
+    topk[::3, 1] = -1
+    assert requested_experts(topk, None, E, E) == list(range(E))
+    topk[topk >= 2] = -1
+    assert requested_experts(topk, None, E, 2) == [0, 1]
+    topk[0, 0] = -5
+    with rejected(f"topk_ids holds expert id -5, outside [0, {E})"):
+        requested_experts(topk, None, E, E)
 
 
 def test_too_many_experts_names_count_and_capacity() -> None:
@@ -111,9 +151,9 @@ def test_unique_ids_duplicate_named() -> None:
         requested_experts(ids([1, 3]), [3, 1, 3], E, 4)
 
 
-@pytest.mark.parametrize("value", [-1, E])
+@pytest.mark.parametrize("value", [-2, E])
 def test_unique_ids_out_of_range_named(value: int) -> None:
-    with rejected(f"prepare: unique_ids holds expert id {value}, outside [0, {E})"):
+    with rejected(f"prepare: unique_ids holds expert id {value}, outside [0, {E}) (-1 is"):
         requested_experts(ids([1]), [1, value], E, 4)
 
 
@@ -158,16 +198,17 @@ def test_is_integer_dtype() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.lists(
-        st.lists(st.integers(0, E - 1), min_size=1, max_size=3), min_size=1, max_size=6
+        st.lists(st.integers(-1, E - 1), min_size=1, max_size=3), min_size=1, max_size=6
     ).filter(lambda r: len({len(x) for x in r}) == 1),
     capacity=st.integers(1, E),
 )
 def test_matches_set_semantics(rows: list[list[int]], capacity: int) -> None:
-    expected = sorted({e for row in rows for e in row})
+    expected = sorted({e for row in rows for e in row} - {-1})  # -1 is padding
     topk = torch.tensor(rows)
     if len(expected) <= capacity:
         assert requested_experts(topk, None, E, capacity) == expected
         assert requested_experts(topk, expected[::-1], E, capacity) == expected
+        assert requested_experts(topk, [-1, *expected, -1], E, capacity) == expected
     else:
         with pytest.raises(InvalidInputError, match="unique experts requested"):
             requested_experts(topk, None, E, capacity)
