@@ -1,38 +1,42 @@
-"""Pure helpers of tools/vllm/e2e.py (the GPU script itself needs vLLM and a GPU).
+"""The parts of tools/vllm/e2e.py that run without vLLM or a GPU (``tools/vllm/harness``).
 
 A stand-in MoE method with the plugin's call structure (apply -> Tensor.cpu ->
 run_with_expert_cache -> plan_chunks, prepare -> kernel apply -> _stable_output) checks that the
 profile breakdown finds every part under cProfile and under the timers, and that the timers
-leave every patched attribute as it was.
+leave every patched attribute as it was. The typed engine specs are checked for what the
+phases pick, what each engine passes to vLLM, and the references the summary compares with.
 """
 
 from __future__ import annotations
 
 import cProfile
-import importlib.util
+import dataclasses
 import json
 import pstats
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from rowcache.forward import run_with_expert_cache
+from tools.vllm.harness import (
+    checkpoints,
+    child,
+    engines,
+    orchestrate,
+    phases,
+    profiling,
+    records,
+    reruns,
+    summary,
+)
+from tools.vllm.harness.engines import MP_ENGINE
+from tools.vllm.harness.specs import EngineSpec, Job, Knob, Mode, Provider, Split
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_e2e() -> Any:
-    spec = importlib.util.spec_from_file_location("rowcache_e2e", ROOT / "tools/vllm/e2e.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-e2e = _load_e2e()
 
 
 class FakeKernel:
@@ -76,7 +80,9 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_cprofile_breakdown_finds_every_part() -> None:
     method = FakeMethod()
-    keys = {label: e2e._code_key(fn) for label, fn in e2e._profile_functions(method).items()}
+    keys = {
+        label: profiling.code_key(fn) for label, fn in profiling.profile_functions(method).items()
+    }
     assert set(keys) >= {"apply", "stable", "run_with_expert_cache", "plan", "prepare", "kernel"}
     x, ids = _inputs()
     prof = cProfile.Profile()
@@ -86,17 +92,17 @@ def test_cprofile_breakdown_finds_every_part() -> None:
     torch.zeros(3).cpu()  # a Tensor.cpu outside apply: in d2h_any only
     prof.disable()
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    parts = e2e._breakdown(stats, keys)
+    parts = profiling.breakdown(stats, keys)
     for label in ("apply", "stable", "run_with_expert_cache", "plan", "prepare", "kernel", "d2h"):
         assert parts[label]["calls"] == 5, (label, parts[label])
     assert parts["d2h_any"]["calls"] == 6
     assert parts["parent_apply"]["calls"] == 0
-    per = e2e._per_forward(parts)
+    per = profiling.per_forward(parts)
     assert per is not None and per["forwards"] == 5
     assert per["apply"] >= per["run_with_expert_cache"] >= per["prepare"]
-    line = e2e._forward_line(per)
+    line = profiling.forward_line(per)
     assert line.startswith("apply ") and ", of which d2h " in line and "5 forwards" in line
-    callees = [name for name, _calls, _cum in e2e._callees(stats, keys["apply"])]
+    callees = [name for name, _calls, _cum in profiling.callees(stats, keys["apply"])]
     assert any("run_with_expert_cache" in name for name in callees)
     assert any("'cpu'" in name for name in callees)
 
@@ -113,7 +119,7 @@ def test_timers_count_the_parts_and_restore_everything() -> None:
     import rowcache.forward as forward
 
     plan = forward.plan_chunks
-    targets = e2e._timer_targets(method)
+    targets = profiling.timer_targets(method)
     assert {label for _owner, _attr, label in targets} == {
         "apply",
         "d2h",
@@ -124,7 +130,7 @@ def test_timers_count_the_parts_and_restore_everything() -> None:
         "kernel",
     }
     x, ids = _inputs()
-    with e2e._Timers(targets) as timers:
+    with profiling.Timers(targets) as timers:
         for _ in range(3):
             method.apply(x, ids)
         torch.zeros(3).cpu()  # outside apply: not timed
@@ -137,7 +143,7 @@ def test_timers_count_the_parts_and_restore_everything() -> None:
     assert FakeKernel.__dict__["apply"] is before["kernel"]
     assert forward.plan_chunks is plan
     assert "cpu" not in vars(torch.Tensor)
-    per = e2e._per_forward(timers.parts)
+    per = profiling.per_forward(timers.parts)
     assert per is not None and per["forwards"] == 3 and per["other"] is not None
 
 
@@ -158,8 +164,8 @@ def test_summary_and_merge(tmp_path: Path) -> None:
         "meta": {"phases": ["tiny", "mp"], "gpu": "H200"},
         "results": {
             "tiny.eager.none": _engine("tiny.eager.none", [[1, 2, 3]]),
-            e2e.MP_ENGINE: _engine(
-                e2e.MP_ENGINE,
+            MP_ENGINE: _engine(
+                MP_ENGINE,
                 [[1, 2, 4]],
                 cache=cache,
                 client_pid=10,
@@ -180,7 +186,7 @@ def test_summary_and_merge(tmp_path: Path) -> None:
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(data))
         paths.append(str(path))
-    assert e2e.merge(paths, str(tmp_path / "merged")) == 0
+    assert orchestrate.merge(paths, str(tmp_path / "merged")) == 0
     summary = (tmp_path / "merged" / "summary.txt").read_text()
     assert "engine core in its own process (pid 11, client 10)" in summary
     assert "first divergence prompt 0 token 2 (3 vs 4)" in summary
@@ -190,7 +196,7 @@ def test_summary_and_merge(tmp_path: Path) -> None:
     merged = json.loads((tmp_path / "merged" / "results.json").read_text())
     assert set(merged["results"]) == {
         "tiny.eager.none",
-        e2e.MP_ENGINE,
+        MP_ENGINE,
         "qwen8.b.eager_moe",
         "qwen8.c.row128",
     }
@@ -234,10 +240,9 @@ def test_profile_writes_the_report(tmp_path: Path, monkeypatch: Any) -> None:
     fake_vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     out = tmp_path / "profile_qwen8.c.row128.txt"
-    spec = {"name": "qwen8.c.row128", "profile_out": str(out)}
-    report = e2e._profile(_FakeLLM(), spec, [{"prompt_token_ids": [1]}])
+    report = profiling.profile(_FakeLLM(), "qwen8.c.row128", out, [{"prompt_token_ids": [1]}])
     assert "timers_error" not in report and "cprofile_error" not in report, report
-    forwards = 2 * e2e.PROFILE_TOKENS
+    forwards = 2 * profiling.PROFILE_TOKENS
     for source in ("timers", "cprofile"):
         per = report[f"{source}_per_forward"]
         assert per["forwards"] == forwards, (source, per)
@@ -248,3 +253,190 @@ def test_profile_writes_the_report(tmp_path: Path, monkeypatch: Any) -> None:
     assert "cProfile: what apply calls" in text
     assert out.with_suffix(".pstats").exists()
     json.dumps(report)  # goes into results.json
+
+
+def _all_engines() -> dict[str, list[EngineSpec]]:
+    """Every phase's engines (``mp`` with and without its own reference)."""
+    out = {phase.name: phase.engines({}) for phase in phases.PHASES}
+    out["mp.with_tiny"] = engines.mp(with_reference=False)
+    return out
+
+
+def test_specs_round_trip_through_json() -> None:
+    for name, specs in _all_engines().items():
+        names = [s.name for s in specs]
+        assert len(names) == len(set(names)), name
+        for spec in specs:
+            text = json.dumps(spec.to_json())
+            assert EngineSpec.from_json(json.loads(text)) == spec, spec.name
+            job = Job(spec, "/m", "/b", 30.0, profile_out=None)
+            assert Job.from_json(json.loads(json.dumps(job.to_json()))) == job
+
+
+def test_phases_pick_engines_by_their_attributes() -> None:
+    split = reruns.split()
+    assert [s.name for s in split] == [
+        "tiny.piecewise.eager_moe",
+        "tiny.piecewise.cached.token",
+        "tiny.piecewise.row.token",
+        "tiny.piecewise.row.expert",
+    ]
+    assert all(s.mode is Mode.DEFAULT and not s.debug_checks for s in split)
+    assert [s.name for s in reruns.qwen8seq()] == ["qwen8seq.b.eager_moe", "qwen8seq.c.row128"]
+    assert [s.name for s in reruns.rerun()] == [
+        "tiny.piecewise.eager_moe",
+        "tiny.piecewise.eager_moe.idmap",
+        "qwen8.b.eager_moe",
+        "qwen8.b.eager_moe.idmap",
+        "qwen8.c.row128",
+        "qwen8.d.cached32",
+        "qwen8.d.row32",
+    ]
+    assert [s.name for s in reruns.rerun() if s.identity_expert_map] == [
+        "tiny.piecewise.eager_moe.idmap",
+        "qwen8.b.eager_moe.idmap",
+    ]
+    # Only the qwen8 phase profiles (with --profile): (b) and (c).
+    profiled = [s.name for specs in _all_engines().values() for s in specs if s.profiled]
+    assert profiled == ["qwen8.b.eager_moe", "qwen8.c.cached128", "qwen8.c.row128"]
+    assert [p.name for p in phases.select(["story", "tiny", "rerun"])] == [
+        "rerun",
+        "tiny",
+        "story",
+    ]
+    with pytest.raises(SystemExit, match="unknown phases"):
+        phases.select(["tiny", "qwen9"])
+    assert [c.directory for c in phases.select(["rerun"])[0].checkpoints()] == [
+        "tiny-moe",
+        "qwen8",
+    ]
+    assert engines.QWEN24.builder_args() == ["--qwen3-30b-a3b", "--layers", "24"]
+    assert engines.TINY.builder_args() == []
+
+
+def _spec(name: str) -> EngineSpec:
+    return next(s for specs in _all_engines().values() for s in specs if s.name == name)
+
+
+def test_engine_kwargs() -> None:
+    tiny = child.engine_kwargs(_spec("tiny.eager.row.expert"), "/w/tiny-moe")
+    assert tiny == {
+        "model": "/w/tiny-moe",
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": 512,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 512,
+        "kv_cache_memory_bytes": 1 << 30,
+        "gpu_memory_utilization": 0.02,
+        "enforce_eager": True,
+        "additional_config": {
+            "rowcache": {
+                "moe_expert_cache_size": 6,
+                "moe_expert_cache_provider": "row",
+                "moe_expert_cache_split": "expert",
+            }
+        },
+    }
+    c = child.engine_kwargs(_spec("qwen8.c.row128"), "/w/qwen8")
+    assert c["compilation_config"] == {"cudagraph_capture_sizes": [1, 2]}
+    assert c["kv_cache_memory_bytes"] == 2 << 30 and c["max_num_seqs"] == 1
+    assert c["additional_config"] == {
+        "rowcache": {"moe_expert_cache_size": 128, "moe_expert_cache_provider": "row"}
+    }
+    b = child.engine_kwargs(_spec("qwen8.b.eager_moe"), "/w/qwen8")
+    assert b["additional_config"] == {"rowcache": {"moe_eager_between_graphs": True}}
+    piecewise = child.engine_kwargs(_spec("tiny.piecewise.none"), "/w/tiny-moe")
+    assert piecewise["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2, 4],
+        "cudagraph_mode": "PIECEWISE",
+    }
+    assert "additional_config" not in piecewise
+    story = child.engine_kwargs(_spec("story.none"), "/w/qwen24")
+    assert story["gpu_memory_utilization"] == 0.10 and "kv_cache_memory_bytes" not in story
+    assert _spec(MP_ENGINE).env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    assert _spec("tiny.debug.naive").env() == {"VLLM_LOGGING_LEVEL": "DEBUG"}
+    knob = Knob(size=6, provider=Provider.CACHED, split=Split.TOKEN)
+    assert knob.caches and not Knob(eager_between_graphs=True).caches
+
+
+def test_references_are_the_recorded_runs() -> None:
+    """Each engine's ``compare_with`` picks what the summaries of the recorded runs compared it
+    with (``records``: by name), alone and next to the other phases' engines."""
+    groups = [
+        ["tiny"],
+        ["split"],
+        ["mp"],
+        ["tiny", "mp.with_tiny"],
+        ["tiny", "split"],
+        ["qwen8"],
+        ["qwen8seq"],
+        ["rerun"],
+        ["rerun", "tiny", "qwen8"],
+        ["story"],
+    ]
+    every = _all_engines()
+    for group in groups:
+        specs = [s for name in group for s in every[name]]
+        recorded = {s.name: {"ok": True, "spec": s.to_json()} for s in specs}
+        by_name = {s.name: {"ok": True} for s in specs}
+        for s in specs:
+            assert s.compare_with == records.compare_with(s.name), s.name
+            ref = summary.reference(s.name, recorded)
+            assert ref == summary.reference(s.name, by_name), (group, s.name)
+    results = {s.name: {"ok": True, "spec": s.to_json()} for s in reruns.rerun()}
+    assert summary.reference("qwen8.c.row128", results) == "qwen8.b.eager_moe.idmap"
+    assert summary.reference("tiny.piecewise.eager_moe", results) == (
+        "tiny.piecewise.eager_moe.idmap"
+    )
+    results = {s.name: {"ok": True} for s in reruns.split()}
+    assert summary.reference("tiny.piecewise.eager_moe", results) == "tiny.piecewise.eager_moe"
+    # A reference that failed gives way to the next one that ran.
+    results = {"tiny.eager.none": {"ok": False}, "mp.ref.eager.none": {"ok": True}}
+    assert summary.reference(MP_ENGINE, results) == "mp.ref.eager.none"
+
+
+def test_background_build_with_nothing_to_build(tmp_path: Path) -> None:
+    (tmp_path / "qwen8").mkdir()
+    (tmp_path / "qwen8" / "config.json").write_text("{}")
+    build = checkpoints.Background(tmp_path, [engines.TINY, engines.QWEN8], tmp_path / "b.log")
+    assert build.proc is None and build.done() and build.wait(1.0)
+    assert not build.needed_by([engines.QWEN8])
+    assert checkpoints.command(tmp_path, engines.QWEN24)[2:] == [
+        str(tmp_path / "qwen24"),
+        "--qwen3-30b-a3b",
+        "--layers",
+        "24",
+    ]
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_command_line_merges(tmp_path: Path, how: str) -> None:
+    """``python3 tools/vllm/e2e.py`` (as docs/VLLM.md runs it) and ``python -m
+    tools.vllm.e2e``; neither imports torch or vLLM to get there."""
+    data = {"meta": {}, "results": {"story.none": _engine("story.none", [[1]])}}
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    command = ["tools/vllm/e2e.py"] if how == "script" else ["-m", "tools.vllm.e2e"]
+    args = ["merge", "--out", str(tmp_path / "m"), str(tmp_path / "a.json")]
+    done = subprocess.run(
+        [sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "story.none" in (tmp_path / "m" / "summary.txt").read_text()
+    modules = [
+        f"tools.vllm.harness.{m}"
+        for m in ("child", "orchestrate", "probes", "profiling", "register_probe", "summary")
+    ]
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in sys.modules "
+    code += "if m.split('.')[0] in ('torch', 'vllm', 'rowcache')))"
+    light = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert light.stdout.strip() == "[]"
+
+
+def test_spec_fields_have_defaults_that_change_nothing() -> None:
+    """A new field needs a default, so that the engines of the recorded runs stay as they were."""
+    required = [f.name for f in dataclasses.fields(EngineSpec) if f.default is dataclasses.MISSING]
+    assert required == ["name", "checkpoint", "prompts", "max_tokens", "mode"]

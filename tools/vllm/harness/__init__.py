@@ -1,0 +1,15 @@
+"""The parts of ``tools/vllm/e2e.py``, one job each.
+
+* ``specs``: what an engine is (typed: mode, plugin knob, checkpoint, workload, memory).
+* ``engines``, ``reruns``: the engines of each phase; ``phases``: the phases, in run order.
+* ``checkpoints``: building the random-weight checkpoints.
+* ``orchestrate``: ``run`` (engines as child processes, phase by phase) and ``merge``.
+* ``child``: what runs inside one engine's process; ``probes``: what it runs where the model is.
+* ``profiling``: the MoE forward's profile (``run --profile``).
+* ``summary``: the printed summary; ``records``: references of results recorded before specs
+  carried their own.
+* ``register_probe``: the plugin's registration cost in a fresh process.
+
+Every module imports only the standard library at import time; vLLM and torch are imported
+inside the functions that run on the GPU machine.
+"""

@@ -1,0 +1,73 @@
+"""Building the random-weight checkpoints the engines load.
+
+The builder is the bundle's ``make_moe_checkpoint.py`` (``$ROWCACHE_CKPT_TOOL``, default
+``.gpu/tools/make_moe_checkpoint.py``, relative to the working directory). A checkpoint whose
+``config.json`` exists (a warm machine) is not built again. Foreground checkpoints (seconds)
+are built before any engine starts; the others in one background process, in the order the
+phases first need them, while the phases that do not need them run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.vllm.harness.specs import Checkpoint
+
+CKPT_TOOL = os.environ.get("ROWCACHE_CKPT_TOOL", ".gpu/tools/make_moe_checkpoint.py")
+
+
+def location(work: Path, checkpoint: Checkpoint) -> Path:
+    return work / checkpoint.directory
+
+
+def command(work: Path, checkpoint: Checkpoint) -> list[str]:
+    return [sys.executable, CKPT_TOOL, str(location(work, checkpoint)), *checkpoint.builder_args()]
+
+
+def missing(work: Path, checkpoints: list[Checkpoint]) -> list[Checkpoint]:
+    return [c for c in checkpoints if not (location(work, c) / "config.json").exists()]
+
+
+def build_foreground(work: Path, checkpoints: list[Checkpoint]) -> None:
+    """Build the foreground ones among ``checkpoints`` now (a failure stops the run)."""
+    for checkpoint in missing(work, [c for c in checkpoints if c.foreground]):
+        subprocess.run(command(work, checkpoint), check=True)
+
+
+class Background:
+    """The background build: one process building its checkpoints one after the other,
+    writing a ``date +%s`` line before, between and after them into its log."""
+
+    def __init__(self, work: Path, checkpoints: list[Checkpoint], log: Path) -> None:
+        self.checkpoints = missing(work, [c for c in checkpoints if not c.foreground])
+        self.proc: subprocess.Popen[bytes] | None = None
+        if not self.checkpoints:
+            return
+        steps = ["set -e", "date +%s"]
+        for checkpoint in self.checkpoints:
+            steps += [shlex.join(command(work, checkpoint)), "date +%s"]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                ["bash", "-c", "; ".join(steps)], stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def needed_by(self, checkpoints: list[Checkpoint]) -> bool:
+        return any(c in self.checkpoints for c in checkpoints)
+
+    def done(self) -> bool:
+        """Whether the build has ended (built, or failed: the engines then fail to load)."""
+        return self.proc is None or self.proc.poll() is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for the build to end, at most ``timeout`` seconds; whether it has."""
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            return False
+        return True

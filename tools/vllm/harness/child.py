@@ -1,0 +1,193 @@
+"""What runs inside one engine's process (``e2e.py child JOB.json``).
+
+Starts vLLM's ``LLM`` for the job's spec, reads the engine's memory and MoE methods, warms up,
+marks itself ready and waits for the phase's ``go``, then, holding the timing lock, runs the
+timed generations (and the profile), and writes ``<name>.result.json`` beside the job file.
+Every failure is recorded in the result (the summary prints it), never raised.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+from tools.vllm.harness import probes
+from tools.vllm.harness.profiling import profile
+from tools.vllm.harness.specs import EngineSpec, Job, Mode
+
+JOB_SUFFIX = ".job.json"
+RESULT_SUFFIX = ".result.json"
+
+
+def main(job_path: str) -> None:
+    job = Job.from_json(json.loads(Path(job_path).read_text()))
+    res = run(job)
+    Path(job_path.replace(JOB_SUFFIX, RESULT_SUFFIX)).write_text(json.dumps(res))
+    print("CHILD_DONE", res["name"], res["ok"], res.get("error", ""), flush=True)
+    os._exit(0)  # skip vLLM's shutdown path; the process holds nothing to flush
+
+
+def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` for ``spec`` (vLLM is imported for the naive split only)."""
+    kw: dict[str, Any] = {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": spec.max_model_len,
+        "max_num_seqs": spec.max_num_seqs,
+        "max_num_batched_tokens": spec.max_num_batched_tokens,
+    }
+    if spec.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = spec.gpu_memory_utilization
+    else:
+        # Fixed KV memory: engines of a phase share the GPU. vLLM still checks at start that
+        # this fraction of the GPU is free.
+        kw["kv_cache_memory_bytes"] = spec.kv_bytes
+        kw["gpu_memory_utilization"] = 0.02
+    if spec.mode is Mode.EAGER:
+        kw["enforce_eager"] = True
+    else:
+        cc: dict[str, Any] = {"cudagraph_capture_sizes": list(spec.capture_sizes)}
+        if spec.mode is Mode.PIECEWISE:
+            cc["cudagraph_mode"] = "PIECEWISE"
+        elif spec.mode is Mode.PIECEWISE_MOE_NAIVE:
+            from vllm.config import CompilationConfig
+
+            from rowcache.vllm._config import MOE_OPS
+
+            cc["cudagraph_mode"] = "PIECEWISE"
+            cc["splitting_ops"] = [
+                *CompilationConfig._attention_ops,
+                "vllm::unified_kv_cache_update",
+                "vllm::unified_mla_kv_cache_update",
+                *MOE_OPS,
+            ]
+        kw["compilation_config"] = cc
+    if spec.knob is not None:
+        kw["additional_config"] = {"rowcache": spec.knob.config()}
+    return kw
+
+
+def wait_turn(job: Job) -> IO[str]:
+    """Mark this engine ready, wait for the parent's go, then take the timing lock."""
+    barrier = Path(job.barrier)
+    (barrier / f"ready.{job.spec.name}").write_text("1")
+    limit = time.time() + job.barrier_timeout
+    while time.time() < limit and not (barrier / "go").exists():
+        time.sleep(0.5)
+    lock = open(barrier / "lock", "w")  # noqa: SIM115 - held until the timed section ends
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
+
+
+def totals(per_layer: list[dict[str, Any]]) -> dict[str, int]:
+    keys = ("hits", "misses", "evictions", "prepare_calls", "forwards")
+    return {k: sum(int(s.get(k, 0)) for s in per_layer) for k in keys}
+
+
+def run(job: Job) -> dict[str, Any]:
+    spec = job.spec
+    result: dict[str, Any] = {"name": spec.name, "spec": spec.to_json(), "ok": False}
+    result["job"] = {k: v for k, v in job.to_json().items() if k != "spec"}
+    t0 = time.time()
+    # Multi-process engine: the engine core is another process, and apply_model pickles the
+    # function there and the result back; a failure of that is recorded, not fatal.
+    multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    llm: Any = None
+    try:
+        from vllm import LLM, SamplingParams
+
+        result["import_s"] = round(time.time() - t0, 1)
+        from rowcache.vllm._config import MOE_OPS  # the plugin's own list (imports vllm.config)
+
+        kw = engine_kwargs(spec, job.model)
+        result["llm_kwargs"] = kw
+        t1 = time.time()
+        llm = LLM(**kw)
+        result["init_s"] = round(time.time() - t1, 1)
+        result["multiprocess"] = multiprocess
+        result["client_pid"] = os.getpid()
+
+        def rpc(fn: Any, default: Any) -> Any:
+            """``llm.apply_model(fn)[0]``; in a multi-process engine a failure gives default."""
+            try:
+                return llm.apply_model(fn)[0]
+            except Exception as exc:
+                if not multiprocess:
+                    raise
+                errors = result.setdefault("rpc_errors", [])
+                errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}"[:600])
+                return default
+
+        cc_final = llm.llm_engine.vllm_config.compilation_config
+        result["cudagraph_mode"] = str(cc_final.cudagraph_mode.name)
+        result["moe_split"] = [op for op in (cc_final.splitting_ops or []) if op in MOE_OPS]
+        result["probe"] = rpc(probes.probe, {})
+        if spec.identity_expert_map:
+            result["identity_expert_map_layers"] = llm.apply_model(probes.identity_expert_map)[0]
+
+        prompts = [{"prompt_token_ids": list(p)} for p in spec.prompts]
+        sp = SamplingParams(
+            max_tokens=spec.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
+        )
+        llm.generate(prompts, sp, use_tqdm=False)  # warm-up (first Triton compiles)
+        lock = wait_turn(job)
+        try:
+            before_layers = rpc(probes.stats, None)
+            times: list[float] = []
+            runs: list[list[list[int]]] = []
+            for _ in range(spec.repeats):
+                t = time.time()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                times.append(time.time() - t)
+                runs.append([list(o.outputs[0].token_ids) for o in outs])
+            after_layers = rpc(probes.stats, None)
+            if job.profile_out is not None:
+                try:
+                    result["profile"] = profile(llm, spec.name, Path(job.profile_out), prompts)
+                except Exception as exc:  # the timed results stand without the profile
+                    result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
+                    result["profile_traceback"] = traceback.format_exc()[-3000:]
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
+        assert runs
+        generated = spec.max_tokens * len(prompts)
+        result["tokens"] = runs[-1]
+        result["repeats_identical"] = all(r == runs[0] for r in runs)
+        result["tok_s_runs"] = [round(generated / t, 1) for t in times]
+        result["tok_s"] = round(generated / statistics.median(times), 1)
+        if after_layers and before_layers is not None:
+            before, after = totals(before_layers), totals(after_layers)
+            delta = {k: after[k] - before[k] for k in after}
+            requests = delta["hits"] + delta["misses"]
+            result["cache"] = {
+                "timed": delta,
+                "hit_rate": round(delta["hits"] / requests, 4) if requests else None,
+                "layers": len(after_layers),
+                "capacity": after_layers[0]["capacity"],
+                "provider": after_layers[0]["provider"],
+                "split": after_layers[0]["split"],
+                "since_start": after,
+            }
+        result["ok"] = True
+    except BaseException as exc:  # recorded, not hidden: the summary prints it
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    if multiprocess and llm is not None:
+        # Stop the engine-core process now: main() leaves through os._exit, and the next phase
+        # (the story's gpu_memory_utilization budget) needs its GPU memory back.
+        try:
+            llm.llm_engine.engine_core.shutdown()
+            result["engine_shutdown"] = "ok"
+        except Exception as exc:
+            result["engine_shutdown"] = f"{type(exc).__name__}: {exc}"[:300]
+    result["wall_s"] = round(time.time() - t0, 1)
+    return result

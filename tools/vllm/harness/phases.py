@@ -1,0 +1,95 @@
+"""The phases of ``e2e.py run``, in the order they run whatever order ``--phases`` gives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tools.vllm.harness import engines, reruns
+from tools.vllm.harness.specs import Checkpoint, EngineSpec
+
+Results = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A group of engines. By default they start concurrently (fixed KV memory each), wait
+    until all are ready, then take turns for their timed generations; ``one_at_a_time`` starts
+    each only after the previous one has exited."""
+
+    name: str
+    about: str
+    engines: Callable[[Results], list[EngineSpec]]
+    """The engines, given the results of the phases run before it in this call."""
+    one_at_a_time: bool = False
+    min_left_s: float | None = None
+    """An engine is not started with less time than this left (recorded as not run)."""
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints its engines load (whatever earlier phases gave)."""
+        found: list[Checkpoint] = []
+        for spec in self.engines({}):
+            if spec.checkpoint not in found:
+                found.append(spec.checkpoint)
+        return found
+
+
+def _mp(results: Results) -> list[EngineSpec]:
+    ran = results.get(engines.TINY_EAGER_NONE, {}).get("ok")
+    return engines.mp(with_reference=not ran)
+
+
+PHASES = (
+    Phase(
+        "rerun",
+        "the 2026-11-29 second run: same-mode references with and without an identity "
+        "expert_map, qwen8 (b) to (d)",
+        lambda _results: reruns.rerun(),
+    ),
+    Phase(
+        "tiny",
+        "2-layer, 16-expert model: eager and piecewise, no cache, cached/row token split and row "
+        "expert split with 6 slots, vLLM's DEBUG replay-address check",
+        lambda _results: engines.tiny(),
+    ),
+    Phase(
+        "split",
+        "the tiny model's piecewise cache engines next to their same-mode reference",
+        lambda _results: reruns.split(),
+    ),
+    Phase(
+        "mp",
+        "the tiny model in vLLM's multi-process engine, row token split with 6 slots",
+        _mp,
+    ),
+    Phase(
+        "qwen8seq",
+        "qwen8's (b) and (c) row 128, each engine alone on the machine",
+        lambda _results: reruns.qwen8seq(),
+        one_at_a_time=True,
+    ),
+    Phase(
+        "qwen8",
+        "8 layers of Qwen3-30B-A3B shapes, batch 1, 256 tokens x 3: (a) full graphs, (b) MoE "
+        "eager between pieces, references, (c) 128 and (d) 32 slots, cached and row",
+        lambda _results: engines.qwen8(),
+    ),
+    Phase(
+        "story",
+        "24 layers (about 30 GB) under gpu_memory_utilization 0.10: no cache, row with 32 slots",
+        lambda _results: engines.story(),
+        one_at_a_time=True,
+        min_left_s=90.0,
+    ),
+)
+DEFAULT_PHASES = "tiny,mp,qwen8,story"
+
+
+def select(names: list[str]) -> list[Phase]:
+    """The named phases in run order; unknown names stop the run."""
+    known = {phase.name for phase in PHASES}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise SystemExit(f"unknown phases {unknown}; known: {', '.join(sorted(known))}")
+    return [phase for phase in PHASES if phase.name in names]

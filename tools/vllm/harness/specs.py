@@ -1,0 +1,221 @@
+"""What one engine of the end-to-end run is: typed, and serialised to JSON for its process.
+
+An :class:`EngineSpec` says which checkpoint an engine loads, what it generates, how vLLM runs
+the model (:class:`Mode`) and how the plugin is configured (:class:`Knob`). Phases pick engines
+by these attributes (``spec.knob.provider``, ``spec.mode``, ...), never by their names; a name
+only labels an engine's log, its result and its row of the summary.
+
+To add an engine setting: a field here (with a default that leaves every existing engine as it
+is), its effect in :func:`tools.vllm.harness.child.engine_kwargs` (engine arguments) or
+:meth:`EngineSpec.env` (environment), and, for a non-scalar field, one line in
+:meth:`EngineSpec.from_json` (the round-trip test of every phase's engines catches a missing
+one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+Json = dict[str, Any]
+
+
+class Mode(enum.Enum):
+    """How vLLM runs the model (the engine's compilation settings)."""
+
+    EAGER = "eager"
+    """``enforce_eager``: no torch.compile, no graphs."""
+    PIECEWISE = "piecewise"
+    """``cudagraph_mode`` PIECEWISE with vLLM's default splitting ops (MoE inside the pieces)."""
+    PIECEWISE_MOE_NAIVE = "piecewise_moe_naive"
+    """PIECEWISE with vLLM's MoE ops made splitting ops as they are, without the plugin."""
+    DEFAULT = "default"
+    """vLLM's default compilation settings (with the knob on, the plugin lowers them)."""
+
+
+class Provider(enum.Enum):
+    """``moe_expert_cache_provider``."""
+
+    ROW = "row"
+    CACHED = "cached"
+
+
+class Split(enum.Enum):
+    """``moe_expert_cache_split``."""
+
+    TOKEN = "token"
+    EXPERT = "expert"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """The plugin's configuration, ``additional_config["rowcache"]``: only what is set is passed
+    (unset keys take the plugin's defaults)."""
+
+    size: int | None = None
+    """``moe_expert_cache_size``: GPU slots per MoE layer."""
+    provider: Provider | None = None
+    split: Split | None = None
+    eager_between_graphs: bool = False
+    """``moe_eager_between_graphs``: no cache, the MoE op eager between captured pieces."""
+
+    @property
+    def caches(self) -> bool:
+        """Whether the engine keeps its experts in the expert cache."""
+        return bool(self.size)
+
+    def config(self) -> dict[str, Any]:
+        """The keys passed in ``additional_config["rowcache"]``."""
+        out: dict[str, Any] = {}
+        if self.size is not None:
+            out["moe_expert_cache_size"] = self.size
+        if self.provider is not None:
+            out["moe_expert_cache_provider"] = self.provider.value
+        if self.split is not None:
+            out["moe_expert_cache_split"] = self.split.value
+        if self.eager_between_graphs:
+            out["moe_eager_between_graphs"] = True
+        return out
+
+    @classmethod
+    def from_json(cls, data: Json) -> Knob:
+        raw = dict(data)
+        raw["provider"] = None if raw["provider"] is None else Provider(raw["provider"])
+        raw["split"] = None if raw["split"] is None else Split(raw["split"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A random-weight Qwen3-MoE checkpoint, built on the machine by the bundle's builder
+    (``make_moe_checkpoint.py``, see :mod:`tools.vllm.harness.checkpoints`)."""
+
+    directory: str
+    """Its directory under the run's work directory."""
+    qwen3_30b_a3b: bool = False
+    """Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8); else the builder's tiny
+    model (2 layers, 16 experts, top-4, hidden 256)."""
+    layers: int | None = None
+    foreground: bool = False
+    """Built before the first engine starts (it takes seconds); the others are built in one
+    background process while the first phases run."""
+
+    def builder_args(self) -> list[str]:
+        """The builder's arguments after the output directory."""
+        args = ["--qwen3-30b-a3b"] if self.qwen3_30b_a3b else []
+        if self.layers is not None:
+            args += ["--layers", str(self.layers)]
+        return args
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: a process of its own that starts vLLM, generates and reports."""
+
+    name: str
+    checkpoint: Checkpoint
+    prompts: tuple[tuple[int, ...], ...]
+    """Token-id prompts, generated as one batch."""
+    max_tokens: int
+    """Greedy tokens per prompt (``ignore_eos``)."""
+    mode: Mode
+    knob: Knob | None = None
+    """``None``: no ``additional_config`` at all (the plugin is off)."""
+    repeats: int = 1
+    """Timed generations (the speed is their median)."""
+    max_model_len: int = 1024
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 512
+    capture_sizes: tuple[int, ...] = (1, 2, 4)
+    """``cudagraph_capture_sizes`` of the compiled modes."""
+    kv_bytes: int = 1 << 30
+    """Fixed KV cache memory (engines of one phase share the GPU)."""
+    gpu_memory_utilization: float | None = None
+    """A GPU memory budget instead of fixed KV memory; meaningful only on an idle GPU."""
+    multiprocess: bool = False
+    """vLLM's multi-process engine (the engine core in a process of its own)."""
+    debug_checks: bool = False
+    """``VLLM_LOGGING_LEVEL=DEBUG``: vLLM asserts that every captured piece is replayed with
+    its capture-time input addresses."""
+    identity_expert_map: bool = False
+    """Give every uncached MoE layer the identity ``expert_map`` (vLLM then takes the mapped
+    kernel path of a cached layer)."""
+    profiled: bool = False
+    """With ``run --profile``: profile the engine after its timed generations."""
+    compare_with: tuple[str, ...] = ()
+    """The engines whose tokens this one's are compared with, by preference: the first that
+    ran, else the last. An engine that lists itself first is its own reference."""
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the engine compiles and captures graphs."""
+        return self.mode is not Mode.EAGER
+
+    @property
+    def caches(self) -> bool:
+        """Whether the engine keeps its experts in the expert cache."""
+        return self.knob is not None and self.knob.caches
+
+    def env(self) -> dict[str, str]:
+        """Environment of the engine's process beyond the run's common one."""
+        out: dict[str, str] = {}
+        if self.multiprocess:
+            out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        if self.debug_checks:
+            out["VLLM_LOGGING_LEVEL"] = "DEBUG"
+        return out
+
+    def to_json(self) -> Json:
+        return _plain(dataclasses.asdict(self))  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_json(cls, data: Json) -> EngineSpec:
+        raw = dict(data)
+        raw["checkpoint"] = Checkpoint(**raw["checkpoint"])
+        raw["prompts"] = tuple(tuple(p) for p in raw["prompts"])
+        raw["mode"] = Mode(raw["mode"])
+        raw["knob"] = None if raw["knob"] is None else Knob.from_json(raw["knob"])
+        raw["capture_sizes"] = tuple(raw["capture_sizes"])
+        raw["compare_with"] = tuple(raw["compare_with"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Job:
+    """An engine as the orchestrator hands it to its process: the spec, where its checkpoint
+    is, and the phase's barrier (the directory of ready markers, ``go`` and the timing lock)."""
+
+    spec: EngineSpec
+    model: str
+    barrier: str
+    barrier_timeout: float
+    profile_out: str | None = None
+    """Where the profile goes (``run --profile``, profiled engines only)."""
+
+    def to_json(self) -> Json:
+        return {
+            "spec": self.spec.to_json(),
+            "model": self.model,
+            "barrier": self.barrier,
+            "barrier_timeout": self.barrier_timeout,
+            "profile_out": self.profile_out,
+        }
+
+    @classmethod
+    def from_json(cls, data: Json) -> Job:
+        raw = dict(data)
+        raw["spec"] = EngineSpec.from_json(raw["spec"])
+        return cls(**raw)
+
+
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict`` output as JSON values: enums by value, tuples as lists."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
