@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 PY=.venv/bin/python
-$PY -m ruff check rowcache model_check tests
+$PY -m ruff check rowcache model_check tests tools
 $PY -m mypy
 $PY -m model_check.codegen --check
 $PY -m model_check mutants
