@@ -168,7 +168,8 @@ class EngineSpec:
         return out
 
     def to_json(self) -> Json:
-        return _plain(dataclasses.asdict(self))  # type: ignore[no-any-return]
+        data: Json = _plain(dataclasses.asdict(self))
+        return data
 
     @classmethod
     def from_json(cls, data: Json) -> EngineSpec:
