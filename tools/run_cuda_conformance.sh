@@ -124,6 +124,9 @@ all_race = sorted(
     if "test_gpu_mutant_is_detected[" in k
 )
 
+device_mutants = sorted(k for k in mutants["cases"] if "test_device_mutant" in k)
+device_detected = [k for k in device_mutants if mutants["cases"][k] == "passed"]
+
 SHORT = {"wrong_read": "R", "wrong_map": "M", "host_block": "H"}
 matrix = defaultdict(dict)
 fixtures = []
@@ -142,7 +145,8 @@ def text(c):
     return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
 out.append(f"commit {env.get('commit')}; GPU {env.get('gpu')}; torch {env.get('torch')}")
 out.append(f"suite:     {text(suite)}")
-out.append(f"mutants:   {text(mutants)}; race-fixture detection {len(detected)}/{len(all_race)}")
+out.append(f"mutants:   {text(mutants)}; race-fixture detection {len(detected)}/{len(all_race)}; "
+           f"device-path mutants detected {len(device_detected)}/{len(device_mutants)}")
 out.append(f"sanitizer: {text(sanitizer)} (TORCH_CUDA_SANITIZER=1)")
 if matrix:
     width = max(len(p) for p in matrix)
@@ -158,11 +162,13 @@ if matrix:
 ok = (
     all(c["rc"] == 0 and c["failed"] == 0 and c["skipped"] == 0 for c in (suite, mutants, sanitizer))
     and suite["passed"] > 0 and sanitizer["passed"] > 0 and all_race and detected == all_race
+    and device_mutants and device_detected == device_mutants
 )
 gpu = env.get("gpu", "?").split(",")
 line = (
     f"cuda-conformance: {'PASS' if ok else 'FAIL'} | suite {text(suite)} | GPU mutants "
-    f"{len(detected)}/{len(all_race)} detected ({text(mutants)}) | sanitizer "
+    f"{len(detected)}/{len(all_race)} detected, device path {len(device_detected)}/"
+    f"{len(device_mutants)} ({text(mutants)}) | sanitizer "
     f"{'clean' if sanitizer['rc'] == 0 and sanitizer['failed'] == 0 else 'NOT clean'} "
     f"({text(sanitizer)}) | {gpu[0].strip()}, driver {gpu[1].strip() if len(gpu) > 1 else '?'}, "
     f"torch {env.get('torch', '?').split()[0]} | commit {env.get('commit', '?')[:12]}"

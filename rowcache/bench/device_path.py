@@ -78,6 +78,20 @@ def _device_provider(
     )
 
 
+def _captured(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``body`` captured in a new graph, with garbage collection held off during the capture
+    (freeing pinned buffers queries their events, which a capture forbids)."""
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            body()
+    finally:
+        gc.enable()
+    return graph
+
+
 class OneStepGraph:
     """One decode step captured once: the passes, the gather and a reader of the slots."""
 
@@ -89,11 +103,13 @@ class OneStepGraph:
         for index in range(total):  # compile every specialization before the capture
             provider.prepare(self.ids, pass_index=index, passes=total)
         torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+
+        def step() -> None:
             for index in range(total):
                 result = provider.prepare(self.ids, pass_index=index, passes=total)
                 self.sink.add_(consume(result, self.ids))
+
+        self.graph = _captured(step)
         torch.cuda.synchronize()
 
     def step(self, ids: list[int], staged: Tensor) -> tuple[float, float]:
@@ -108,6 +124,19 @@ class OneStepGraph:
         end.record(stream)
         end.synchronize()
         return start.elapsed_time(end), begin.elapsed_time(end)
+
+
+def _fill(
+    provider: DevicePlannedProvider, graph: OneStepGraph, settings: argparse.Namespace
+) -> None:
+    """Fill every slot (all-miss steps through the graph) so that later steps evict."""
+    rng = random.Random(0)
+    staged = torch.zeros(1, settings.top_k, dtype=torch.int64, pin_memory=True)
+    while len(provider.resident_experts()) < settings.capacity:
+        ids = exact_miss_request(
+            provider, settings.top_k, top_k=settings.top_k, num_experts=settings.experts, rng=rng
+        )
+        graph.step(ids, staged)
 
 
 def _cells(
@@ -158,15 +187,17 @@ def _cells(
     return rows
 
 
-def _replayed_per_layer(provider: DevicePlannedProvider, body: Callable[[], object]) -> float:
+def _replayed_per_layer(body: Callable[[], object]) -> float:
     """Median us per layer of a graph of ``LAYERS`` repetitions of ``body``, replayed back
     to back."""
     body()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def layers() -> None:
         for _ in range(LAYERS):
             body()
+
+    graph = _captured(layers)
     torch.cuda.synchronize()
     times = []
     stream = torch.cuda.current_stream()
@@ -191,14 +222,12 @@ def _fixed_costs(provider: DevicePlannedProvider, top_k: int) -> dict[str, float
     two = torch.tensor([list(range(top_k))] * rows, device="cuda")
     passes = provider.num_passes(two)
     out = {
-        "pass_us_per_layer_0_misses": _replayed_per_layer(provider, lambda: provider.prepare(ids)),
-        "planner_us_per_layer": _replayed_per_layer(
-            provider, lambda: kernels.plan(state, ids, 0, 1)
-        ),
+        "pass_us_per_layer_0_misses": _replayed_per_layer(lambda: provider.prepare(ids)),
+        "planner_us_per_layer": _replayed_per_layer(lambda: kernels.plan(state, ids, 0, 1)),
     }
     if passes > 1:
         out["empty_pass_us"] = _replayed_per_layer(
-            provider, lambda: provider.prepare(two, pass_index=passes - 1, passes=passes)
+            lambda: provider.prepare(two, pass_index=passes - 1, passes=passes)
         )
     host = []
     graph = OneStepGraph(provider, top_k)
@@ -251,7 +280,7 @@ def run(settings: argparse.Namespace) -> dict[str, Any]:
         for layout in settings.layouts:
             provider = _device_provider(sources, settings.capacity, layout)
             graph = OneStepGraph(provider, settings.top_k)
-            fill(provider, settings.capacity, settings.top_k, settings.experts)
+            _fill(provider, graph, settings)
             cells += _cells(provider, graph, geometry, layout, settings, ceilings)
             fixed.append(
                 {"geometry": geometry, "layout": layout, **_fixed_costs(provider, settings.top_k)}

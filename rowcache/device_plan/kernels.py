@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rowcache.device_plan.regions import chunk_table, copy_regions
+from rowcache.device_plan.regions import CHUNK_BYTES, chunk_table, copy_regions
 from rowcache.device_plan.state import DeviceCacheState
 from rowcache.device_plan.torch_planner import invalidate_expert, plan_pass
 from rowcache.sources import ExpertSources, SlotBuffers
@@ -71,8 +71,8 @@ def _block(n: int, least: int = 16) -> int:
 MAX_LANES = 4096
 """Largest E or C the one-program planner takes (its vectors live in registers)."""
 
-GATHER_PROGRAMS_PER_SM = 4
-GATHER_BLOCK = 1024  # words (8 KiB) or bytes per load of a gather program
+GATHER_PROGRAMS_PER_SM = 8
+"""Gather programs per SM: enough loads in flight over PCIe to cover its latency at one miss."""
 
 
 class TritonKernels:
@@ -81,7 +81,15 @@ class TritonKernels:
     name = "triton"
 
     def __init__(
-        self, sources: ExpertSources, slots: SlotBuffers, num_experts: int, mutant: int = 0
+        self,
+        sources: ExpertSources,
+        slots: SlotBuffers,
+        num_experts: int,
+        mutant: int = 0,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        programs_per_sm: int = GATHER_PROGRAMS_PER_SM,
+        gather_warps: int = 4,
     ) -> None:
         from rowcache.errors import InvalidInputError
 
@@ -92,12 +100,17 @@ class TritonKernels:
                 f"the fused device planner takes at most {MAX_LANES} experts, got {num_experts}"
             )
         device = slots.w13.device
-        self._table = chunk_table(copy_regions(sources, slots), device)
+        self._table = chunk_table(copy_regions(sources, slots), device, chunk_bytes)
+        # One load per work item: a piece is chunk_bytes, loaded in words (or bytes).
+        if chunk_bytes < 64 or chunk_bytes & (chunk_bytes - 1):
+            raise InvalidInputError(f"chunk_bytes must be a power of two >= 64, got {chunk_bytes}")
+        self._gather_block = chunk_bytes // 8
+        self._gather_warps = gather_warps
         self._num_chunks = int(self._table.shape[0])
         self._block_e = _block(num_experts)
         self._block_c = _block(capacity)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._gather_grid = (sms * GATHER_PROGRAMS_PER_SM,)
+        self._gather_grid = (sms * programs_per_sm,)
 
     def plan(
         self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
@@ -143,9 +156,9 @@ class TritonKernels:
             state.miss_slots,
             state.miss_count,
             state.capacity,
-            BLOCK=GATHER_BLOCK,
+            BLOCK=self._gather_block,
             MUTANT=self._mutant,
-            num_warps=4,
+            num_warps=self._gather_warps,
         )
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:

@@ -22,8 +22,8 @@ from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
 
 __all__ = ["CHUNK_BYTES", "Region", "chunk_table", "copy_regions"]
 
-CHUNK_BYTES = 32 * 1024
-"""Largest piece one work item of the fused gather copies."""
+CHUNK_BYTES = 16 * 1024
+"""Largest piece one work item of the fused gather copies (one load per work item)."""
 
 WORD = 8
 
@@ -78,18 +78,22 @@ def _aligned(*values: int) -> bool:
     return all(v % WORD == 0 for v in values)
 
 
-def chunk_table(regions: list[Region], device: torch.device) -> Tensor:
+def chunk_table(
+    regions: list[Region], device: torch.device, chunk_bytes: int = CHUNK_BYTES
+) -> Tensor:
     """``[J, 7]`` int64 rows ``(src_ptr, src_stride, dst_ptr, dst_stride, offset, length,
-    wide)``: every region cut into pieces of at most ``CHUNK_BYTES``, the word-aligned part of
-    a region in wide pieces and any remainder in one byte piece."""
+    wide)``: every region cut into pieces of at most ``chunk_bytes`` (a multiple of 8), the
+    word-aligned part of a region in wide pieces and any remainder in byte pieces."""
+    if chunk_bytes <= 0 or chunk_bytes % WORD:
+        raise ValueError(f"chunk_bytes must be a positive multiple of {WORD}, got {chunk_bytes}")
     rows: list[list[int]] = []
     for r in regions:
         wide_ok = _aligned(r.src_ptr, r.src_stride, r.dst_ptr, r.dst_stride)
         words_end = r.row_bytes - r.row_bytes % WORD if wide_ok else 0
-        for offset in range(0, words_end, CHUNK_BYTES):
-            length = min(CHUNK_BYTES, words_end - offset)
+        for offset in range(0, words_end, chunk_bytes):
+            length = min(chunk_bytes, words_end - offset)
             rows.append([r.src_ptr, r.src_stride, r.dst_ptr, r.dst_stride, offset, length, 1])
-        for offset in range(words_end, r.row_bytes, CHUNK_BYTES):
-            length = min(CHUNK_BYTES, r.row_bytes - offset)
+        for offset in range(words_end, r.row_bytes, chunk_bytes):
+            length = min(chunk_bytes, r.row_bytes - offset)
             rows.append([r.src_ptr, r.src_stride, r.dst_ptr, r.dst_stride, offset, length, 0])
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 7)

@@ -20,6 +20,7 @@ must be detected.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 
@@ -99,7 +100,8 @@ def host_rows(p: DevicePlannedProvider) -> list[Tensor]:
 
 def as_bytes(t: Tensor) -> Tensor:
     """The bytes of every row (works for strided packed views too)."""
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+    fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return fresh.reshape(-1).view(torch.uint8)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Captured:
     passes: int
     maps: list[Tensor]
     slots: list[list[Tensor]]
+    staged: Tensor
 
 
 @dataclass
@@ -148,13 +151,22 @@ class Harness:
         maps = [torch.empty(E, dtype=torch.int32, device="cuda") for _ in range(total)]
         snaps = [[torch.empty_like(t) for t in slot_buffers(self.gpu)] for _ in range(total)]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for index in range(total):
-                result = self.gpu.prepare(ids, pass_index=index, passes=total)
-                maps[index].copy_(result.expert_map)
-                for snap, buf in zip(snaps[index], slot_buffers(self.gpu), strict=True):
-                    snap.copy_(buf)
-        return Captured(graph, ids, total, maps, snaps)
+        # No garbage collection inside the capture: freeing an earlier example's pinned buffers
+        # queries their events, which a capture forbids (torch.cuda.graph collects before it
+        # begins, not during).
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph):
+                for index in range(total):
+                    result = self.gpu.prepare(ids, pass_index=index, passes=total)
+                    maps[index].copy_(result.expert_map)
+                    for snap, buf in zip(snaps[index], slot_buffers(self.gpu), strict=True):
+                        snap.copy_(buf)
+        finally:
+            gc.enable()
+        staged = torch.zeros(rows, K, dtype=torch.int32, pin_memory=True)
+        return Captured(graph, ids, total, maps, snaps, staged)
 
     def forward(self, rows: list[list[int]], stream: int, replay: bool) -> list[str]:
         size = len(rows)
@@ -166,7 +178,11 @@ class Harness:
                 if captured is None:
                     torch.cuda.synchronize()
                     captured = self.graphs[size] = self._capture(size)
-                captured.ids.copy_(host_ids, non_blocking=False)
+                # Through a pinned buffer allocated at capture time, asynchronously: a copy
+                # from pageable memory or a new pinned allocation can wait for other streams'
+                # work, which would hide a missing handoff.
+                captured.staged.copy_(host_ids)
+                captured.ids.copy_(captured.staged, non_blocking=True)
                 if not self.skip_handoff:
                     self.gpu.handoff()
                 captured.graph.replay()
@@ -279,11 +295,18 @@ def _race(skip_handoff: bool) -> list[str]:
     first = [[0, 1], [2, 0]]
     h.forward(first, stream=0, replay=False)
     h.graphs[2] = h._capture(2)  # captured now: a capture drains the device first
+    # Read before the reader is enqueued: a read-back on the default stream would wait for it.
+    expected = {e: s for e, s in enumerate(h.gpu.forward_map()) if s >= 0}
+    sleep = cycles_for_ms(20.0)
+    # Allocated before the spin: an allocation between two commands of different streams
+    # serializes them, which would hide a missing handoff.
+    seen = [torch.empty_like(t) for t in slot_buffers(h.gpu)]
+    torch.cuda.synchronize()
     reader = h.streams[0]
     with torch.cuda.stream(reader):
-        gpu_sleep(cycles_for_ms(20.0))
-        seen = [t.clone() for t in slot_buffers(h.gpu)]
-    expected = {e: s for e, s in enumerate(h.gpu.forward_map()) if s >= 0}
+        gpu_sleep(sleep)
+        for snap, buf in zip(seen, slot_buffers(h.gpu), strict=True):
+            snap.copy_(buf)
     problems = h.forward([[3, 4], [5, 3]], stream=1, replay=True)
     torch.cuda.synchronize()
     src = host_rows(h.gpu)
@@ -300,6 +323,36 @@ def test_replay_waits_for_a_pending_reader_on_another_stream() -> None:
     assert _race(skip_handoff=False) == []
 
 
+def _invalidate_during_replay(on_current_stream: bool) -> list[str]:
+    """A replay is still pending on the owner stream (behind a spin) when the host invalidates
+    one of the experts that replay makes resident: the invalidation must land after it, so the
+    expert ends up not resident, as in the reference (replay, then invalidate)."""
+    h = Harness("bf16", "separate")
+    h.forward([[0, 1]], stream=0, replay=False)  # stream 0 becomes the owner
+    h.graphs[1] = h._capture(1)
+    owner = h.streams[0]
+    sleep = cycles_for_ms(20.0)
+    staged = torch.tensor([[2, 3]], dtype=torch.int32).pin_memory()  # before the spin
+    torch.cuda.synchronize()
+    with torch.cuda.stream(owner):
+        gpu_sleep(sleep)
+        h.graphs[1].ids.copy_(staged, non_blocking=True)
+        h.graphs[1].graph.replay()
+    with torch.cuda.stream(h.streams[1]):
+        if on_current_stream:  # the seeded bug: enqueued on the calling stream
+            h.gpu._kernels.invalidate(h.gpu.state, 2)
+        else:
+            h.gpu.invalidate(2)
+    torch.cuda.synchronize()
+    h.ref.prepare(torch.tensor([[2, 3]]))
+    h.ref.invalidate(2)
+    return h.state_mismatches()
+
+
+def test_invalidate_lands_after_a_pending_replay() -> None:
+    assert _invalidate_during_replay(on_current_stream=False) == []
+
+
 MUTANTS = {
     "victim_taken_from_selected": 1,
     "forward_entry_left_from_previous_pass": 2,
@@ -313,6 +366,11 @@ MUTANTS = {
 def test_device_mutant_is_detected(name: str) -> None:
     with pytest.raises(AssertionError):
         run_machine("nvfp4", "separate", 50, mutant=MUTANTS[name])
+
+
+@pytest.mark.gpu_mutant
+def test_device_mutant_invalidate_on_the_calling_stream_is_detected() -> None:
+    assert _invalidate_during_replay(on_current_stream=True) != []
 
 
 @pytest.mark.gpu_mutant
