@@ -11,17 +11,28 @@ Which mutants run on the GPU: those that change a schedule (a step or the owner 
 others change a reference function of the host bookkeeping (guard, effect, pre-guard), which
 the provider implements by hand, not from the table: ``tests/test_conformance.py`` catches
 those on the CPU. ``NOT_ON_GPU`` names the schedule mutants the CUDA backend cannot run.
+
+A GPU mutant is the model mutant of the same name (``model_check.mutants.mutant(name)``):
+``explain_calls(name)`` is the host-call sequence of the counterexample ``python -m model_check
+explain NAME`` prints for it, which the CUDA machine's shrunk counterexamples are held to
+(``host_call_machine.judge``).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
 from model_check import codegen
+from model_check.explorer import explore
 from model_check.mutants import MUTANTS, mutant
+from model_check.reference import Bounds
 from model_check.table import Step, Table, load_table
 from rowcache import RowCacheWeightProvider
+
+HostCall = tuple[str, tuple[object, ...], int]
+"""One host call as the models take it: (operation, arguments, consumer stream)."""
 
 NOT_ON_GPU: dict[str, str] = {
     "wait_for_latest_record": "uses wait_flag, a wait on an event's future record: CUDA has no "
@@ -52,9 +63,14 @@ def host_mutants() -> tuple[str, ...]:
     return tuple(m.name for m in MUTANTS if _schedule(m.apply(table)) == base)
 
 
+def mutant_table(name: str) -> Table:
+    """The table of model mutant ``name``."""
+    return mutant(name).apply(load_table())
+
+
 def schedules_for(name: str) -> types.ModuleType:
     """The schedules codegen writes for mutant ``name``'s table, as an in-memory module."""
-    table = mutant(name).apply(load_table())
+    table = mutant_table(name)
     module = types.ModuleType(f"mutant_schedules_{name}")
     source = codegen.generate(table)
     exec(compile(source, f"<schedules of mutant {name}>", "exec"), module.__dict__)
@@ -72,3 +88,28 @@ def install(provider: RowCacheWeightProvider, name: str) -> RowCacheWeightProvid
 def mutant_provider(name: str, *args: Any, **kwargs: Any) -> RowCacheWeightProvider:
     """``RowCacheWeightProvider(*args, **kwargs)`` running mutant ``name``'s schedules."""
     return install(RowCacheWeightProvider(*args, **kwargs), name)
+
+
+EXPLAIN_BOUNDS = Bounds(num_experts=3, capacity=2)
+EXPLAIN_DEPTH = 4
+"""The search ``python -m model_check explain MUTANT`` runs (``model_check.cli.cmd_explain``
+and its ``--depth`` default): every interleaving, only the mutant's property, these bounds."""
+
+
+@functools.cache
+def explain_calls(name: str, depth: int = EXPLAIN_DEPTH) -> tuple[HostCall, ...] | None:
+    """The host calls (device steps left out) of the counterexample ``python -m model_check
+    explain NAME --depth DEPTH`` prints for model mutant ``name``; None where it finds none.
+
+    The search is breadth-first by host calls: it expands states in the order of the number of
+    host calls that reach them, and a violation found while expanding a state reached by d
+    calls has d calls (a device step) or d + 1 (a host call). A smaller ``depth`` expands the
+    same states in the same order up to it, so it finds the very counterexample of the default
+    depth when that one is found at depth ``depth`` or less, and none otherwise."""
+    m = mutant(name)
+    found = explore(
+        m.apply(load_table()), EXPLAIN_BOUNDS, depth, model="interleavings", only=m.breaks
+    )
+    if found.violation is None:
+        return None
+    return tuple((a.op, a.args, a.stream) for a, _ in found.trace if a.kind == "host")

@@ -3,13 +3,25 @@
 Every mutant of ``model_check.mutants`` that changes a schedule runs through every race
 fixture on the GPU, and each must be detected there: a wrong read, a wrong map, or a host
 block. These tests pass when the mutant is caught; they show that the race fixtures can fail.
+
+The CUDA hypothesis machine (``host_call_machine``, ``cuda_rig.CudaRig``) kills every one of
+them too, with shrinking on: the provider runs the mutant's schedules, the model replays the
+mutant's table (so the GPU log must still be that table's trace), and the kill must come from
+a property check (the model's verdict over all interleavings, the GPU's own data checks, or
+the sanitizer oracle). Its shrunk counterexample must have no more host calls than the one
+``python -m model_check explain MUTANT`` prints for the model mutant of the same name.
+``ROWCACHE_MUTANT_EXAMPLES`` sets the machine's examples per length (default 200).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from cuda_rig import CudaRig
 from cuda_support import ExpertData
+from host_call_machine import explain_to_compare, judge, kill
 from mutant_provider import NOT_ON_GPU, REQUIRED, host_mutants, install, schedule_mutants
 from race_fixtures import FIXTURES, Inconclusive, Report, save
 
@@ -59,3 +71,17 @@ def test_gpu_mutant_is_detected(name: str) -> None:
     assert kinds, f"mutant {name} went undetected by every race fixture"
     if name in EXPECTED:
         assert EXPECTED[name] in kinds, f"mutant {name}: expected a {EXPECTED[name]}, got {kinds}"
+
+
+MUTANT_EXAMPLES = int(os.environ.get("ROWCACHE_MUTANT_EXAMPLES", "200"))
+
+
+@pytest.mark.gpu_mutant
+@pytest.mark.parametrize("name", schedule_mutants())
+def test_cuda_machine_kills_gpu_mutant_no_longer_than_explain(name: str) -> None:
+    found = kill(CudaRig(), name, MUTANT_EXAMPLES)
+    torch.cuda.synchronize()
+    shortest = explain_to_compare(name, found)
+    print(f"mutant {name}: " + (found.describe() if found else "not killed"))
+    problems = judge(name, found, shortest)
+    assert not problems, "\n".join(problems)
