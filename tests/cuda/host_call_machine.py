@@ -5,8 +5,9 @@ One rule per host call, on ``E`` experts and ``STREAMS`` consumer streams:
 * ``prepare(experts, stream, busy)``: a prepare of up to ``capacity`` distinct experts on a
   consumer stream, issued behind ``busy`` ms of unrelated work on that stream; the requested
   experts go into the ``prepared`` bundle;
-* ``read(delay)``: a consumer read on the owner stream that spins ``delay`` ms and then
-  snapshots the slots and maps; only once a prepare was accepted (a forward map exists);
+* ``read(delay)``: a consumer read on the stream of the last prepare (the owner: the consumer
+  runs its forward where it prepared) that spins ``delay`` ms and then snapshots the slots
+  and maps; only once a prepare was accepted (a forward map exists);
 * ``invalidate(expert, stream, busy)``: an invalidate of an expert some prepare requested (from
   the ``prepared`` bundle; it may have been evicted since), behind unrelated work;
 * ``synchronize()``: the consumer's device-wide host sync; only when a call was made since the
@@ -25,16 +26,19 @@ What the device is comes from a ``Rig``: ``cuda_rig.CudaRig`` drives the real CU
 (``tests/cuda/test_cuda_machine.py``, ``tests/cuda/test_gpu_mutants.py``); ``RecordingRig``
 (below) drives the same rules on ``RecordingBackend`` on the CPU, so that CPU CI runs the
 rules, their preconditions and the mutant-kill logic (``tests/test_machine_rules.py``). The
-rules draw the same choices whatever the rig, so a derandomized run on the CPU generates and
-shrinks the same examples as the same run on the GPU.
+rules draw the same choices whatever the rig (the machine's name, not the rig, seeds the
+derandomized search; preconditions and bundles depend only on host state, which both rigs
+check against the model), so with the same hypothesis version a run on the CPU generates and
+shrinks the examples the same run generates on the GPU, unless a check only the GPU makes
+(the bytes of the slots) fails first.
 
-Mutant kills: ``kill(rig, name, settings)`` runs the machine with the provider running mutant
+Mutant kills: ``kill(rig, name, examples)`` runs the machine with the provider running mutant
 ``name``'s generated schedules (``mutant_provider.install``) and the model replaying the same
 mutated table, so the device log must still be the (mutated) table's trace and the kill must
 come from a property check: the model's verdict over all interleavings, the device's own data
 checks, or the sanitizer oracle. With shrinking on, the counterexample is the shrunk example's
-host calls; ``judge`` compares it with the shortest counterexample ``python -m model_check
-explain`` prints (``mutant_provider.explain_calls``).
+host calls; ``judge`` holds it to the counterexample ``python -m model_check explain`` prints
+for the model mutant of the same name (``explain_to_compare``, ``mutant_provider``).
 
 Nothing here touches CUDA, so CPU CI imports it.
 """
@@ -345,9 +349,10 @@ class HostCallMachine(RuleBasedStateMachine):
 
 def oracle_lines(lines: Sequence[str]) -> list[str]:
     """The trace as the sanitizer oracle replays it: without a provider's own host sync of one
-    stream role (``host_sync owner``: only mutants have one), which it cannot replay, since
-    the line names the role, not the stream. Leaving a sync out only removes ordering, and
-    without it the trace is the real schedule's, so this adds no race the sync would order."""
+    stream role (``host_sync owner``), which the oracle cannot replay (the line names the role,
+    not the stream). The real table has none; only the mutant ``host_sync_on_owner`` does,
+    and the rest of its trace is the real schedule's, so leaving its syncs out (which only
+    removes ordering) adds no race there."""
     return [line for line in lines if not line.startswith("host_sync ") or line == "host_sync all"]
 
 
@@ -381,6 +386,15 @@ class Kill:
     message: str
     calls: tuple[HostCall, ...]
     in_teardown: bool = False
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "mutant": self.mutant,
+            "kind": self.kind,
+            "message": self.message,
+            "calls": [call_text(c) for c in self.calls],
+            "in_teardown": self.in_teardown,
+        }
 
     def describe(self) -> str:
         where = " (then the teardown's checks)" if self.in_teardown else ""

@@ -15,13 +15,15 @@ the sanitizer oracle). Its shrunk counterexample must have no more host calls th
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from cuda_rig import CudaRig
 from cuda_support import ExpertData
-from host_call_machine import explain_to_compare, judge, kill
+from host_call_machine import call_text, explain_to_compare, judge, kill
 from mutant_provider import NOT_ON_GPU, REQUIRED, host_mutants, install, schedule_mutants
 from race_fixtures import FIXTURES, Inconclusive, Report, save
 
@@ -82,6 +84,17 @@ def test_cuda_machine_kills_gpu_mutant_no_longer_than_explain(name: str) -> None
     found = kill(CudaRig(), name, MUTANT_EXAMPLES)
     torch.cuda.synchronize()
     shortest = explain_to_compare(name, found)
-    print(f"mutant {name}: " + (found.describe() if found else "not killed"))
     problems = judge(name, found, shortest)
+    print(f"mutant {name}: " + (found.describe() if found else "not killed"))
+    folder = os.environ.get("ROWCACHE_CONFORMANCE_LOGS")
+    if folder:  # one record per mutant, rewritten by every run; "explain": explain's
+        # counterexample where it may be shorter than the kill (null: none is)
+        path = Path(folder) / "machine_kills" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            **(found.as_json() if found else {"mutant": name, "kind": "not killed"}),
+            "explain": None if shortest is None else [call_text(c) for c in shortest],
+            "problems": problems,
+        }
+        path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     assert not problems, "\n".join(problems)
