@@ -156,7 +156,7 @@ def test_idempotent_while_waiting(pkg: Pkg) -> None:
     for _ in range(3):
         call_after_import(pkg.name, record)
     call_after_import(pkg.name, other)
-    assert pending(pkg.name) == [other, record]
+    assert pending(pkg.name) == [record, other]
     importlib.import_module(pkg.name)
     assert len(record.seen) == 1 and len(other.seen) == 1
 
@@ -211,3 +211,71 @@ def test_partially_imported_package_is_refused(pkg: Pkg) -> None:
     assert isinstance(refused, PartiallyImportedError)
     assert "is being imported" in str(refused)
     assert fully_imported(pkg.name)
+
+
+# -- wrapt underneath: when it fires, and what rowcache adds -------------------------------------
+
+
+def test_a_hook_on_the_submodule_fires_midway(pkg: Pkg) -> None:
+    """Why the plugin waits for the package: its __init__ imports the submodule on its first
+    line, so a hook on the submodule runs while the package is half built; the package's own
+    hook runs after its last line, with the submodule complete."""
+    midway: list[tuple[bool, bool]] = []
+
+    def on_inner() -> None:
+        midway.append((getattr(pkg.module(), "DONE", False), fully_imported(pkg.name)))
+
+    record = Recorder(pkg)
+    call_after_import(f"{pkg.name}.inner", on_inner)
+    call_after_import(pkg.name, record)
+    importlib.import_module(pkg.name)
+    assert midway == [(False, False)]
+    assert record.seen == [(True, 42, True)]
+
+
+def test_shares_wrapts_hooks_with_other_users(pkg: Pkg) -> None:
+    """Another wrapt user (OpenTelemetry's instrumentation, say) waiting for the same package:
+    both run once, in registration order, after the package's code."""
+    import wrapt
+
+    order: list[tuple[str, bool]] = []
+
+    def other(module: object) -> None:
+        order.append(("other", getattr(module, "DONE", False)))
+
+    def ours() -> None:
+        order.append(("rowcache", getattr(pkg.module(), "DONE", False)))
+
+    wrapt.register_post_import_hook(other, pkg.name)
+    call_after_import(pkg.name, ours)
+    importlib.import_module(pkg.name)
+    assert order == [("other", True), ("rowcache", True)]
+
+
+def test_forgotten_callbacks_do_not_run(pkg: Pkg) -> None:
+    record = Recorder(pkg)
+    call_after_import(pkg.name, record)
+    forget(pkg.name, record)
+    assert pending(pkg.name) == []
+    importlib.import_module(pkg.name)
+    assert record.seen == []
+    # Waiting again after the package was imported and forgotten by sys.modules works anew.
+    pkg.forget()
+    call_after_import(pkg.name, record)
+    importlib.import_module(pkg.name)
+    assert record.seen == [(True, 42, True)]
+
+
+def test_without_wrapt_waiting_raises_and_leaves_nothing(
+    pkg: Pkg, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "wrapt", None)
+    record = Recorder(pkg)
+    with pytest.raises(ImportError):
+        call_after_import(pkg.name, record)
+    assert pending(pkg.name) == []
+    # Running at once needs no wrapt.
+    importlib.import_module(pkg.name)
+    assert record.seen == []
+    assert call_after_import(pkg.name, record) is True
+    assert record.seen == [(True, 42, True)]

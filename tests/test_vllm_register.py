@@ -331,6 +331,24 @@ def test_failed_substitution_leaves_the_config_unchanged(
     assert len(warnings) == 1 and "another plugin already substitutes" in warnings[0]
 
 
+def test_without_wrapt_one_warning_and_the_config_unchanged(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hook waits through wrapt (the vllm extra installs it): without it the plugin stays
+    off, with one warning that names it, and no configuration is adjusted."""
+    monkeypatch.setitem(sys.modules, "wrapt", None)
+    plugin.register()
+    plugin.register()
+    warnings = _rowcache_warnings(caplog)
+    assert len(warnings) == 1 and "wrapt" in warnings[0], warnings
+    assert plugin._state.method == "failed" and pending(FUSED_MOE) == []
+    config = _config(fake_vllm, {"moe_expert_cache_size": 8})
+    assert config.compilation_config.splitting_ops == ["vllm::unified_attention_with_output"]
+    import vllm.model_executor.layers.fused_moe  # noqa: F401
+
+    assert _registry(fake_vllm) == {}
+
+
 def test_register_while_fused_moe_is_being_imported(
     fake_vllm: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

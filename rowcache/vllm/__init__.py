@@ -3,7 +3,8 @@
 vLLM loads ``register`` through the ``vllm.general_plugins`` entry point in every process it
 starts (``pip install rowcache[vllm]``). It is idempotent, cheap and never fatal: when vLLM or
 one of the internals listed in ``rowcache.vllm.seams`` is missing, it logs one warning and vLLM
-runs unchanged. The knob (``rowcache.vllm.knob``) decides per engine whether anything changes:
+runs unchanged. The knob (``rowcache.vllm.knob``) decides per engine whether anything changes
+(this ``vllm serve`` line is untested: the recorded runs build an ``LLM`` in Python):
 
     vllm serve MODEL --additional-config '{"rowcache": {"moe_expert_cache_size": 32,
         "moe_expert_cache_provider": "row", "moe_expert_cache_split": "token"}}'
@@ -16,8 +17,8 @@ Registration does two things, and only the first at once:
    vLLM's fused-MoE modules (seconds), which a process that builds no MoE model (an API server
    front end, a model-inspection subprocess, a dense model) never needs. So it is installed
    when the package ``vllm.model_executor.layers.fused_moe`` has finished importing: at once if
-   it already has, otherwise from a post-import hook (``rowcache.vllm._post_import``), or when
-   a configuration turns the knob on, whichever comes first.
+   it already has, otherwise from a post-import hook (``rowcache.vllm._post_import``, on
+   wrapt's), or when a configuration turns the knob on, whichever comes first.
 
 This module imports no vLLM (CI runs without it).
 """
