@@ -22,6 +22,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
+from rowcache.device_plan.forward import PassPlanned, run_passes
 from rowcache.errors import InvalidInputError, RowCacheError
 from rowcache.planning import plan_chunks, plan_expert_groups
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
@@ -53,7 +54,13 @@ def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run:
     dtype. When everything fits, there is a single ``prepare`` and ``run``'s
     output is returned as is; so it is for a routing of only padding (-1),
     whose one ``prepare`` requests nothing.
+
+    A device-planned provider (``rowcache.device_plan``) runs the number of passes its
+    ``num_passes(topk_ids)`` fixes by the shape, without reading ``topk_ids`` on the host
+    (``rowcache.device_plan.forward.run_passes``), so the forward can be captured.
     """
+    if isinstance(provider, PassPlanned):
+        return run_passes(provider, topk_ids, run)
     split = provider.split
     if split == "token":
         chunks = plan_chunks(topk_ids, provider.capacity)

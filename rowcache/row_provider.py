@@ -27,7 +27,7 @@ import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -42,7 +42,12 @@ from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_experts
 
-__all__ = ["RowCacheWeightProvider", "default_backend"]
+__all__ = ["PLANNERS", "Planner", "RowCacheWeightProvider", "default_backend"]
+
+Planner = Literal["host", "device"]
+PLANNERS: tuple[Planner, ...] = ("host", "device")
+"""``host``: planning on the host, copies on a copy stream (this class); ``device``: planning
+and copies on the device, capturable in CUDA graphs (``rowcache.device_plan``)."""
 
 
 def default_backend(device: torch.device) -> Backend[Any]:
@@ -77,7 +82,21 @@ class RowCacheWeightProvider(SlotSurface):
     ``share_sources=True`` keeps the caller's tensors instead (no copy: for CUDA they must
     already be pinned; not with ``layout="packed"``), and the caller then owns their contents
     (``rowcache.sources.ExpertSources`` says what an in-place write does then).
+
+    ``planner="device"`` builds a ``rowcache.device_plan.DevicePlannedProvider`` (a subclass):
+    the same policy planned and copied on the device, with fixed shapes and no host
+    synchronization, so that a forward can be captured in a CUDA graph; it splits a step by
+    passes over expert groups, and takes no ``backend`` or ``split="token"``.
     """
+
+    def __new__(cls, *args: Any, planner: object = "host", **kwargs: Any) -> RowCacheWeightProvider:
+        if planner not in PLANNERS:
+            raise InvalidInputError(f"planner must be one of {list(PLANNERS)}, got {planner!r}")
+        if planner == "device" and cls is RowCacheWeightProvider:
+            from rowcache.device_plan.provider import DevicePlannedProvider
+
+            return super().__new__(DevicePlannedProvider)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -94,7 +113,10 @@ class RowCacheWeightProvider(SlotSurface):
         backend: Backend[Any] | None = None,
         layout: Layout = "separate",
         share_sources: bool = False,
+        planner: Planner = "host",
     ) -> None:
+        if planner != "host":  # __new__ built a DevicePlannedProvider for "device"
+            raise InvalidInputError(f"{type(self).__name__} plans on the host, got {planner!r}")
         target = torch.device(device)
         check_layout(layout)  # before the backend, which allocates a stream and events
         # Chosen first: an unsupported device is rejected before any allocation.

@@ -94,11 +94,13 @@ class Lockstep(RuleBasedStateMachine):
         for index in range(total):
             result = self.device.prepare(ids, pass_index=index, passes=total)
             got = result.expert_map.tolist()
-            if index >= len(groups):
+            if index >= max(1, len(groups)):
                 assert got == [-1] * E, f"an empty pass exposes {got}"
                 continue
-            group = groups[index]
-            host_map = self.host.prepare(torch.tensor([group])).expert_map.tolist()
+            # A step of padding only is one host prepare that requests nothing.
+            group = groups[index] if groups else []
+            host_ids = torch.tensor([group if group else [-1]])
+            host_map = self.host.prepare(host_ids).expert_map.tolist()
             effect = plan_prepare(self.model, self.counters, self.bounds, (tuple(group),), 0)
             self.model, self.counters = effect.host, effect.counters
             model_map = [-1] * E

@@ -92,10 +92,34 @@ class ProviderKind:
     build: Callable[..., Provider]
     internals: Callable[[Any], tuple[object, ...]]
     inside_prepare: Callable[[Any], tuple[object, str]]
+    planner: str = "host"
+
+    def host_only(self, why: str) -> None:
+        """Skip, naming why and where the device planner's behaviour is tested instead."""
+        if self.planner == "device":
+            pytest.skip(f"device planner: {why} (tests/test_device_planner.py)")
+
+
+def device_internals(p: Any) -> tuple[object, ...]:
+    state = p.state
+    return tuple(
+        getattr(state, n).tolist()
+        for n in ("resident", "owners", "stamps", "clock", "forward", "counters")
+    )
+
+
+def device_planned(*args: Any, split: str = "expert", **kwargs: Any) -> Provider:
+    """The device planner splits by passes over expert groups: the suite's default "token"
+    maps to that, anything else is passed on (and an unknown split is rejected)."""
+    split = "expert" if split == "token" else split
+    return RowCacheWeightProvider(*args, planner="device", split=split, **kwargs)  # type: ignore[return-value]
 
 
 KINDS = [
     ProviderKind("row", RowCacheWeightProvider, row_internals, lambda p: (p.backend, "copy_rows")),
+    ProviderKind(
+        "device", device_planned, device_internals, lambda p: (p._kernels, "gather"), "device"
+    ),
     ProviderKind("cached", CachedWeightProvider, cached_internals, lambda p: (p, "_publish")),
 ]
 
@@ -188,10 +212,11 @@ def assert_serves(
 # -- surface ---------------------------------------------------------------------
 
 
-def test_satisfies_the_shared_protocol(make: Make) -> None:
+def test_satisfies_the_shared_protocol(kind: ProviderKind, make: Make) -> None:
     p: Any = make()
     assert isinstance(p, ExpertWeightProvider)
-    assert (p.capacity, p.split, p.num_experts, p.device) == (3, "token", E, CPU)
+    split = "expert" if kind.planner == "device" else "token"
+    assert (p.capacity, p.split, p.num_experts, p.device) == (3, split, E, CPU)
     assert all(b is not None for b in buffers(p))
     assert p.buf_w13_scale is not None and p.buf_w13_scale.dtype == FP8
     assert p.share_sources is False
@@ -205,7 +230,8 @@ def test_prepare_exposes_exactly_the_request_with_all_six_tensors(make: Make) ->
     assert result.w1_scale is p.buf_w13_scale and result.w2_scale is p.buf_w2_scale
 
 
-def test_unique_ids_expose_only_the_group(make: Make) -> None:
+def test_unique_ids_expose_only_the_group(kind: ProviderKind, make: Make) -> None:
+    kind.host_only("groups are passes selected by pass_index, not unique_ids")
     p = make(capacity=2)
     result = p.prepare(ids([0, 1, 2, 3]), unique_ids=[3, 1])
     assert_serves(p, result.expert_map, {1, 3})
@@ -300,7 +326,7 @@ def test_stats_count_hits_misses_evictions_and_bytes(make: Make) -> None:
 # -- what the last prepare copied (stats: last_copies, last_copy_bytes) ----------------------
 
 
-def test_last_copies_report_the_last_accepted_prepare(make: Make) -> None:
+def test_last_copies_report_the_last_accepted_prepare(kind: ProviderKind, make: Make) -> None:
     p = make(capacity=3)
 
     def last() -> tuple[int, int]:
@@ -314,9 +340,10 @@ def test_last_copies_report_the_last_accepted_prepare(make: Make) -> None:
     assert last() == (0, 0)
     p.prepare(ids([2, 3], [1, 2]))  # 1 hits; 2 fills the free slot; 3 evicts 0
     assert last() == (2, 2 * EXPERT_BYTES)
-    with pytest.raises(InvalidInputError):
-        p.prepare(ids([4, 5, 6, 7]))
-    assert last() == (2, 2 * EXPERT_BYTES)  # a rejected call changes nothing
+    if kind.planner == "host":  # the device planner serves such a step in passes instead
+        with pytest.raises(InvalidInputError):
+            p.prepare(ids([4, 5, 6, 7]))
+        assert last() == (2, 2 * EXPERT_BYTES)  # a rejected call changes nothing
     p.invalidate(2)
     assert last() == (2, 2 * EXPERT_BYTES)  # invalidate copies nothing and is no prepare
     p.prepare(ids([-1, -1]))
@@ -353,7 +380,8 @@ def test_a_routing_of_only_padding_requests_nothing(make: Make) -> None:
     assert (after["last_copies"], after["last_copy_bytes"]) == (0, 0)
 
 
-def test_padding_in_unique_ids_is_dropped(make: Make) -> None:
+def test_padding_in_unique_ids_is_dropped(kind: ProviderKind, make: Make) -> None:
+    kind.host_only("groups are passes selected by pass_index, not unique_ids")
     p = make(capacity=1)
     result = p.prepare(ids([1, 3, -1]), unique_ids=[-1, 3, -1])
     assert_serves(p, result.expert_map, {3})
@@ -365,6 +393,8 @@ def test_padding_in_unique_ids_is_dropped(make: Make) -> None:
 def test_forward_skips_padding_and_does_not_count_it(
     kind: ProviderKind, split: str, top_k: int
 ) -> None:
+    if split == "token":
+        kind.host_only("a step is split by passes over expert groups, never by tokens")
     hidden, inter, tokens = 16, 8, 10
     layer = make_layer(E, hidden, inter, seed=11)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(12))
@@ -400,6 +430,8 @@ HIDDEN, INTER, T = 16, 8, 12
 def test_forward_matches_the_uncached_layer(
     kind: ProviderKind, dtype: torch.dtype, split: str, top_k: int, capacity: int
 ) -> None:
+    if split == "token":
+        kind.host_only("a step is split by passes over expert groups, never by tokens")
     layer = make_layer(E, HIDDEN, INTER, dtype=dtype, seed=3)
     x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(4)).to(dtype)
     topk_ids, topk_weights = make_routing(T, E, top_k, dtype=dtype, seed=5)
@@ -558,6 +590,17 @@ BAD_CALLS: list[tuple[str, Callable[[Provider], object], str]] = [
     ("invalidate float", lambda p: p.invalidate(1.0), "expert_id must be an int, got 1.0"),  # type: ignore[arg-type]
 ]
 
+DEVICE_SIDE = {
+    message
+    for name, _, message in BAD_CALLS
+    if name.startswith(
+        ("more unique", "one token", "topk_ids out", "topk_ids -2", "padding does", "unique_ids")
+    )
+}
+"""Rejections the device planner cannot make on the host: it reads no ids there (they are
+checked on the device, counted and raised by ``stats()``), serves a step in passes and takes no
+``unique_ids``."""
+
 WARMUP = [[0, 1], [1], [2, 3], [1, 3]]
 FOLLOW_UP = [[4], [5, 0], [2], [6, 7], [3], [0, 4, 5], [1]]
 
@@ -579,6 +622,8 @@ def observe(kind: ProviderKind, p: Provider, last_map: torch.Tensor) -> tuple[ob
 def test_rejected_call_changes_nothing(
     kind: ProviderKind, make: Make, bad_call: Callable[[Provider], object], message: str
 ) -> None:
+    if kind.planner == "device" and message in DEVICE_SIDE:
+        kind.host_only("ids are checked on the device, counted and raised by stats()")
     victim, twin = make(), make()
     for call in WARMUP:
         last_map = victim.prepare(ids(call)).expert_map

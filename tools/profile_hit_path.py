@@ -34,7 +34,7 @@ def main() -> None:
         raise SystemExit("profile_hit_path: needs a CUDA device")
     w13 = torch.zeros(NUM_EXPERTS, 64, 64).pin_memory()
     w2 = torch.zeros(NUM_EXPERTS, 64, 32).pin_memory()
-    provider = RowCacheWeightProvider(w13, w2, capacity=CAPACITY, device="cuda")
+    provider = RowCacheWeightProvider(w13, w2, capacity=CAPACITY, device="cuda", share_sources=True)
     ids = torch.arange(TOP_K).reshape(1, TOP_K)
     provider.prepare(ids)
     torch.cuda.synchronize()
@@ -44,7 +44,11 @@ def main() -> None:
         provider.prepare(ids)  # the owner changes hands once, outside the timed calls
         _profile(provider, ids, calls, "created stream")
     torch.cuda.synchronize()
-    _side_by_side(provider, CachedWeightProvider(w13, w2, capacity=CAPACITY, device="cuda"), ids)
+    _side_by_side(
+        provider,
+        CachedWeightProvider(w13, w2, capacity=CAPACITY, device="cuda", share_sources=True),
+        ids,
+    )
 
 
 def _side_by_side(

@@ -75,6 +75,7 @@ def _device_provider(
         capacity=capacity,
         device="cuda",
         layout=layout,
+        share_sources=layout == "separate",
     )
 
 

@@ -47,6 +47,9 @@ def _row_with(
         device=device,
         backend=CudaBackend(device, copy=copy),
         layout=layout,
+        # The geometry's pinned sources are shared by every provider of the run (the packed
+        # layout copies them into its own buffer by design).
+        share_sources=layout == "separate",
     )
 
 
@@ -67,6 +70,7 @@ def _cached(sources: dict[str, Tensor], capacity: int, device: torch.device) -> 
         **_weights(sources),  # type: ignore[arg-type]
         capacity=capacity,
         device=device,
+        share_sources=True,
     )
 
 

@@ -10,7 +10,7 @@ exposes nothing contributes zeros.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from rowcache.types import ExpertWeightResult
 __all__ = ["PassPlanned", "run_passes"]
 
 
+@runtime_checkable
 class PassPlanned(Protocol):
     def num_passes(self, topk_ids: Tensor) -> int: ...
 

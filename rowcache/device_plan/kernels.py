@@ -55,10 +55,14 @@ class TorchKernels:
         count = int(state.miss_count.item())
         if count == 0:
             return
-        experts = state.miss_experts[:count].to(torch.int64)
-        slots = state.miss_slots[:count].to(torch.int64)
-        for src, dst in self._pairs:
-            dst.index_copy_(0, slots, src.index_select(0, experts.to(src.device)).to(dst.device))
+        # Row by row: copy_ takes every dtype (index_copy_ has no fp8 on the CPU), and there
+        # are at most C misses.
+        pairs = zip(
+            state.miss_experts[:count].tolist(), state.miss_slots[:count].tolist(), strict=True
+        )
+        for expert, slot in pairs:
+            for src, dst in self._pairs:
+                dst[slot].copy_(src[expert])
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
         invalidate_expert(state, expert_id)

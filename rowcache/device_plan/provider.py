@@ -37,6 +37,7 @@ from torch import Tensor
 
 from rowcache.device_plan.kernels import Kernels, kernels_for
 from rowcache.device_plan.passes import num_passes
+from rowcache.device_plan.regions import copy_regions
 from rowcache.device_plan.state import (
     COUNTERS,
     DeviceCacheState,
@@ -48,19 +49,23 @@ from rowcache.device_plan.state import (
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.packing import Layout, check_layout
-from rowcache.surface import SlotSurface
-from rowcache.types import ExpertWeightResult, UniqueIds
+from rowcache.row_provider import Planner, RowCacheWeightProvider
+from rowcache.surface import check_split
+from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import check_topk_ids
 
 __all__ = ["DevicePlannedProvider"]
 
 
-class DevicePlannedProvider(SlotSurface):
-    """LRU expert-weight cache planned on the device (see the module docstring).
+class DevicePlannedProvider(RowCacheWeightProvider):
+    """LRU expert-weight cache planned on the device (see the module docstring); what
+    ``RowCacheWeightProvider(..., planner="device")`` builds.
 
     ``kernels``: ``"triton"`` (the fused launches; the default on CUDA) or ``"torch"`` (torch
     operations; the default on the CPU). The split is always by expert groups (``"expert"``):
-    passes over all rows, summed in fp32 when there is more than one.
+    passes over all rows, summed in fp32 when there is more than one. It shares the host
+    provider's policy and inspection methods, not its host bookkeeping: ``__init__`` sets up
+    only the device state.
     """
 
     def __init__(
@@ -76,9 +81,19 @@ class DevicePlannedProvider(SlotSurface):
         w2_scale_2: Tensor | None = None,
         layout: Layout = "separate",
         kernels: str | None = None,
+        share_sources: bool = False,
+        split: Split = "expert",
+        planner: Planner = "device",
     ) -> None:
         target = torch.device(device)
         check_layout(layout)
+        if planner != "device":
+            raise InvalidInputError(f"{type(self).__name__} plans on the device, got {planner!r}")
+        if check_split(split) != "expert":
+            raise InvalidInputError(
+                f"the device planner splits a step by passes over expert groups: split must "
+                f"be 'expert', got {split!r}"
+            )
         if target.type not in ("cpu", "cuda"):
             raise InvalidInputError(f"no device planner for device {target} (supported: cpu, cuda)")
         self._set_up_slots(
@@ -92,9 +107,11 @@ class DevicePlannedProvider(SlotSurface):
             split="expert",
             device=target,
             layout=layout,
+            share_sources=share_sources,
         )
         self._kernels: Kernels = kernels_for(self._sources, self._slots, self._num_experts, kernels)
         self._state: DeviceCacheState = new_state(self._num_experts, capacity, target)
+        self._expert_bytes = sum(r.row_bytes for r in copy_regions(self._sources, self._slots))
         self._cuda = target.type == "cuda"
         self._owner: Any = None
         self._owner_changes = 0
@@ -131,8 +148,12 @@ class DevicePlannedProvider(SlotSurface):
         pass_index: int = 0,
         passes: int | None = None,
     ) -> ExpertWeightResult:
-        """Enqueue pass ``pass_index`` of ``passes`` (default ``num_passes(topk_ids)``) for
-        ``topk_ids`` on the current stream and return the live slot buffers and forward map.
+        """Enqueue pass ``pass_index`` of ``passes`` for ``topk_ids`` on the current stream and
+        return the live slot buffers and forward map.
+
+        ``passes`` defaults to 1: a step served by one pass, whose requested experts beyond
+        ``capacity`` count as overflow (``run_with_expert_cache`` runs ``num_passes(topk_ids)``
+        passes, which never overflow).
 
         Nothing is read from the device: ids are range-checked there (see the class
         docstring). Reads of the returned buffers must be enqueued on the current stream
@@ -145,7 +166,7 @@ class DevicePlannedProvider(SlotSurface):
                     "prepare: the device planner takes no unique_ids (pass pass_index to "
                     "select a group of the routed experts)"
                 )
-            total = self.num_passes(ids) if passes is None else passes
+            total = 1 if passes is None else passes
             if isinstance(total, bool) or not isinstance(total, int) or total < 1:
                 raise InvalidInputError(f"prepare: passes must be an int >= 1, got {total!r}")
             if isinstance(pass_index, bool) or not isinstance(pass_index, int):
@@ -204,6 +225,8 @@ class DevicePlannedProvider(SlotSurface):
         self.check_errors()
         counters, _ = read_counters(self._state)
         resident = int((self._state.resident >= 0).sum().item())
+        # What the last pass copied (0 before the first, as on the host path).
+        last_copies = int(self._state.miss_count.item())
         return {
             "hits": counters["hits"],
             "misses": counters["misses"],
@@ -214,6 +237,8 @@ class DevicePlannedProvider(SlotSurface):
             "passes": counters["passes"],
             "owner_changes": self._owner_changes,
             "invalidations": counters["invalidations"],
+            "last_copies": last_copies,
+            "last_copy_bytes": last_copies * self._expert_bytes,
             "slot_bytes": self._slots.slot_bytes,
             "host_bytes": self._sources.host_bytes,
         }
@@ -233,6 +258,19 @@ class DevicePlannedProvider(SlotSurface):
 
     def slot_of(self) -> tuple[int, ...]:
         return tuple(self._state.resident.tolist())
+
+    @property
+    def forward_pairs(self) -> tuple[tuple[int, int], ...] | None:
+        """(expert, slot) exposed by the last pass, ascending (None before the first)."""
+        if int(self._state.counters[COUNTERS.index("passes")].item()) == 0:
+            return None
+        return tuple((e, s) for e, s in enumerate(self._state.forward.tolist()) if s >= 0)
+
+    @property
+    def backend(self) -> Any:
+        raise AttributeError(
+            "the device planner has no copy backend: its copies are the gather kernel"
+        )
 
     def forward_map(self) -> tuple[int, ...]:
         return tuple(self._state.forward.tolist())

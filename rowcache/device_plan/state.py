@@ -47,8 +47,9 @@ COUNTERS = (
     "overflow",
     "invalidations",
 )
-"""Device counters in storage order. ``prepare_calls`` counts passes that exposed at least one
-expert (the host path's ``prepare`` calls); ``passes`` counts every pass, empty ones too;
+"""Device counters in storage order. ``prepare_calls`` counts the passes that exposed at least
+one expert and the first pass of every step (the host path's ``prepare`` calls: one per expert
+group, one for a step of padding only); ``passes`` counts every pass, empty ones too;
 ``bad_ids`` counts ``topk_ids`` entries outside ``[-1, E)``; ``overflow`` counts requested
 experts that no pass of the step exposed (more distinct experts than ``passes x capacity``)."""
 

@@ -115,7 +115,7 @@ def plan_pass(state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_pa
     counters[HITS] += n_selected - n_miss
     counters[MISSES] += n_miss
     counters[EVICTIONS] += evicts.sum()
-    counters[PREPARE_CALLS] += (n_selected > 0).to(torch.int64)
+    counters[PREPARE_CALLS] += ((n_selected > 0) | (pass_index == 0)).to(torch.int64)
     counters[PASSES] += 1
 
 

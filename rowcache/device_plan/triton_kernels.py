@@ -139,7 +139,8 @@ def plan_kernel(
     tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + n_selected - n_miss64)
     tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_miss64)
     tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + n_evicted)
-    tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + (n_selected > 0).to(tl.int64))
+    first = (n_selected > 0) | (pass_index == 0)
+    tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + first.to(tl.int64))
     tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + 1)
     if FIRST_PASS:
         bad_before = tl.load(counters_ptr + 5)

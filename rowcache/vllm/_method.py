@@ -184,12 +184,24 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
         device = torch.device("cuda", torch.cuda.current_device())
         provider: ExpertWeightProvider
         if settings.provider == "cached":
+            # share_sources: the pinned host tensors live on as the layer's parameters; a
+            # copy would hold every MoE weight twice in pinned memory.
             provider = CachedWeightProvider(
-                w13, w2, capacity=self._capacity, split=settings.split, device=device
+                w13,
+                w2,
+                capacity=self._capacity,
+                split=settings.split,
+                device=device,
+                share_sources=True,
             )
         else:
             provider = RowCacheWeightProvider(
-                w13, w2, capacity=self._capacity, split=settings.split, device=device
+                w13,
+                w2,
+                capacity=self._capacity,
+                split=settings.split,
+                device=device,
+                share_sources=True,
             )
         self.rowcache_provider = provider
 
