@@ -23,6 +23,9 @@ installs lacks them). On a CUDA build (``torch.backends.cuda.is_built()``) they 
 above; on a CPU build the checker reads their declaration in torch's own type stub
 (``torch/_C/__init__.pyi``, generated for every build, CUDA functions included) instead.
 
+Besides CI (torch 2.13.0, CPU build), the table was checked on the H200 machine's torch
+2.11.0+cu130, where the CUDA-only row resolves.
+
 ``check_seam`` imports the row's module: importing ``torch.cuda._sanitizer`` switches on
 PyTorch's GPU trace (harmless on the CPU; the backend itself only looks the module up).
 """
@@ -250,13 +253,14 @@ def _signature_problem(seam: TorchSeam, names: list[str], required: list[str]) -
     return None
 
 
-def _check_callable(seam: TorchSeam, obj: Any) -> str | None:
+def _check_callable(seam: TorchSeam, obj: Any, stub: str | None) -> str | None:
     if not callable(obj):
         return f"resolves to {type(obj).__name__}, which is not callable"
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
-        return None  # a C function without a signature: calling it is the only check
+        # A C function without a signature: torch._C's are declared in its type stub.
+        return _check_stub(seam, stub) if seam.module == "torch._C" else None
     positional = [
         p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
@@ -331,7 +335,7 @@ def _problem(seam: TorchSeam, cuda_built: bool | None, stub: str | None) -> str 
             kind = " (a CUDA build, which must define it)" if seam.cuda_only else ""
             return f"{where} has no attribute {name!r}{kind}"
     if seam.params is not None:
-        return _check_callable(seam, obj)
+        return _check_callable(seam, obj, stub)
     return None
 
 

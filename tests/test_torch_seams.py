@@ -152,6 +152,23 @@ def test_cuda_only_seam_must_resolve_on_a_cuda_build() -> None:
     assert "torch._C has no attribute '_cuda_getCurrentRawStream' (a CUDA build" in problem
 
 
+def test_cuda_only_seam_on_a_cuda_build_also_checks_the_stub(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A C function has no readable signature; its parameters are checked in the stub. Seeded
+    on any build: a signature-less torch._C function stands in for the CUDA one."""
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentRawStream", torch._C._get_tracing_state, raising=False
+    )
+    assert check_seam(RAW_CURRENT_STREAM, cuda_built=True) is None
+    renamed = check_seam(
+        RAW_CURRENT_STREAM,
+        cuda_built=True,
+        stub="def _cuda_getCurrentRawStream(stream: _int) -> _int: ...\n",
+    )
+    assert renamed is not None and "takes (stream), not (device) first" in renamed
+
+
 def test_lookup_never_imports_and_tolerates_missing_names(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, SANITIZER, raising=False)
     assert lookup(SANITIZER_ENABLED) is None
