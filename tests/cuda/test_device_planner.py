@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -168,8 +169,19 @@ class Harness:
         staged = torch.zeros(rows, K, dtype=torch.int32, pin_memory=True)
         return Captured(graph, ids, total, maps, snaps, staged)
 
-    def forward(self, rows: list[list[int]], stream: int, replay: bool) -> list[str]:
+    def forward(
+        self,
+        rows: list[list[int]],
+        stream: int,
+        replay: bool,
+        before_sync: Callable[[torch.cuda.Event], str | None] | None = None,
+        event: torch.cuda.Event | None = None,
+    ) -> list[str]:
+        """One step, checked against the reference. ``before_sync(event)``, when given, runs
+        right after the step is issued, before the device is synchronized; its message (if
+        any) is returned first."""
         size = len(rows)
+        early: list[str] = []
         host_ids = torch.tensor(rows, dtype=torch.int32)
         problems: list[str] = []
         with torch.cuda.stream(self.streams[stream]):
@@ -195,6 +207,10 @@ class Harness:
                     result = self.gpu.prepare(ids, pass_index=index, passes=total)
                     maps.append(result.expert_map.clone())
                     snaps.append([t.clone() for t in slot_buffers(self.gpu)])
+        if before_sync is not None and event is not None:
+            message = before_sync(event)
+            if message is not None:
+                early.append(message)
         torch.cuda.synchronize()
         for index in range(total):
             expected = self.ref.prepare(host_ids, pass_index=index, passes=total).expert_map
@@ -210,7 +226,7 @@ class Harness:
                         as_bytes(snap[slot : slot + 1].cpu()), as_bytes(src[expert : expert + 1])
                     ):
                         problems.append(f"pass {index}: slot {slot} does not hold expert {expert}")
-        return problems + self.state_mismatches()
+        return early + problems + self.state_mismatches()
 
     def invalidate(self, expert: int) -> list[str]:
         self.gpu.invalidate(expert)
@@ -288,27 +304,50 @@ def test_device_planner_in_lockstep_inside_graphs(geometry: str, layout: Layout)
     )
 
 
-def _race(skip_handoff: bool) -> list[str]:
+def _kernel_copy(dst: Tensor, src: Tensor) -> None:
+    """``dst[:] = src`` by an elementwise kernel over the bits (a device-to-device memcpy issued
+    between two streams' commands may serialize them, which would hide a race)."""
+    torch.bitwise_or(src.view(torch.int16), 0, out=dst.view(torch.int16))
+
+
+def _still_pending(event: torch.cuda.Event) -> str | None:
+    """None while ``event`` has not completed; otherwise why the fixture proves nothing."""
+    if event.query():
+        return "inconclusive: the spinning work had finished before the call under test"
+    return None
+
+
+def _race(skip_handoff: bool) -> tuple[list[str], list[str]]:
     """A reader on stream 0 is still pending (it spins first) when a replay on stream 1
-    overwrites every slot it reads; with the handoff the replay waits for it."""
+    overwrites every slot it reads; with the handoff the replay waits for it.
+
+    Returns (violations, inconclusive). The graph is captured and replayed once before, in
+    lockstep with the reference: a graph's first launch uploads it, which can wait for the
+    device."""
     h = Harness("bf16", "separate", skip_handoff=skip_handoff)
+    warm = h.forward([[6, 7], [7, 6]], stream=1, replay=True)
     first = [[0, 1], [2, 0]]
-    h.forward(first, stream=0, replay=False)
-    h.graphs[2] = h._capture(2)  # captured now: a capture drains the device first
+    warm += h.forward(first, stream=0, replay=False)  # stream 0 becomes the owner
+    assert warm == [], warm
     # Read before the reader is enqueued: a read-back on the default stream would wait for it.
     expected = {e: s for e, s in enumerate(h.gpu.forward_map()) if s >= 0}
     sleep = cycles_for_ms(20.0)
     # Allocated before the spin: an allocation between two commands of different streams
-    # serializes them, which would hide a missing handoff.
+    # serializes them.
     seen = [torch.empty_like(t) for t in slot_buffers(h.gpu)]
+    read_done = torch.cuda.Event()
     torch.cuda.synchronize()
     reader = h.streams[0]
     with torch.cuda.stream(reader):
         gpu_sleep(sleep)
         for snap, buf in zip(seen, slot_buffers(h.gpu), strict=True):
-            snap.copy_(buf)
-    problems = h.forward([[3, 4], [5, 3]], stream=1, replay=True)
-    torch.cuda.synchronize()
+            _kernel_copy(snap, buf)
+        read_done.record(reader)
+    problems = h.forward(
+        [[3, 4], [5, 3]], stream=1, replay=True, before_sync=_still_pending, event=read_done
+    )
+    inconclusive = [p for p in problems if p.startswith("inconclusive")]
+    problems = [p for p in problems if not p.startswith("inconclusive")]
     src = host_rows(h.gpu)
     for expert, slot in expected.items():
         for snap, rows in zip(seen, src, strict=True):
@@ -316,41 +355,46 @@ def _race(skip_handoff: bool) -> list[str]:
                 as_bytes(snap[slot : slot + 1].cpu()), as_bytes(rows[expert : expert + 1])
             ):
                 problems.append(f"pending reader saw slot {slot} overwritten (expert {expert})")
-    return problems
+    return problems, inconclusive
 
 
 def test_replay_waits_for_a_pending_reader_on_another_stream() -> None:
-    assert _race(skip_handoff=False) == []
+    assert _race(skip_handoff=False) == ([], [])
 
 
-def _invalidate_during_replay(on_current_stream: bool) -> list[str]:
+def _invalidate_during_replay(on_current_stream: bool) -> tuple[list[str], list[str]]:
     """A replay is still pending on the owner stream (behind a spin) when the host invalidates
     one of the experts that replay makes resident: the invalidation must land after it, so the
-    expert ends up not resident, as in the reference (replay, then invalidate)."""
+    expert ends up not resident, as in the reference (replay, then invalidate). Returns
+    (violations, inconclusive); the graph is replayed once before (see ``_race``)."""
     h = Harness("bf16", "separate")
-    h.forward([[0, 1]], stream=0, replay=False)  # stream 0 becomes the owner
-    h.graphs[1] = h._capture(1)
+    assert h.forward([[0, 1]], stream=0, replay=True) == []  # stream 0 becomes the owner
+    assert h.forward([[4, 1]], stream=0, replay=False) == []
+    captured = h.graphs[1]
     owner = h.streams[0]
     sleep = cycles_for_ms(20.0)
-    staged = torch.tensor([[2, 3]], dtype=torch.int32).pin_memory()  # before the spin
+    captured.staged.copy_(torch.tensor([[2, 3]], dtype=torch.int32))  # before the spin
+    replay_done = torch.cuda.Event()
     torch.cuda.synchronize()
     with torch.cuda.stream(owner):
         gpu_sleep(sleep)
-        h.graphs[1].ids.copy_(staged, non_blocking=True)
-        h.graphs[1].graph.replay()
+        captured.ids.copy_(captured.staged, non_blocking=True)
+        captured.graph.replay()
+        replay_done.record(owner)
     with torch.cuda.stream(h.streams[1]):
         if on_current_stream:  # the seeded bug: enqueued on the calling stream
             h.gpu._kernels.invalidate(h.gpu.state, 2)
         else:
             h.gpu.invalidate(2)
+    pending = _still_pending(replay_done)
     torch.cuda.synchronize()
     h.ref.prepare(torch.tensor([[2, 3]]))
     h.ref.invalidate(2)
-    return h.state_mismatches()
+    return h.state_mismatches(), [] if pending is None else [pending]
 
 
 def test_invalidate_lands_after_a_pending_replay() -> None:
-    assert _invalidate_during_replay(on_current_stream=False) == []
+    assert _invalidate_during_replay(on_current_stream=False) == ([], [])
 
 
 MUTANTS = {
@@ -370,9 +414,11 @@ def test_device_mutant_is_detected(name: str) -> None:
 
 @pytest.mark.gpu_mutant
 def test_device_mutant_invalidate_on_the_calling_stream_is_detected() -> None:
-    assert _invalidate_during_replay(on_current_stream=True) != []
+    problems, inconclusive = _invalidate_during_replay(on_current_stream=True)
+    assert inconclusive == [] and problems != []
 
 
 @pytest.mark.gpu_mutant
 def test_device_mutant_replay_without_handoff_is_detected() -> None:
-    assert _race(skip_handoff=True) != []
+    problems, inconclusive = _race(skip_handoff=True)
+    assert inconclusive == [] and problems != []
