@@ -10,6 +10,7 @@ from rowcache.vllm.knob import ENV, CacheSettings, KnobError, parse_settings
 SIZE_ENV = "ROWCACHE_MOE_EXPERT_CACHE_SIZE"
 PROVIDER_ENV = "ROWCACHE_MOE_EXPERT_CACHE_PROVIDER"
 SPLIT_ENV = "ROWCACHE_MOE_EXPERT_CACHE_SPLIT"
+PLANNER_ENV = "ROWCACHE_MOE_EXPERT_CACHE_PLANNER"
 
 
 def cfg(**section: object) -> dict[str, object]:
@@ -20,6 +21,7 @@ def test_env_names_are_the_documented_ones() -> None:
     assert ENV["moe_expert_cache_size"] == SIZE_ENV
     assert ENV["moe_expert_cache_provider"] == PROVIDER_ENV
     assert ENV["moe_expert_cache_split"] == SPLIT_ENV
+    assert ENV["moe_expert_cache_planner"] == PLANNER_ENV
 
 
 @pytest.mark.parametrize("config", [None, {}, {"other_plugin": {"x": 1}}, cfg()])
@@ -124,6 +126,21 @@ def test_eager_baseline_flag() -> None:
             ["unknown key(s) moe_expert_cache_sise", "allowed keys: moe_expert_cache_size"],
         ),
         ({"rowcache": 32}, {}, ["additional_config['rowcache']", "32", "not an object"]),
+        (
+            cfg(moe_expert_cache_planner="gpu"),
+            {},
+            ["moe_expert_cache_planner", "'gpu'", "allowed values: host, device"],
+        ),
+        (
+            cfg(moe_expert_cache_planner="device", moe_expert_cache_provider="cached"),
+            {},
+            ["moe_expert_cache_provider", "'cached' has no device planner", "allowed values: row"],
+        ),
+        (
+            {},
+            {PLANNER_ENV: "device", SPLIT_ENV: "token"},
+            ["environment variable " + SPLIT_ENV, "'token' is not allowed", "expert"],
+        ),
     ],
 )
 def test_errors_name_key_value_and_allowed(
@@ -144,6 +161,13 @@ def test_bad_value_is_an_error_even_when_off() -> None:
 def test_knob_error_is_a_value_error() -> None:
     assert issubclass(KnobError, InvalidInputError)
     assert issubclass(KnobError, ValueError)
+
+
+def test_planner_defaults_to_host_and_device_splits_by_expert() -> None:
+    assert parse_settings(cfg(moe_expert_cache_size=8), {}).planner == "host"
+    device = parse_settings(cfg(moe_expert_cache_size=8), {PLANNER_ENV: " Device "})
+    assert (device.planner, device.split, device.provider) == ("device", "expert", "row")
+    assert "planned on the device" in device.describe()
 
 
 def test_describe() -> None:

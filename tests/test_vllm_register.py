@@ -372,7 +372,9 @@ def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
         splitting_ops=kw.pop("splitting_ops", None),
     )
     parallel = SimpleNamespace(
-        enable_expert_parallel=kw.pop("ep", False), data_parallel_size=kw.pop("dp", 1)
+        enable_expert_parallel=kw.pop("ep", False),
+        data_parallel_size=kw.pop("dp", 1),
+        tensor_parallel_size=kw.pop("tp", 1),
     )
     model = SimpleNamespace(quantization=kw.pop("quantization", None))
     return fake.config.VllmConfig(
@@ -411,6 +413,22 @@ def test_config_hook_lowers_full_graphs_and_splits_moe(fake_vllm: Any) -> None:
     assert explicit.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
 
 
+def test_device_planner_keeps_the_users_graph_modes(fake_vllm: Any) -> None:
+    plugin.register()
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    knob = {"moe_expert_cache_size": 32, "moe_expert_cache_planner": "device"}
+    config = _config(fake_vllm, knob, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cc = config.compilation_config
+    assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert cc.splitting_ops == ["vllm::unified_attention_with_output"]
+    eager = _config(fake_vllm, knob, mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL)
+    assert eager.compilation_config.cudagraph_mode == CUDAGraphMode.FULL
+    # The guards still run.
+    with pytest.raises(RuntimeError, match="tensor parallelism"):
+        _config(fake_vllm, knob, tp=2)
+
+
 def test_config_hook_without_compile_drops_graphs(fake_vllm: Any) -> None:
     plugin.register()
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
@@ -444,6 +462,7 @@ def test_bad_knob_stops_config_before_vllm_post_init(fake_vllm: Any) -> None:
     [
         ({"ep": True}, "expert parallelism"),
         ({"dp": 2}, "data parallelism (data_parallel_size=2)"),
+        ({"tp": 2}, "tensor parallelism yet (tensor_parallel_size=2)"),
         ({"lora": object()}, "LoRA"),
         ({"quantization": "fp8"}, "quantization 'fp8'"),
     ],
@@ -593,6 +612,41 @@ def test_cached_apply_matches_uncached(fake_vllm: Any, provider: str, split: str
     (only,) = plugin.expert_cache_stats(SimpleNamespace(named_modules=lambda: [("l0", layer)]))
     assert only["layer"] == "l0" and only["capacity"] == 3 and only["misses"] > 0
     assert only["forwards"] == 1 and only["prepare_calls"] == len(kernel.chunks) > 1
+
+
+def test_device_planned_apply_matches_uncached(fake_vllm: Any) -> None:
+    import torch
+
+    from rowcache.device_plan.provider import DevicePlannedProvider
+    from rowcache.row_provider import RowCacheWeightProvider
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    method = _method(fake_vllm, section)
+    assert method.rowcache_settings.planner == "device"
+    layer, x, ids, topk_weights = _layer_and_inputs(tokens=6)
+    kernel = RecordingKernel()
+    method.moe_kernel = kernel
+    expected = ReferenceKernel().apply(
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_ids=ids,
+        topk_weights=topk_weights,
+        expert_map=None,
+        shared_experts=None,
+    )
+    method.rowcache_provider = RowCacheWeightProvider(
+        layer.w13_weight, layer.w2_weight, capacity=3, device="cpu", planner="device"
+    )
+    assert isinstance(method.rowcache_provider, DevicePlannedProvider)
+    shared = object()
+    out = method.apply(layer, x, topk_weights, ids, shared, x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # 6 tokens x top-2 over 8 experts with 3 slots: ceil(min(12, 8) / 3) = 3 passes, each over
+    # vLLM's own tensors (no rows sliced, nothing read back), shared experts once.
+    assert len(kernel.inputs) == 3
+    assert all(h is x and w is topk_weights and i is ids for h, w, i in kernel.inputs)
+    assert kernel.shared_calls == [shared]
 
 
 class RecordingKernel(ReferenceKernel):

@@ -4,7 +4,8 @@ It imports only ``vllm.config`` (which vLLM has imported before it loads plugins
 ``VllmConfig.__post_init__``: before vLLM's own checks the knob is parsed (bad values stop the
 engine here) and the guards run (expert or data parallelism, LoRA, a quantized model); after
 them the MoE ops become splitting ops and full CUDA graphs are lowered to piecewise ones,
-because a host-planned cache must run between captured pieces.
+because a host-planned cache must run between captured pieces. With the device planner
+(``moe_expert_cache_planner=device``) the graph modes stay as the user set them.
 
 A configuration is adjusted only once the MoE method substitution is known to be installed
 (``method_ready``, given by ``rowcache.vllm``): an engine whose MoE op is split out of the
@@ -54,6 +55,13 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
             f"rowcache: {what} does not support expert parallelism (--enable-expert-parallel); "
             "each rank would cache experts it does not own. Turn one of them off."
         )
+    tensor_parallel = getattr(parallel, "tensor_parallel_size", 1)
+    if tensor_parallel > 1:
+        raise RowcacheError(
+            f"rowcache: {what} is not shown to work with tensor parallelism yet "
+            f"(tensor_parallel_size={tensor_parallel}); run one rank with the cache, or turn "
+            "the cache off (size 0)."
+        )
     if getattr(parallel, "data_parallel_size", 1) > 1:
         raise RowcacheError(
             f"rowcache: {what} does not support data parallelism (data_parallel_size="
@@ -75,7 +83,10 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
 
 
 def adjust_graphs(config: Any, settings: CacheSettings) -> None:
-    """Make the MoE op run eagerly between captured pieces, lowering full graphs."""
+    """Make the MoE op run eagerly between captured pieces, lowering full graphs; nothing for
+    the device planner, whose MoE op is captured with the rest of the forward."""
+    if settings.cache_on and settings.planner == "device":
+        return
     cc = config.compilation_config
     if cc.mode != CompilationMode.VLLM_COMPILE:
         if cc.cudagraph_mode != CUDAGraphMode.NONE:

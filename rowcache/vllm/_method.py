@@ -42,6 +42,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from rowcache.cached import CachedWeightProvider
+from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.forward import run_with_expert_cache
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
@@ -194,6 +195,16 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
                 device=device,
                 share_sources=True,
             )
+        elif settings.planner == "device":
+            # Planned and copied on the device: the MoE op is captured with the forward.
+            provider = RowCacheWeightProvider(
+                w13,
+                w2,
+                capacity=self._capacity,
+                device=device,
+                share_sources=True,
+                planner="device",
+            )
         else:
             provider = RowCacheWeightProvider(
                 w13,
@@ -238,7 +249,8 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
                 layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
             )
             return self._stable_output(out)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        device_planned = isinstance(provider, DevicePlannedProvider)
+        if not device_planned and x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RowcacheError(
                 "rowcache: the MoE op is being captured into a CUDA graph, which would freeze "
                 f"one step's expert plan; {', '.join(MOE_OPS)} must be splitting ops "
@@ -273,6 +285,11 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
             )
             return result
 
+        if device_planned:
+            # The router's tensor as it is: the passes are fixed by its shape and planned on
+            # the device, so the whole op is captured with the forward (no stable output: the
+            # MoE op is no splitting op then).
+            return run_with_expert_cache(provider, topk_ids, run)
         # Plan on a host copy: one device-to-host transfer per forward, where planning and
         # validation on the device tensor would each synchronize with the GPU.
         host_ids = topk_ids.cpu()

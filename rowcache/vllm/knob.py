@@ -4,7 +4,12 @@ Two sources, in order of precedence:
 
 1. ``--additional-config '{"rowcache": {...}}'`` (vLLM's ``VllmConfig.additional_config``),
 2. the environment: ``ROWCACHE_MOE_EXPERT_CACHE_SIZE``, ``ROWCACHE_MOE_EXPERT_CACHE_PROVIDER``,
-   ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``.
+   ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``, ``ROWCACHE_MOE_EXPERT_CACHE_PLANNER``.
+
+``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the default: the
+MoE op runs eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``:
+planned and copied on the device, so vLLM's graph modes stay as the user set them). The
+default stays ``host`` until the device planner's engine measurements are recorded.
 
 Each key is taken from the first source that sets it, so an environment default can be
 overridden key by key on the command line. A size of 0 (or no size at all) means the cache is
@@ -23,11 +28,13 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from rowcache.errors import InvalidInputError
+from rowcache.row_provider import Planner
 from rowcache.types import Split
 
 __all__ = [
     "CONFIG_SECTION",
     "ENV",
+    "PLANNERS",
     "PROVIDERS",
     "SPLITS",
     "CacheSettings",
@@ -43,10 +50,12 @@ SIZE = "moe_expert_cache_size"
 PROVIDER = "moe_expert_cache_provider"
 SPLIT = "moe_expert_cache_split"
 EAGER = "moe_eager_between_graphs"
-KEYS = (SIZE, PROVIDER, SPLIT, EAGER)
+PLANNER = "moe_expert_cache_planner"
+KEYS = (SIZE, PROVIDER, SPLIT, EAGER, PLANNER)
 ENV = {key: "ROWCACHE_" + key.upper() for key in KEYS}
 PROVIDERS: tuple[ProviderName, ...] = ("row", "cached")
 SPLITS: tuple[Split, ...] = ("token", "expert")
+PLANNERS: tuple[Planner, ...] = ("host", "device")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -63,6 +72,7 @@ class CacheSettings:
     provider: ProviderName = "row"
     split: Split = "token"
     eager_between_graphs: bool = False
+    planner: Planner = "host"
 
     @property
     def cache_on(self) -> bool:
@@ -76,6 +86,8 @@ class CacheSettings:
     def describe(self) -> str:
         if not self.cache_on:
             return "expert cache off, MoE op eager between graph pieces"
+        if self.planner == "device":
+            return f"{self.size} slots per MoE layer, provider 'row', planned on the device"
         return f"{self.size} slots per MoE layer, provider {self.provider!r}, split {self.split!r}"
 
 
@@ -162,11 +174,25 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
 
     size = _size(*raw) if (raw := pick(SIZE)) is not None else 0
     provider = _choice(*raw, PROVIDERS) if (raw := pick(PROVIDER)) is not None else "row"
-    split = _choice(*raw, SPLITS) if (raw := pick(SPLIT)) is not None else "token"
+    split_raw = pick(SPLIT)
+    split = _choice(*split_raw, SPLITS) if split_raw is not None else "token"
     eager = _flag(*raw) if (raw := pick(EAGER)) is not None else False
+    planner = _choice(*raw, PLANNERS) if (raw := pick(PLANNER)) is not None else "host"
+    if planner == "device" and provider == "cached":
+        raise KnobError(
+            f"{_where(PROVIDER, PROVIDER in section)}: 'cached' has no device planner; with "
+            f"{PLANNER}='device' allowed values: row"
+        )
+    if planner == "device" and split_raw is not None and split == "token":
+        raise KnobError(
+            f"{split_raw[1]}: 'token' is not allowed with {PLANNER}='device', which splits a "
+            "step by passes over expert groups; allowed values: expert"
+        )
     return CacheSettings(
         size=size,
         provider="cached" if provider == "cached" else "row",
-        split="expert" if split == "expert" else "token",
+        # The device planner splits a step by passes over expert groups (checked above).
+        split="expert" if split == "expert" or planner == "device" else "token",
         eager_between_graphs=eager,
+        planner="device" if planner == "device" else "host",
     )
