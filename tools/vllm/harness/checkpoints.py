@@ -1,10 +1,10 @@
 """Building the random-weight checkpoints the engines load.
 
-The builder is the bundle's ``make_moe_checkpoint.py`` (``$ROWCACHE_CKPT_TOOL``, default
-``.gpu/tools/make_moe_checkpoint.py``, relative to the working directory). A checkpoint whose
-``config.json`` exists (a warm machine) is not built again. Foreground checkpoints (seconds)
-are built before any engine starts; the others in one background process, in the order the
-phases first need them, while the phases that do not need them run.
+The builder is ``tools/vllm/make_moe_checkpoint.py`` (``$ROWCACHE_CKPT_TOOL`` names another),
+which makes the GPU bundle's checkpoints from the same seed and can skew the routers. A
+checkpoint whose ``config.json`` exists (a warm machine) is not built again. Foreground
+checkpoints (seconds) are built before any engine starts; the others in one background process,
+in the order the phases first need them, while the phases that do not need them run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 
 from tools.vllm.harness.specs import Checkpoint
 
-CKPT_TOOL = os.environ.get("ROWCACHE_CKPT_TOOL", ".gpu/tools/make_moe_checkpoint.py")
+CKPT_TOOL = os.environ.get(
+    "ROWCACHE_CKPT_TOOL", str(Path(__file__).resolve().parents[1] / "make_moe_checkpoint.py")
+)
 
 
 def location(work: Path, checkpoint: Checkpoint) -> Path:

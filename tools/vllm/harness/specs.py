@@ -98,6 +98,9 @@ class Checkpoint:
     """Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8); else the builder's tiny
     model (2 layers, 16 experts, top-4, hidden 256)."""
     layers: int | None = None
+    router_skew: float = 0.0
+    """Zipf exponent of the routers' row scales (``tools/vllm/router_skew.py``); 0: the plain
+    random router."""
     foreground: bool = False
     """Built before the first engine starts (it takes seconds); the others are built in one
     background process while the first phases run."""
@@ -107,6 +110,8 @@ class Checkpoint:
         args = ["--qwen3-30b-a3b"] if self.qwen3_30b_a3b else []
         if self.layers is not None:
             args += ["--layers", str(self.layers)]
+        if self.router_skew:
+            args += ["--router-skew", str(self.router_skew)]
         return args
 
 

@@ -1,0 +1,72 @@
+"""Skewed routers for random-weight MoE checkpoints, and what LRU makes of them.
+
+A random router sends every token to nearly uniform experts, so an LRU cache of 32 of 128
+experts hits about 0.5 of the time (``docs/VLLM.md``), far below what public traces of real
+models report (about 0.9 with 40% of the experts resident). ``skew_router_`` scales each row
+of a router's weight by a Zipf factor: the logit of expert ``e`` becomes ``scale[e] * (w_e . h)``,
+so high-scale experts win the top-k more often. The scales are normalized to a root mean
+square of 1 (the logits keep their overall size) and assigned to experts by a seeded
+permutation per layer (each layer has its own popular experts).
+
+``estimate_hit_rate`` simulates decode steps with isotropic hidden states (each ``w_e . h`` an
+independent standard normal): an estimate for choosing ``alpha``, not a measurement; the
+hit rate an engine sees depends on its real hidden states and is measured by the e2e.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+__all__ = ["estimate_hit_rate", "lru_hit_rate", "skew_router_", "zipf_scales"]
+
+
+def zipf_scales(num_experts: int, alpha: float, seed: int) -> Tensor:
+    """Per-expert factors ``(rank + 1) ** -alpha`` (root mean square 1), ranks permuted by
+    ``seed``. ``alpha = 0`` gives all ones."""
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed))
+    scales = (ranks.to(torch.float64) + 1.0) ** -alpha
+    return (scales / scales.square().mean().sqrt()).to(torch.float32)
+
+
+def skew_router_(weight: Tensor, alpha: float, seed: int) -> Tensor:
+    """Scale the rows of a router weight ``[E, H]`` in place by ``zipf_scales``; returns the
+    scales."""
+    scales = zipf_scales(weight.shape[0], alpha, seed)
+    with torch.no_grad():
+        weight.mul_(scales.to(device=weight.device, dtype=weight.dtype).unsqueeze(1))
+    return scales
+
+
+def lru_hit_rate(steps: list[list[int]], capacity: int) -> float:
+    """Hits over requests of an LRU cache of ``capacity`` experts fed ``steps`` (each a list
+    of distinct experts; the requested ones become the most recently used)."""
+    resident: OrderedDict[int, None] = OrderedDict()
+    hits = requests = 0
+    for step in steps:
+        requests += len(step)
+        for expert in step:
+            if expert in resident:
+                hits += 1
+        for expert in sorted(step):
+            resident.pop(expert, None)
+            resident[expert] = None
+        while len(resident) > capacity:
+            resident.popitem(last=False)
+    return hits / max(1, requests)
+
+
+def estimate_hit_rate(
+    num_experts: int, top_k: int, capacity: int, alpha: float, *, steps: int = 2000, seed: int = 0
+) -> float:
+    """LRU hit rate of one layer over ``steps`` decode steps of one token, with isotropic
+    hidden states (see the module docstring)."""
+    scales = zipf_scales(num_experts, alpha, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    logits = torch.randn(steps, num_experts, generator=gen) * scales
+    chosen = logits.topk(top_k, dim=1).indices.tolist()
+    return lru_hit_rate(chosen, capacity)
