@@ -98,6 +98,13 @@ class TritonKernels:
         from rowcache.errors import InvalidInputError
 
         self._mutant = mutant  # seeded bugs of the GPU conformance tests; 0 in production
+        try:
+            import triton  # noqa: F401  (the kernels import it at their first launch)
+        except ImportError as error:
+            raise InvalidInputError(
+                "the device planner on CUDA launches Triton kernels, and triton is not "
+                "importable here (pip install triton; PyTorch's CUDA wheels bring it)"
+            ) from error
         capacity = slots.capacity
         if num_experts > MAX_LANES:
             raise InvalidInputError(

@@ -203,6 +203,11 @@ class DevicePlannedProvider(RowCacheWeightProvider):
                 raise InvalidInputError(
                     f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
                 )
+            if self._cuda and torch.cuda.is_current_stream_capturing():
+                raise InvalidInputError(
+                    f"invalidate({expert_id}) during a CUDA graph capture would be captured and "
+                    "run again at every replay; call it outside the capture"
+                )
             if self._cuda and self._owner is not None:
                 with torch.cuda.stream(self._owner):
                     self._kernels.invalidate(self._state, expert_id)
