@@ -1,0 +1,5 @@
+import sys
+
+from model_check.device_path.checks import main
+
+sys.exit(main())

@@ -1,0 +1,344 @@
+"""What the device-planned path's kernels compute, and the reference they are held to.
+
+The device cache state is a `HostState` of the host path's reference (LRU order and resident
+map; owner and forward unused): the planner's slot owners are the inverse of the resident map,
+and its last-use stamps and clock exist to give the LRU order, which is what is kept. `Dev` is
+everything a forward reads or writes on the device.
+
+Functions named by the table (`fn` of a step) are registered here under their names, with the
+buggy twins the mutants swap in. The reference a checker compares with is not named by the
+table: it is the host path's `plan_prepare` on the pass's group and `plan_invalidate`, applied
+in host-call order (`reference_pass`), so a mutant cannot change it.
+
+Every function here is pure, and the searches call them on few distinct arguments many times
+over: they are memoized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import NamedTuple
+
+from model_check.reference import (
+    NO_SLOT,
+    NO_STREAM,
+    Bounds,
+    Counters,
+    HostState,
+    _plan_prepare,
+    plan_invalidate,
+)
+
+Pairs = tuple[tuple[int, int], ...]
+NO_ENTRY = (NO_SLOT, NO_SLOT)
+
+
+class Dev(NamedTuple):
+    """The device buffers of one layer's cache."""
+
+    cache: HostState  # LRU order and resident map (owner NO_STREAM, forward None)
+    fwd: Pairs  # the forward map: (expert, slot) of every exposed expert
+    misses: Pairs  # the miss list, `capacity` entries; those past the count are left over
+    n_miss: int  # the miss count
+    err: bool  # the error counters are non-zero (bad ids or overflow counted since the reset)
+    slots: tuple[int, ...]  # the expert whose rows each slot holds
+
+
+def empty_cache(bounds: Bounds) -> HostState:
+    return HostState(lru=(), slot_of=(NO_SLOT,) * bounds.num_experts, owner=NO_STREAM, forward=None)
+
+
+def initial_dev(bounds: Bounds) -> Dev:
+    return Dev(
+        cache=empty_cache(bounds),
+        fwd=(),
+        misses=(NO_ENTRY,) * bounds.capacity,
+        n_miss=0,
+        err=False,
+        slots=(NO_SLOT,) * bounds.capacity,
+    )
+
+
+def num_passes(ids: tuple[int, ...], bounds: Bounds) -> int:
+    """rowcache.device_plan.passes.num_passes: fixed by the number of entries (the shape)."""
+    reachable = min(len(ids), bounds.num_experts)
+    return max(1, -(-reachable // bounds.capacity))
+
+
+class Selection(NamedTuple):
+    group: tuple[int, ...]  # the experts this pass exposes, ascending
+    error: bool  # the pass counts an error (a bad id on the first pass, overflow on the last)
+
+
+@cache
+def select(
+    ids: tuple[int, ...], p: int, passes: int, bounds: Bounds, *, checked: bool = True
+) -> Selection:
+    """Pass `p` of `passes` selects the requested experts of ascending rank [p*C, (p+1)*C);
+    -1 is padding; other ids outside [0, E) are ignored and counted (first pass only);
+    requested experts no pass exposes are counted on the last pass."""
+    n, cap = bounds.num_experts, bounds.capacity
+    valid = sorted({e for e in ids if 0 <= e < n})
+    requested = valid if checked else sorted({e for e in ids if e != -1})
+    bad = any(e != -1 and not 0 <= e < n for e in ids)
+    overflow = p == passes - 1 and len(valid) > passes * cap
+    return Selection(tuple(requested[p * cap : (p + 1) * cap]), (bad and p == 0) or overflow)
+
+
+class PlanOut(NamedTuple):
+    dev: Dev
+    group: tuple[int, ...]  # what the pass had to expose (the reference's group)
+    victims: tuple[int, ...]
+    out_of_bounds: tuple[int, ...]  # ids the planner used as an index outside [0, E)
+
+
+@cache
+def _plan(
+    dev: Dev,
+    ids: tuple[int, ...],
+    p: int,
+    passes: int,
+    bounds: Bounds,
+    *,
+    protect: bool = True,
+    keep_forward: bool = False,
+    accumulate_errors: bool = True,
+    checked: bool = True,
+) -> PlanOut:
+    sel = select(ids, p, passes, bounds, checked=checked)
+    oob = tuple(e for e in sel.group if not 0 <= e < bounds.num_experts)
+    group = tuple(e for e in sel.group if 0 <= e < bounds.num_experts)
+    eff = _plan_prepare(dev.cache, Counters(), bounds, group, NO_STREAM, protect_requested=protect)
+    cache = HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None)
+    assert eff.host.forward is not None
+    fwd = eff.host.forward
+    if keep_forward:
+        fwd = tuple(sorted({*fwd, *((e, s) for e, s in dev.fwd if e not in group)}))
+    copies = eff.copies
+    misses = copies + dev.misses[len(copies) :]
+    err = (dev.err or sel.error) if accumulate_errors else sel.error
+    reference = select(ids, p, passes, bounds).group
+    return PlanOut(
+        dev._replace(cache=cache, fwd=fwd, misses=misses, n_miss=len(copies), err=err),
+        reference,
+        eff.victims,
+        oob,
+    )
+
+
+PlanFn = Callable[[Dev, tuple[int, ...], int, int, Bounds], PlanOut]
+
+
+def plan_pass(dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds) -> PlanOut:
+    """The planner: the host path's plan_prepare on the pass's group (LRU, in-call victim
+    protection, free slots first); the forward map exposes exactly the group; the miss list's
+    first `count` entries are the copies; errors accumulate until reset."""
+    return _plan(dev, ids, p, passes, bounds)
+
+
+def plan_pass_unprotected_victim(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    return _plan(dev, ids, p, passes, bounds, protect=False)
+
+
+def plan_pass_stale_forward(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    return _plan(dev, ids, p, passes, bounds, keep_forward=True)
+
+
+def plan_pass_resets_errors(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    return _plan(dev, ids, p, passes, bounds, accumulate_errors=False)
+
+
+def plan_pass_unchecked_ids(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    return _plan(dev, ids, p, passes, bounds, checked=False)
+
+
+GatherFn = Callable[[Dev], Pairs]
+
+
+def gather_listed(dev: Dev) -> Pairs:
+    """The copies the gather makes: the first `count` entries of the miss list."""
+    return dev.misses[: dev.n_miss]
+
+
+def gather_whole_list(dev: Dev) -> Pairs:
+    return tuple(entry for entry in dev.misses if entry[0] >= 0)
+
+
+@cache
+def run_gather(fn: GatherFn, dev: Dev) -> Dev:
+    slots = list(dev.slots)
+    for expert, slot in fn(dev):
+        slots[slot] = expert
+    return dev._replace(slots=tuple(slots))
+
+
+FreeFn = Callable[[Dev, int, Bounds], Dev]
+
+
+def free_expert(dev: Dev, expert: int, bounds: Bounds) -> Dev:
+    """invalidate's kernel: the host path's plan_invalidate on the device state."""
+    eff = plan_invalidate(dev.cache, Counters(), bounds, (expert,), NO_STREAM)
+    return dev._replace(cache=eff.host)
+
+
+FUNCTIONS: dict[str, dict[str, object]] = {
+    "plan": {
+        "plan_pass": plan_pass,
+        "plan_pass_unprotected_victim": plan_pass_unprotected_victim,
+        "plan_pass_stale_forward": plan_pass_stale_forward,
+        "plan_pass_resets_errors": plan_pass_resets_errors,
+        "plan_pass_unchecked_ids": plan_pass_unchecked_ids,
+    },
+    "gather": {"gather_listed": gather_listed, "gather_whole_list": gather_whole_list},
+    "free_slot": {"free_expert": free_expert},
+}
+
+
+# What each function reads beyond the reference's inputs (core.forget_dead uses it): the
+# previous forward map, the miss list's entries past the count.
+READS_FORWARD = {"plan_pass_stale_forward"}
+# Functions that leave the cache state and the forward map exactly as the reference does
+# (tests/test_device_path_model.py checks it on every reachable state).
+SAME_STATE_AS_REFERENCE = {
+    "plan_pass",
+    "plan_pass_resets_errors",
+    "plan_pass_unchecked_ids",
+    "free_expert",
+}
+READS_PAST_COUNT = {"gather_whole_list"}
+
+
+def plan_fn(name: str) -> PlanFn:
+    fn = FUNCTIONS["plan"][name]
+    return fn  # type: ignore[return-value]
+
+
+def gather_fn(name: str) -> GatherFn:
+    fn = FUNCTIONS["gather"][name]
+    return fn  # type: ignore[return-value]
+
+
+def free_fn(name: str) -> FreeFn:
+    fn = FUNCTIONS["free_slot"][name]
+    return fn  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- the reference, in host order
+
+
+@cache
+def reference_pass(
+    ghost: HostState, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> tuple[HostState, Pairs, bool]:
+    """The reference of one pass: (state, forward map, error counted)."""
+    sel = select(ids, p, passes, bounds)
+    eff = _plan_prepare(ghost, Counters(), bounds, sel.group, NO_STREAM)
+    assert eff.host.forward is not None
+    return HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None), eff.host.forward, sel.error
+
+
+@cache
+def reference_free(ghost: HostState, expert: int, bounds: Bounds) -> HostState:
+    return plan_invalidate(ghost, Counters(), bounds, (expert,), NO_STREAM).host
+
+
+# ---------------------------------------------------------------- guards (host-side checks)
+
+Args = tuple[object, ...]
+Guard = Callable[[Args, bool, Bounds], "str | None"]  # (args, forward unread, bounds)
+
+
+def valid_pass(args: Args, unread: bool, bounds: Bounds) -> str | None:
+    ids, p = args[0], args[1]
+    assert isinstance(ids, tuple) and isinstance(p, int)
+    total = num_passes(ids, bounds)
+    if not 0 <= p < total:
+        return f"pass_index {p} outside [0, {total}) for this step"
+    return None
+
+
+def valid_invalidate(args: Args, unread: bool, bounds: Bounds) -> str | None:
+    e = args[0]
+    if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
+        return f"expert id {e} outside [0, {bounds.num_experts})"
+    return None
+
+
+def forward_unread(args: Args, unread: bool, bounds: Bounds) -> str | None:
+    return None if unread else "no pass whose forward map is still to be read"
+
+
+def always(args: Args, unread: bool, bounds: Bounds) -> str | None:
+    return None
+
+
+GUARDS: dict[str, Guard] = {
+    "valid_pass": valid_pass,
+    "valid_invalidate": valid_invalidate,
+    "forward_unread": forward_unread,
+    "always": always,
+}
+
+
+# ---------------------------------------------------------------- checks of a plan's result
+
+
+@cache
+def plan_verdict(out: PlanOut, ids: tuple[int, ...]) -> tuple[str, str] | None:
+    """P9 (nothing written out of bounds), P5 and P3 on one pass's result."""
+    if out.out_of_bounds:
+        return (
+            "P9_device_errors_reported",
+            f"the plan of {ids} used id(s) {list(out.out_of_bounds)} as an index outside the maps",
+        )
+    evicted = set(out.victims) & set(out.group)
+    if evicted:
+        return (
+            "P5_victim_protection",
+            f"the plan of {ids} evicted expert(s) {sorted(evicted)} its pass exposes",
+        )
+    fwd = out.dev.fwd
+    experts = sorted(e for e, _ in fwd)
+    slots = [s for _, s in fwd]
+    if experts != sorted(out.group) or len(set(slots)) != len(slots):
+        return (
+            "P3_forward_map_exact",
+            f"the plan of {ids} exposes {pairs_text(fwd)}, its pass selects {list(out.group)}",
+        )
+    for e, s in fwd:
+        if out.dev.cache.slot_of[e] != s:
+            return (
+                "P3_forward_map_exact",
+                f"the forward map puts expert {e} in slot {s}, the resident map in "
+                f"slot {out.dev.cache.slot_of[e]}",
+            )
+    return None
+
+
+def pairs_text(pairs: Pairs) -> str:
+    return "{" + ", ".join(f"{e}->slot{s}" for e, s in pairs) + "}"
+
+
+@cache
+def converged(dev: Dev, ghost: HostState) -> str | None:
+    """P4: the device state equals the reference applied in host-call order, and every mapped
+    slot holds its expert. None when it does."""
+    if dev.cache.slot_of != ghost.slot_of or dev.cache.lru != ghost.lru:
+        return (
+            f"the device state (resident {list(dev.cache.slot_of)}, LRU {list(dev.cache.lru)}) "
+            f"is not the reference's (resident {list(ghost.slot_of)}, LRU {list(ghost.lru)})"
+        )
+    for expert, slot in enumerate(ghost.slot_of):
+        if slot != NO_SLOT and dev.slots[slot] != expert:
+            held = dev.slots[slot]
+            return f"the map names expert {expert} in slot {slot}, which holds expert {held}"
+    return None

@@ -1,0 +1,335 @@
+"""The device-planned path's model: its table entries, both device models, z3, the machine,
+the mutant catalogue, and the state counts of every exhaustive check (pinned here)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from model_check.device_path.checks import (
+    DEVICE_CHECKS,
+    DEVICE_MUTANT_CHECKS,
+    EXPECTED_TAGS,
+    DeviceCheck,
+    explore,
+)
+from model_check.device_path.core import (
+    PROPERTIES,
+    REACHABILITY,
+    Action,
+    Interpreter,
+    host_actions,
+    initial_host,
+    interpret,
+)
+from model_check.device_path.explicit import execute, host_call, initial_state, runnable
+from model_check.device_path.functions import (
+    FUNCTIONS,
+    SAME_STATE_AS_REFERENCE,
+    initial_dev,
+    plan_pass,
+    select,
+)
+from model_check.device_path.hb import HbModel, Summary, device_program
+from model_check.device_path.mutants import DEVICE_MUTANTS, device_mutant
+from model_check.device_path.table import DeviceStep, load_device_table, parse_device_table
+from model_check.reference import Bounds
+from model_check.table import TableError
+
+B32 = Bounds(num_experts=3, capacity=2)
+TABLE = load_device_table()
+
+# Distinct states, transitions and depth of every exhaustive check of the real device table.
+PINNED = {
+    "device/hb/3e2c/d6": (4544, 218112, 6),
+    "device/hb/4e3c/d4": (58736, 4816352, 4),
+    "device/interleavings/3e2c/d3": (56826, 2691887, 3),
+    "device/interleavings/4e3c/d2": (4955, 400930, 2),
+}
+
+
+# ---------------------------------------------------------------- the table
+
+
+def test_table_has_the_device_operations() -> None:
+    names = [op.name for op in TABLE.operations]
+    for name in ("device_prepare", "handoff", "replay", "device_invalidate", "check_errors"):
+        assert name in names
+    replay = TABLE.op("replay")
+    assert [s.kind for s in replay.steps if s.graph] == ["plan", "gather", "consumer_read"]
+    assert all(op.hot for op in TABLE.operations if op.name != "check_errors" and op.provider)
+
+
+def _raw() -> dict[str, object]:
+    import tomllib
+
+    from model_check.device_path.table import DRAFT_PATH
+    from model_check.table import TABLE_PATH
+
+    for path in (TABLE_PATH, DRAFT_PATH):
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+        if "device" in data:
+            return data
+    raise AssertionError("no device section")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"kind": "copy_rows"}, "kind"),
+        ({"stream": "copy"}, "stream"),
+        ({"fn": "plan_pass_typo"}, "fn"),
+        ({"when": "owner_change"}, "when"),
+        ({"graph": True, "stream": "owner"}, "captured"),
+    ],
+)
+def test_table_rejects_unknown_names(edit: dict[str, object], message: str) -> None:
+    import copy
+
+    data = copy.deepcopy(_raw())
+    device = data["device"]
+    assert isinstance(device, dict)
+    step = next(s for s in device["operation"][0]["steps"] if s["kind"] == "plan")
+    step.update(edit)
+    with pytest.raises(TableError, match=message):
+        parse_device_table(data)
+
+
+def test_step_describe_is_readable() -> None:
+    step = DeviceStep("plan", "current", fn="plan_pass", graph=True)
+    assert step.describe() == "plan on current fn=plan_pass (graph)"
+
+
+# ---------------------------------------------------------------- semantics
+
+
+def test_pass_selection_is_the_host_paths_groups() -> None:
+    assert select((2, 0, 1, 0, -1), 0, 2, B32).group == (0, 1)
+    assert select((2, 0, 1, 0, -1), 1, 2, B32).group == (2,)
+    assert not select((2, 0, -1), 0, 1, B32).error  # -1 is padding, not an error
+    bad = select((0, 3), 0, 1, B32)
+    assert bad.group == (0,) and bad.error  # an id outside [-1, E) is ignored and counted
+    assert not select((0, 3), 1, 2, B32).error  # counted on the first pass only
+
+
+def test_plan_uses_free_slots_then_lru_victims_never_one_it_exposes() -> None:
+    dev = initial_dev(B32)
+    out = plan_pass(dev, (0, 1), 0, 1, B32)
+    assert out.dev.fwd == ((0, 0), (1, 1)) and out.dev.n_miss == 2
+    out = plan_pass(out.dev, (0, 2), 0, 1, B32)
+    assert out.victims == (1,) and out.dev.fwd == ((0, 0), (2, 1))
+    assert out.dev.misses[0] == (2, 1) and out.dev.misses[1] == (1, 1)  # left from before
+
+
+def test_record_snapshots_work_enqueued_so_far_and_wait_copies_the_snapshot() -> None:
+    state = initial_state(TABLE, B32)
+    state = host_call(TABLE, B32, state, Action("device_prepare", ((0,), 0), 0)).state
+    queue = state.part.queues[0]
+    assert [op.kind for op in queue] == ["plan", "gather"] and queue[1].glue
+    # A prepare from stream 1: the handoff event holds stream 0's two operations.
+    after = host_call(TABLE, B32, state, Action("device_prepare", ((1,), 0), 1)).state
+    wait = after.part.queues[1][0]
+    assert wait.kind == "wait" and wait.wait == (0, 2)
+    assert not runnable(after.part, 1) and runnable(after.part, 0)
+
+
+def test_waiting_on_a_never_recorded_event_does_nothing() -> None:
+    state = initial_state(TABLE, B32)
+    part, found, _ = execute(state.part, (("wait", 1, 0),))
+    assert part.queues[1] == () and found is None
+
+
+def test_summary_masks_follow_the_same_facts() -> None:
+    summary = Summary(TABLE, B32)
+    # A read of slot 0 on stream 0, the handoff to stream 1, then a gather into slot 0 there.
+    prims = (
+        ("op", "read", 0, ((1, 0), (4, 0))),
+        ("record", 0, 0),
+        ("wait", 1, 0),
+        ("op", "gather", 1, ((2, 0), (4, 1))),
+    )
+    assert summary.run(frozenset(), prims).violation is None
+    unordered = (prims[0], prims[3])
+    found = summary.run(frozenset(), unordered).violation
+    assert found is not None and found.prop == "P1_no_overwrite_under_reader"
+
+
+def test_rejected_call_changes_nothing() -> None:
+    state = initial_state(TABLE, B32)
+    state = host_call(TABLE, B32, state, Action("device_prepare", ((0, 1), 0), 0)).state
+    for action in (Action("device_prepare", ((0,), 1), 1), Action("device_invalidate", (3,), 1)):
+        outcome = host_call(TABLE, B32, state, action)
+        assert outcome.state == state and outcome.violation is None
+
+
+def test_the_device_cannot_raise_errors_reach_the_next_look() -> None:
+    state = initial_state(TABLE, B32)
+    state = host_call(TABLE, B32, state, Action("device_prepare", ((0, 3), 0), 0)).state
+    look = host_call(TABLE, B32, state, Action("check_errors", (), 0))
+    assert look.violation is None and look.state.part.blocked is not None  # waits in host_sync
+    assert look.state.host.ghost_err is False  # reported once, then reset
+
+
+def test_interpreter_memo_is_interpret() -> None:
+    memo = Interpreter(TABLE, B32)
+    host = initial_host(B32)
+    for action in host_actions(TABLE, B32)[:60]:
+        assert memo(host, action) == interpret(
+            TABLE, B32, host, action.op, action.args, action.stream
+        )
+        program = memo(host, action)
+        if not program.rejected:
+            host = program.host
+
+
+def test_calls_made_on_stream_zero_only_cannot_depend_on_the_stream() -> None:
+    """host_actions tries an operation on stream 0 only when no role resolves to the calling
+    stream: its program is then the same from every stream."""
+    memo = Interpreter(TABLE, B32)
+    hosts = [initial_host(B32)]
+    for action in host_actions(TABLE, B32)[:30]:
+        program = memo(hosts[-1], action)
+        if not program.rejected:
+            hosts.append(program.host)
+    for op in TABLE.operations:
+        if op.uses_current:
+            continue
+        for host in hosts:
+            if host.owner < 0 and op.guard == "forward_unread":
+                continue
+            for args in {a.args for a in host_actions(TABLE, B32) if a.op == op.name}:
+                assert memo(host, Action(op.name, args, 0)) == memo(host, Action(op.name, args, 1))
+
+
+def test_functions_said_to_keep_the_reference_state_do_so() -> None:
+    """z3_check ties the shadow's cache state to the reference's when every function of the
+    table is in SAME_STATE_AS_REFERENCE: check the claim on every reachable host part."""
+    from model_check.device_path.functions import num_passes, plan_fn
+    from model_check.device_path.search import search
+
+    model = HbModel(TABLE, B32)
+    search(model, 3)
+    plans = [f for f in SAME_STATE_AS_REFERENCE if f in FUNCTIONS["plan"]]
+    assert plans
+    for host in model.interned.hosts:
+        for action in host_actions(TABLE, B32):
+            if action.op != "device_prepare":
+                continue
+            ids, p = action.args
+            assert isinstance(ids, tuple) and isinstance(p, int)
+            total = num_passes(ids, B32)
+            if p >= total:
+                continue
+            want = plan_pass(host.shadow, ids, p, total, B32).dev
+            for name in plans:
+                got = plan_fn(name)(host.shadow, ids, p, total, B32).dev
+                assert (got.cache, got.fwd, got.slots) == (want.cache, want.fwd, want.slots)
+
+
+# ---------------------------------------------------------------- exhaustive checks
+
+
+@pytest.mark.parametrize("check", DEVICE_CHECKS, ids=lambda c: c.key)
+def test_real_table_holds_and_matches_the_pinned_counts(check: DeviceCheck) -> None:
+    result = explore(TABLE, check)
+    assert result.violation is None, result.violation
+    assert (result.states, result.transitions, result.max_depth_reached) == PINNED[check.key]
+    missing = EXPECTED_TAGS[check.model] - result.tags
+    if check.bounds == B32:
+        assert not missing, missing
+
+
+def test_reachability_names_are_documented() -> None:
+    for tags in EXPECTED_TAGS.values():
+        assert tags <= set(REACHABILITY)
+
+
+def test_catalogue_covers_every_property_but_deadlock() -> None:
+    broken = {m.breaks for m in DEVICE_MUTANTS}
+    assert broken == set(PROPERTIES) - {"P7_no_deadlock"}
+    assert len(DEVICE_MUTANTS) >= 6
+
+
+@pytest.mark.parametrize("m", DEVICE_MUTANTS, ids=lambda m: m.name)
+def test_every_mutant_is_killed_by_both_searches_and_breaks_its_property(m: object) -> None:
+    from model_check.device_path.mutants import DeviceMutant
+
+    assert isinstance(m, DeviceMutant)
+    table = m.apply(TABLE)
+    for check in DEVICE_MUTANT_CHECKS:
+        assert explore(table, check).violation is not None, check.key
+    target = next(c for c in DEVICE_MUTANT_CHECKS if c.model == "interleavings")
+    found = explore(table, target, only=m.breaks).violation
+    assert found is not None and found.prop == m.breaks
+
+
+def test_mutant_lookup_names_the_known_ones() -> None:
+    assert device_mutant("dp_gather_past_count").breaks == "P4_map_convergence"
+    with pytest.raises(KeyError, match="known"):
+        device_mutant("nope")
+
+
+# ---------------------------------------------------------------- z3 and the machine
+
+
+def test_z3_holds_on_the_real_table_and_the_induction_proves_the_ordering() -> None:
+    from model_check.device_path.z3_check import check
+
+    report = check(TABLE, B32, 3)
+    assert report.ok, (report.verdicts, report.induction)
+    assert not report.vacuous
+    assert report.induction is not None
+    assert all(report.induction.per_operation.values())
+    assert "S:W pending => before the owner stream" in report.induction.invariant
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["dp_gather_past_count", "dp_replay_wait_on_capture_stream", "dp_errors_reset_by_plan"],
+)
+def test_z3_kills_mutants(name: str) -> None:
+    from model_check.device_path.z3_check import check
+
+    table = device_mutant(name).apply(TABLE)
+    report = check(table, B32, 4, induction=False, reachability=False, stop_at_first=True)
+    assert report.violation is not None
+
+
+def test_induction_fails_without_the_handoff() -> None:
+    from model_check.device_path.z3_check import prove
+
+    result = prove(device_mutant("dp_prepare_skips_handoff").apply(TABLE), B32)
+    assert not result.proved["P10_ordered_device_state"]
+
+
+def test_machine_passes_on_the_real_table() -> None:
+    from model_check.device_path.machine import run_machine
+
+    assert run_machine(TABLE, Bounds(4, 3), max_examples=60, steps=30) is None
+
+
+@pytest.mark.parametrize("name", ["dp_prepare_skips_handoff", "dp_check_errors_without_sync"])
+def test_machine_kills_mutants(name: str) -> None:
+    from model_check.device_path.machine import run_machine
+
+    table = device_mutant(name).apply(TABLE)
+    assert run_machine(table, Bounds(4, 3), max_examples=200, steps=30) is not None
+
+
+def test_summary_reports_what_the_explicit_model_meets_on_a_hand_made_bug() -> None:
+    """A gather moved to the capture stream: both models see the unordered slot write."""
+    op = TABLE.op("device_prepare")
+    steps = tuple(replace(s, stream="capture") if s.kind == "gather" else s for s in op.steps)
+    table = TABLE.with_op(replace(op, steps=steps))
+    hb = explore(table, DeviceCheck("hb", B32, 3)).violation
+    explicit = explore(table, DeviceCheck("interleavings", B32, 2)).violation
+    assert hb is not None and explicit is not None
+
+
+def test_device_program_drops_only_payloads() -> None:
+    host = initial_host(B32)
+    program = interpret(TABLE, B32, host, "device_prepare", ((0,), 0), 0)
+    stripped = device_program(program.prims)
+    assert [p[0] for p in stripped] == [p[0] for p in program.prims]
