@@ -477,6 +477,7 @@ class ExplicitModel:
         self._device: dict[int, list[tuple[int, int, Violation | None]]] = {}
         self._idle: dict[tuple[int, int], Violation | None] = {}
         self._swapped: dict[tuple[int, int], tuple[int, int]] = {}
+        self._quiet_programs: dict[int, bool] = {}
 
     def initial(self) -> tuple[int, int]:
         return (
@@ -566,27 +567,20 @@ class ExplicitModel:
             self._device[did] = moves
         return moves
 
-    def successors_at_bound(
-        self, state: tuple[int, int]
-    ) -> list[tuple[Action | str, Outcome, int]]:
-        return self.successors(state, at_bound=True)
-
     def _quiet(self, pid: int) -> bool:
-        """The program enqueues work and neither reports nor syncs: its enqueueing can find no
+        """The program enqueues work and neither reports nor syncs: enqueueing it can meet no
         violation, and it leaves the device busy (no idle verdict)."""
-        prims = self.prims.values[pid]
-        assert isinstance(prims, tuple)
-        tags = {p[0] for p in prims}
-        return "op" in tags and not tags & {"report", "sync"}
+        quiet = self._quiet_programs.get(pid)
+        if quiet is None:
+            prims = self.prims.values[pid]
+            assert isinstance(prims, tuple)
+            tags = {p[0] for p in prims}
+            quiet = self._quiet_programs[pid] = "op" in tags and not tags & {"report", "sync"}
+        return quiet
 
-    def successors(
-        self, state: tuple[int, int], *, at_bound: bool = False
-    ) -> list[tuple[Action | str, Outcome, int]]:
-        """Device moves (cost 0) and host calls (cost 1). At the depth bound the host calls'
-        next states are not stored, so a quiet program (see `_quiet`) is not run: its outcome
-        keeps the state, with the call's static verdict and tags."""
+    def _device_moves(self, state: tuple[int, int]) -> list[tuple[object, ...]]:
         hid, did = state
-        out: list[tuple[Action | str, Outcome, int]] = []
+        out: list[tuple[object, ...]] = []
         for sid, after, found in self._device_steps(did):
             violation = found or self._idle_verdict(hid, after)
             tags = frozenset({"device_idle"}) if is_idle(self.part_of((0, after))) else frozenset()
@@ -596,6 +590,12 @@ class ExplicitModel:
                 else f"device runs the head of stream {sid}"
             )
             out.append((name, Outcome((hid, after), violation, tags), 0))
+        return out
+
+    def successors(self, state: tuple[int, int]) -> list[tuple[object, ...]]:
+        """Device moves (cost 0), then host calls (cost 1) unless a call waits in host_sync."""
+        hid, did = state
+        out = self._device_moves(state)
         if self.part_of(state).blocked is not None:
             return out
         for action, (nhid, pid, static, tags) in zip(
@@ -604,10 +604,38 @@ class ExplicitModel:
             if pid < 0:
                 out.append((action, Outcome(state, None, tags), 1))
                 continue
-            if at_bound and self._quiet(pid):
-                out.append((action, Outcome(state, static, tags), 1))
-                continue
             after, found, more = self._execute(did, pid)
             violation = static or found or self._idle_verdict(nhid, after)
             out.append((action, Outcome((nhid, after), violation, tags | more), 1))
+        return out
+
+    def successors_at_bound(
+        self, state: tuple[int, int], only: str | None = None
+    ) -> list[tuple[object, ...]]:
+        """At the depth bound the host calls' next states are not stored: one summary move
+        stands for all of them (their number, tags and first violation, of property `only`
+        when given), and a quiet program (`_quiet`) is not run at all. Device moves stay."""
+        hid, did = state
+        out = self._device_moves(state)
+        if self.part_of(state).blocked is not None:
+            return out
+        tags: set[str] = set()
+        first: tuple[Action, Violation] | None = None
+        for action, (nhid, pid, static, more) in zip(
+            self.actions, self._host_steps_of(hid), strict=True
+        ):
+            tags |= more
+            violation = None
+            if pid >= 0:
+                if self._quiet(pid):
+                    violation = static
+                else:
+                    after, found, extra = self._execute(did, pid)
+                    tags |= extra
+                    violation = static or found or self._idle_verdict(nhid, after)
+            if violation is not None and first is None and only in (None, violation.prop):
+                first = (action, violation)
+        name: object = "host calls at the bound" if first is None else first[0]
+        found_first = None if first is None else first[1]
+        out.append((name, Outcome(state, found_first, frozenset(tags)), 1, len(self.actions)))
         return out

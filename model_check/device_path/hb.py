@@ -326,7 +326,9 @@ class HbModel:
             self.device_steps[key] = done
         return done
 
-    def successors_at_bound(self, state: HbState) -> list[tuple[object, ...]]:
+    def successors_at_bound(
+        self, state: HbState, only: str | None = None
+    ) -> list[tuple[object, ...]]:
         """At the depth bound only the verdict, the tags and the number of transitions count:
         one summary move stands for all of them (its violation is the first in action order,
         as the search would have met it)."""
@@ -344,7 +346,8 @@ class HbModel:
                     violation is None or violation.prop != "P8_hot_path_never_blocks"
                 ):
                     violation = found
-                first = (action, Outcome(state, violation, frozenset()))
+                if violation is not None and only in (None, violation.prop):
+                    first = (action, Outcome(state, violation, frozenset()))
         if first is None:
             return [
                 (

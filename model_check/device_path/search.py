@@ -69,7 +69,11 @@ def search(
         # A model may know that transitions out of a state at the bound need only their
         # verdicts and tags (the states they reach are not stored).
         at_bound = getattr(model, "successors_at_bound", None)
-        moves = at_bound(state) if at_bound is not None and d == depth else model.successors(state)
+        moves = (
+            at_bound(state, only)
+            if at_bound is not None and d == depth
+            else model.successors(state)
+        )
         for move in moves:
             action, outcome, cost = move[0], move[1], move[2]
             # A fourth element: the move stands for that many transitions (a model's summary

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import z3
 
-from model_check.device_path.core import PROPERTIES, SLOT0, conflict_prop
+from model_check.device_path.core import PROPERTIES, SLOT0, conflict_prop, resource_name
 from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceTable
 from model_check.reference import NO_SLOT, NO_STREAM, Bounds
 from model_check.z3_bmc import fresh_like, leaves, z3_bool
@@ -614,7 +614,9 @@ class Summary:
                 meet = shares(t.slots, slots) if res == SLOT0 else True
                 self.flag(
                     prop,
-                    f"an access to resource {res} is not ordered after a pending {KIND_NAMES[k]}",
+                    f"{item.kind} on stream {x} is not ordered after a pending "
+                    f"{'write' if kmode == W_ else 'read'} of "
+                    f"{'a slot it touches' if res == SLOT0 else 'the ' + resource_name(res)}",
                     conj(c, t.alive, neg(t.mask[x]), meet),
                 )
                 if res in (0, SLOT0):
@@ -1164,6 +1166,13 @@ def check(
                 if z3.is_true(model.eval(z3_bool(unrolling.violation(p, n)), True)):
                     firsts.append((n, p))
             n, prop = min(firsts)
+            # The shortest counterexample: the first prefix length that admits one.
+            for k in range(1, n):
+                short = z3.Bool(f"short_{prop}_{k}")
+                solver.add(z3.Implies(short, z3_bool(unrolling.violation(prop, k))))
+                if solver.check(short) == z3.sat:
+                    model = solver.model()
+                    break
             verdicts = {p: "skipped" for p in props}
             verdicts[prop] = "violated"
             cexs[prop] = unrolling.describe(model, prop)[0]
