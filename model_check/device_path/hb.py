@@ -255,6 +255,7 @@ class HbModel:
         self.programs: list[tuple[Prim, ...]] = []
         self.program_ids: dict[tuple[Prim, ...], int] = {}
         self.host_steps: dict[int, list[HostStep]] = {}
+        self._host_tags: dict[int, frozenset[str]] = {}
         self.device_steps: dict[tuple[int, int], tuple[int, Violation | None, frozenset[str]]] = {}
         self.swapped_hosts: dict[int, int] = {}
         self.swapped_pendings: dict[int, int] = {}
@@ -313,6 +314,7 @@ class HbModel:
                     )
                 )
             self.host_steps[i] = steps
+            self._host_tags[i] = frozenset().union(*(hs.tags for hs in steps))
         return steps
 
     def _device_step(
@@ -332,14 +334,16 @@ class HbModel:
         """At the depth bound only the verdict, the tags and the number of transitions count:
         one summary move stands for all of them (its violation is the first in action order,
         as the search would have met it)."""
-        tags: set[str] = set()
+        steps = self._host_steps(state.host)
+        tags = set(self._host_tags[state.host])
         first: tuple[Action, Outcome] | None = None
-        for action, hs in zip(self.actions, self._host_steps(state.host), strict=True):
-            tags |= hs.tags
+        device_step, pending = self._device_step, state.pending
+        for action, hs in zip(self.actions, steps, strict=True):
             if hs.program < 0:
                 continue
-            _, found, more = self._device_step(state.pending, hs.program)
-            tags |= more
+            _, found, more = device_step(pending, hs.program)
+            if more:
+                tags |= more
             if first is None and (hs.violation is not None or found is not None):
                 violation = hs.violation
                 if found is not None and (
