@@ -1,15 +1,20 @@
 """The host-call interpreter of the device-planned path, shared by its device models.
 
-A host call of the device table is interpreted once, in host-call order, into a *program*: the
+A host call of the device table is interpreted in host-call order into a *program*: the
 primitive device operations its steps enqueue, with every stream role resolved and every
-operation's accesses named (`Prim`). Interpretation also keeps the host part of the state
-(`HostPart`): the owner stream, the reference applied in host-call order (`ghost`, the
-`ghost_err` flag of errors not yet reported), and `shadow`, the device buffers as the table's
-functions leave them when every operation runs in host-call order. When every two conflicting
-accesses are ordered by happens-before (P1, P2, P10), every execution is equivalent to that
-order (conflict serializability), so the shadow is what the device holds once it drains, and
-the data verdicts the interpreter draws on it hold for every interleaving; the explicit model
-(explicit.py) draws them again from its own device state, at the time each operation runs.
+operation's accesses named (`Prim`). It happens in two halves. `DataInterp` runs the steps on
+the data of the host part (`HostPart` without its owner): the reference applied in host-call
+order (`ghost`, with `ghost_err`, the errors not yet reported), and `shadow`, the device
+buffers as the table's functions leave them when every operation runs in host-call order; it
+draws the data verdicts on them and hands over the steps with their roles unresolved. `resolve`
+then decides the stream roles, the `when` conditions and P8 for one (owner, current stream).
+The data half does not depend on the streams, so `Interpreter` memoizes it per (data, call).
+
+When every two conflicting accesses are ordered by happens-before (P1, P2, P10), every
+execution is equivalent to host-call order (conflict serializability), so the shadow is what
+the device holds once it drains, and the data verdicts drawn on it hold for every interleaving;
+the explicit model (explicit.py) draws them again from its own device state, at the time each
+operation runs.
 
 Accesses are (resource, mode): the cache state S, the forward map F, the miss list M, the error
 counters K, and slot s (resource 4 + s); mode R or W. Two accesses to one resource conflict
