@@ -335,13 +335,48 @@ def matrix_text(rows: list[tuple[DeviceMutant, list[Kill]]]) -> str:
     return "\n".join(lines)
 
 
+def explain(name: str, depth: int = 3) -> str:
+    """The shortest counterexample of a device mutant on the explicit model, as text: every
+    host call and device step, each host call with the device operations it enqueued."""
+    from model_check.device_path.explicit import ExplicitModel
+
+    m = device_mutant(name)
+    table = m.apply(load_device_table())
+    model = ExplicitModel(table, B32, m.breaks)
+    result = search(model, depth, only=m.breaks, symmetry=False)
+    if result.violation is None:
+        return f"{m.name}: no violation of {m.breaks} within {depth} host calls"
+    lines = [f"{m.name}: {m.description}", ""]
+    for action, outcome in result.trace:
+        if isinstance(action, str):
+            lines.append(f"    {action}")
+            continue
+        lines.append(f"  {action}")
+        state = outcome.state
+        part = model.part_of(state) if isinstance(state, tuple) else None
+        if part is not None:
+            for sid, queue in enumerate(part.queues):
+                if queue:
+                    shown = ", ".join(op.kind for op in queue)
+                    lines.append(f"      pending on stream {sid}: {shown}")
+    assert result.violation is not None
+    lines.append(f"  => {result.violation.prop}: {result.violation.detail}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m model_check.device_path", description=__doc__)
-    parser.add_argument("command", nargs="?", default="check", choices=("check", "mutants"))
+    parser.add_argument(
+        "command", nargs="?", default="check", choices=("check", "mutants", "explain")
+    )
+    parser.add_argument("mutant", nargs="?", help="for explain: the device mutant")
     parser.add_argument("--examples", type=int, default=300)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-z3", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        print(explain(args.mutant))
+        return 0
     if args.command == "mutants":
         rows = kill_matrix(args.examples, args.steps, not args.no_z3)
         print(matrix_text(rows))

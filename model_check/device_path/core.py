@@ -96,7 +96,7 @@ LOOK = -1  # pseudo-resource: the look's counter read, pending until the host ma
 
 
 def resource_name(res: int) -> str:
-    return RESOURCE_NAMES[res] if res < SLOT0 else f"slot {res - SLOT0}"
+    return RESOURCE_NAMES[res] if res < SLOT0 else f"rows in slot {res - SLOT0}"
 
 
 def conflict_prop(res: int, earlier: int, later: int) -> str | None:

@@ -40,6 +40,7 @@ from model_check.device_path.core import (
     interpret,
     read_verdict,
     report_text,
+    resource_name,
 )
 from model_check.device_path.functions import (
     Dev,
@@ -55,7 +56,7 @@ from model_check.device_path.table import DeviceTable
 from model_check.reference import NO_STREAM, Bounds
 
 Ref = tuple[int, int]
-Conflict = tuple[int, int, str]  # (stream, k, property)
+Conflict = tuple[int, int, str, int]  # (stream, k, property, resource)
 
 
 class XOp(NamedTuple):
@@ -117,7 +118,7 @@ def _dec_op(op: XOp, stream: int) -> XOp:
     if not op.conflicts and op.wait is None:
         return op
     conflicts = tuple(
-        c if c[0] != stream else (stream, c[1] - 1, c[2])
+        c if c[0] != stream else (stream, c[1] - 1, c[2], c[3])
         for c in op.conflicts
         if c[0] != stream or c[1] > 1
     )
@@ -167,15 +168,23 @@ def _describe(op: XOp) -> str:
     return names.get(op.kind, op.kind)
 
 
-def run_op(part: DevPart, op: XOp, bounds: Bounds) -> tuple[DevPart, Violation | None]:
+def run_op(
+    part: DevPart, op: XOp, bounds: Bounds, only: str | None = None
+) -> tuple[DevPart, Violation | None]:
     """What one operation does to the device buffers when it runs, and what it finds."""
     dev, violation = part.dev, None
     if op.conflicts:
-        stream, _, prop = op.conflicts[0]
+        chosen = op.conflicts[0]
+        if only is not None:
+            chosen = next((c for c in op.conflicts if c[2] == only), chosen)
+        stream, _, prop, res = chosen
+        earlier = "read" if prop == "P1_no_overwrite_under_reader" else "access"
+        if prop in ("P2_no_stale_read", "P4_map_convergence"):
+            earlier = "write"
         violation = Violation(
             prop,
-            f"{_describe(op)} ran before an earlier-enqueued access to what it touches, "
-            f"pending on stream {stream}",
+            f"{_describe(op)} ran before an earlier-enqueued {earlier} of the "
+            f"{resource_name(res)}, still pending on stream {stream}",
         )
     reported = part.reported
     kind, payload = op.kind, op.payload
@@ -220,7 +229,7 @@ def device_step(
         queue = part.queues[stream]
         head = queue[0]
         if head.kind != "wait":
-            part, found = run_op(part, head, bounds)
+            part, found = run_op(part, head, bounds, only)
             if found is not None and (
                 violation is None
                 or (only is not None and violation.prop != only and found.prop == only)
@@ -266,7 +275,7 @@ class Enqueuer:
 
     def conflicts(self, stream: int, accesses: tuple[tuple[int, int], ...]) -> tuple[Conflict, ...]:
         """The last pending conflicting operation on every other stream, per property."""
-        out: dict[tuple[int, str], int] = {}
+        out: dict[tuple[int, str], tuple[int, int]] = {}
         wanted = {res: mode for res, mode in accesses}
         for sid, queue in enumerate(self.queues):
             if sid == stream:
@@ -278,8 +287,8 @@ class Enqueuer:
                         continue
                     prop = conflict_prop(res, mode, later)
                     if prop is not None:
-                        out[(sid, prop)] = i + 1
-        return tuple(sorted((sid, k, prop) for (sid, prop), k in out.items()))
+                        out[(sid, prop)] = (i + 1, res)
+        return tuple(sorted((sid, k, prop, res) for (sid, prop), (k, res) in out.items()))
 
     def run(self, prims: tuple[Prim, ...], start: int) -> int:
         """Run prims from `start`; the index after a blocking sync, or -1 when done."""
@@ -424,7 +433,7 @@ def swap_part(part: DevPart) -> DevPart:
         queues=tuple(
             tuple(
                 o._replace(
-                    conflicts=tuple(sorted((_swap(c[0]), c[1], c[2]) for c in o.conflicts)),
+                    conflicts=tuple(sorted((_swap(c[0]), *c[1:]) for c in o.conflicts)),
                     wait=_swap_ref(o.wait),
                 )
                 for o in q
