@@ -23,12 +23,12 @@ from model_check.config import (
     load_manifest,
     manifest_text,
 )
-from model_check.core import PROPERTIES, Violation
-from model_check.explorer import Result, explore
-from model_check.hb import NotExpressible
-from model_check.mutants import MUTANTS, Mutant, mutant
-from model_check.reference import Bounds
-from model_check.table import Table, load_table
+from model_check.device.program import NotExpressible
+from model_check.search import Result, explore
+from model_check.table.mutants import MUTANTS, Mutant, mutant
+from model_check.table.properties import PROPERTIES, Violation
+from model_check.table.reference import Bounds
+from model_check.table.schema import Table, load_table
 
 # Properties each explorer decides (the summary leaves P7 to the explicit model).
 DECIDES = {
@@ -176,7 +176,7 @@ def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinne
 
 
 def machine_column(table: Table, examples: int, steps: int) -> Column:
-    from model_check.machines import run_machine
+    from model_check.search.machine import run_machine
 
     start = time.perf_counter()
     found = run_machine(table, MACHINE_BOUNDS, max_examples=examples, steps=steps)
@@ -191,7 +191,7 @@ def machine_column(table: Table, examples: int, steps: int) -> Column:
 
 
 def z3_column(table: Table, check: Check) -> Column:
-    from model_check import z3_check
+    from model_check.z3 import check as z3_check
 
     report = z3_check.check_table(table, check.bounds, check.depth)
     col = Column(
@@ -311,7 +311,7 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
     )
     if use_z3:
         row.append(z3_kill(mutated))
-    from model_check.machines import run_machine
+    from model_check.search.machine import run_machine
 
     start = time.perf_counter()
     found_h = run_machine(mutated, MACHINE_BOUNDS, max_examples=examples, steps=steps)
@@ -320,7 +320,7 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
 
 
 def z3_kill(mutated: Table) -> Kill:
-    from model_check import z3_check
+    from model_check.z3 import check as z3_check
 
     start = time.perf_counter()
     found_z3: str | None = None

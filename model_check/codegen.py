@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from model_check.table import TABLE_PATH, Operation, Step, Table, TableError, load_table
+from model_check.table.schema import TABLE_PATH, Operation, Step, Table, TableError, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED_PATH = ROOT / "rowcache" / "schedules" / "_generated.py"

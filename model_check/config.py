@@ -6,7 +6,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_check.reference import Bounds
+from model_check.table.reference import Bounds
 
 MANIFEST_PATH = Path(__file__).resolve().parent.parent / "spec" / "manifest.toml"
 

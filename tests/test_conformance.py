@@ -37,8 +37,7 @@ from hypothesis.stateful import (
 from sanitizer_oracle import races
 
 from model_check import codegen
-from model_check.reference import NO_STREAM, Bounds, Counters
-from model_check.semantics import (
+from model_check.device.queues import (
     State,
     device_step,
     host_call,
@@ -48,6 +47,7 @@ from model_check.semantics import (
     runnable,
 )
 from model_check.table import Step, Table, load_table
+from model_check.table.reference import NO_STREAM, Bounds, Counters
 from rowcache import InvalidInputError, RowCacheWeightProvider
 from rowcache import row_provider as row_provider_module
 from rowcache.backends import RecordingBackend

@@ -34,8 +34,8 @@ from model_check.device_path.functions import (
 from model_check.device_path.hb import HbModel, Summary, device_program
 from model_check.device_path.mutants import DEVICE_MUTANTS, device_mutant
 from model_check.device_path.table import DeviceStep, load_device_table, parse_device_table
-from model_check.reference import Bounds
 from model_check.table import TableError
+from model_check.table.reference import Bounds
 
 B32 = Bounds(num_experts=3, capacity=2)
 TABLE = load_device_table()

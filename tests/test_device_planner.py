@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch import Tensor
 
-from model_check.reference import (
+from model_check.table.reference import (
     NO_SLOT,
     Bounds,
     Counters,

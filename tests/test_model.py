@@ -6,15 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from model_check.config import CHECKS, MUTANT_CHECKS, load_manifest
-from model_check.core import PROPERTIES
-from model_check.explorer import REACHABILITY, explore
-from model_check.hb import HbCall, NotExpressible, Places, initial_hb_state
-from model_check.machines import run_machine
-from model_check.mutants import MUTANTS, mutant
-from model_check.reference import Bounds, Effect, initial_host
-from model_check.semantics import QueueCall, host_call, initial_state
+from model_check.config import CHECKS, MUTANT_CHECKS, Check, Pinned, load_manifest
+from model_check.device.hb import NotExpressible, packing
+from model_check.device.program import Packing, Pending, Recorder, run_program
+from model_check.device.queues import QueueCall, host_call, initial_state
+from model_check.search import explore
+from model_check.search.machine import run_machine
 from model_check.table import Step, Table, TableError, load_table, parse_table
+from model_check.table.mutants import MUTANTS, Mutant, mutant
+from model_check.table.properties import PROPERTIES, REACHABILITY
+from model_check.table.reference import Bounds, Counters, Effect, initial_host
 
 BOUNDS = Bounds(num_experts=3, capacity=2)
 TABLE = load_table()
@@ -22,8 +23,6 @@ COPY = BOUNDS.consumer_streams
 
 
 def _noop_effect() -> Effect:
-    from model_check.reference import Counters
-
     host = initial_host(BOUNDS)
     return Effect(host, (), (), (), False, Counters())
 
@@ -53,7 +52,7 @@ def test_wait_copies_the_snapshot_at_call_time() -> None:
     call.read(0, ((1, 1),))
     call.record(0, "release")  # a later record does not move the earlier wait
     wait = call.queues[COPY][0]
-    assert wait[0] == "wait" and wait[3] == ((0, 1),)
+    assert wait.kind == "wait" and wait.after == ((0, 1),)
 
 
 def test_waiting_on_a_never_recorded_event_does_nothing() -> None:
@@ -63,16 +62,16 @@ def test_waiting_on_a_never_recorded_event_does_nothing() -> None:
 
 
 def test_summary_masks_follow_the_same_facts() -> None:
-    state = initial_hb_state(BOUNDS)
-    call = HbCall(state, BOUNDS, 0, _noop_effect(), [], keep_reads=True, live=-1)
-    places = Places(BOUNDS)
+    pk = packing(BOUNDS)
+    call = Recorder(BOUNDS, 0, _noop_effect(), initial_host(BOUNDS), pk)
     call.read(0, ((0, 0),))
     call.record(0, "release")
     call.wait(COPY, "release")
     call.read(0, ((1, 1),))  # enqueued after the record: not ordered before the copy stream
-    masks = {what: mask for kind, what, mask in call.pending}
-    assert masks[(0,)] & places.stream(COPY)
-    assert not masks[(1,)] & places.stream(COPY)
+    [run] = run_program(call.compiled().program, [], pk)
+    masks = {op.what: op.mask for op in map(pk.decode, run.pending)}
+    assert masks[(0,)] & pk.places.stream(COPY)
+    assert not masks[(1,)] & pk.places.stream(COPY)
 
 
 # ---------------------------------------------------------------- table
@@ -109,8 +108,6 @@ def test_rejected_call_changes_nothing() -> None:
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.key)
 def test_real_table_holds_and_matches_the_manifest(check: object) -> None:
-    from model_check.config import Check, Pinned
-
     assert isinstance(check, Check)
     result = explore(TABLE, check.bounds, check.depth, model=check.model)
     assert result.violation is None, result.violation
@@ -140,8 +137,6 @@ def test_fast_summary_search_is_the_reference_search_on_the_real_table(
 
 @pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
 def test_fast_summary_search_is_the_reference_search_on_every_mutant(m: object) -> None:
-    from model_check.mutants import Mutant
-
     assert isinstance(m, Mutant)
     mutated = m.apply(TABLE)
     for only in (None, m.breaks):
@@ -153,7 +148,8 @@ def test_fast_summary_search_is_the_reference_search_on_every_mutant(m: object) 
 
 @pytest.mark.parametrize("name", [None, "victim_not_protected", "validate_after_touch"])
 def test_explicit_model_host_calls_with_cached_plans_are_the_semantics(name: str | None) -> None:
-    from model_check.explorer import QueueModel
+    from model_check.search.model import successors
+    from model_check.search.models import QueueModel
 
     table = TABLE if name is None else mutant(name).apply(TABLE)
     model = QueueModel(table, BOUNDS)
@@ -161,7 +157,7 @@ def test_explicit_model_host_calls_with_cached_plans_are_the_semantics(name: str
     while states and seen < 300:
         state = states.pop(0)
         seen += 1
-        for action, outcome, cost in model.successors(state):
+        for action, outcome, cost in successors(model, state):
             if cost:
                 assert outcome == host_call(
                     table, BOUNDS, state, action.op, action.args, action.stream
@@ -170,19 +166,17 @@ def test_explicit_model_host_calls_with_cached_plans_are_the_semantics(name: str
 
 
 def test_packed_pending_operations_round_trip() -> None:
-    from model_check.hb_fast import Packing
-
     bounds = Bounds(4, 3, staging_buffers=2)
-    packing = Packing(bounds, Places(bounds))
+    pk = Packing(bounds)
     ops = [
-        ("read", (0, 2), 0b101),
-        ("read", (1,), 0),
-        ("copy", 2, 0b1111111),
-        ("map", (0, -1), 0b10),
-        ("map", (1, 1), 0b1000001),
+        Pending("read", (0, 2), 0b101),
+        Pending("read", (1,), 0),
+        Pending("copy", 2, 0b1111111),
+        Pending("map", (0, -1), 0b10),
+        Pending("map", (1, 1), 0b1000001),
     ]
-    packed = [packing.encode(op) for op in ops]
-    assert [packing.decode(e) for e in packed] == ops
+    packed = [pk.encode(op) for op in ops]
+    assert [pk.decode(e) for e in packed] == ops
     assert len(set(packed)) == len(ops)
 
 
@@ -219,8 +213,6 @@ def test_catalogue_covers_every_property() -> None:
 
 @pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
 def test_every_mutant_breaks_its_property_in_every_applicable_explorer(m: object) -> None:
-    from model_check.mutants import Mutant
-
     assert isinstance(m, Mutant)
     mutated = m.apply(TABLE)
     killed_by = []

@@ -9,8 +9,13 @@ from typing import NamedTuple
 
 import pytest
 
-from model_check.explorer import explore
-from model_check.reference import Bounds
+from model_check.device.interpreter import Action
+from model_check.device.queues import (
+    device_step,
+    host_call,
+    initial_state,
+    runnable,
+)
 from model_check.render import (
     HOST,
     LaneEvent,
@@ -23,15 +28,10 @@ from model_check.render import (
     table_text,
     trace_summary,
 )
-from model_check.semantics import (
-    Action,
-    Violation,
-    device_step,
-    host_call,
-    initial_state,
-    runnable,
-)
+from model_check.search import explore
 from model_check.table import Table, load_table
+from model_check.table.properties import Violation
+from model_check.table.reference import Bounds
 
 Steps = list[tuple[Action, OutcomeLike]]
 BOUNDS = Bounds(3, 2)

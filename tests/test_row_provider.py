@@ -17,7 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_provider_contract import BAD_CALLS, assert_serves, ids, sources
 
-from model_check.reference import Bounds, Counters, initial_host, plan_invalidate, plan_prepare
+from model_check.table.reference import (
+    Bounds,
+    Counters,
+    initial_host,
+    plan_invalidate,
+    plan_prepare,
+)
 from rowcache import InvalidInputError, RowCacheWeightProvider
 from rowcache.backends import CpuBackend, RecordingBackend
 from rowcache.packing import PACK_ALIGN

@@ -1,7 +1,7 @@
-"""model_check.z3_*: the z3 encoding of the table, its bounded check, its induction, mutants.
+"""model_check.z3: the z3 encoding of the table, its bounded check, its induction, mutants.
 
 The encoding is trusted only as far as these tests go:
-- the symbolic host functions equal reference.py on every host state reachable within the
+- the symbolic host functions equal table.reference on every host state reachable within the
   bounds, for every call the explorer makes and every rejected call the encoding allows, for
   the real effects and every mutant effect (so a mutant is never killed by a difference
   between the two), and their z3 terms evaluate like the Python run of the same code;
@@ -23,19 +23,29 @@ from typing import Any
 import pytest
 import z3
 
-from model_check.core import PROPERTIES, Accepted, Rejected, begin_call, finish_host, host_actions
-from model_check.mutants import MUTANTS, Mutant
-from model_check.reference import Bounds, Counters, HostState, initial_host
+from model_check.search.models import host_actions
 from model_check.table import Step, Table, load_table
-from model_check.z3_check import (
+from model_check.table.host import Accepted, Rejected, begin_call, finish_host
+from model_check.table.mutants import MUTANTS, Mutant
+from model_check.table.properties import PROPERTIES
+from model_check.table.reference import (
+    EFFECTS,
+    GUARDS,
+    PRE_GUARD_EFFECTS,
+    Bounds,
+    Counters,
+    HostState,
+    initial_host,
+)
+from model_check.z3.check import (
     CONFIGURATIONS,
     REACHABILITY,
     Z3Report,
     check_table,
     replay_hb,
 )
-from model_check.z3_device import P1, P2, P4, P6, P7, P8
-from model_check.z3_host import (
+from model_check.z3.device import P1, P2, P4, P6, P7, P8
+from model_check.z3.host import (
     EFFECT_FACTS,
     SYM_EFFECTS,
     SYM_GUARDS,
@@ -49,7 +59,7 @@ from model_check.z3_host import (
     sym_args_text,
     sym_to_host,
 )
-from model_check.z3_induction import ORDERING, prove
+from model_check.z3.induction import ORDERING, prove
 
 TABLE = load_table()
 Call = tuple[str, tuple[object, ...], int]
@@ -284,8 +294,6 @@ def test_effect_facts_hold(bounds: Bounds, variant: tuple[str, Table]) -> None:
 
 
 def test_every_effect_and_guard_has_a_symbolic_twin() -> None:
-    from model_check.reference import EFFECTS, GUARDS, PRE_GUARD_EFFECTS
-
     assert set(SYM_EFFECTS) == set(EFFECTS)
     assert set(EFFECT_FACTS) == set(EFFECTS)
     assert set(SYM_GUARDS) == set(GUARDS)

@@ -24,7 +24,7 @@ from model_check.device_path.hb import HbModel
 from model_check.device_path.mutants import DEVICE_MUTANTS, DeviceMutant, device_mutant
 from model_check.device_path.search import Result, search
 from model_check.device_path.table import DeviceTable, load_device_table
-from model_check.reference import Bounds
+from model_check.table.reference import Bounds
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from model_check.device_path.functions import (
     run_gather,
 )
 from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceStep, DeviceTable
-from model_check.reference import NO_SLOT, NO_STREAM, Bounds, HostState
+from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds, HostState
 
 PROPERTIES: dict[str, str] = {
     "P1_no_overwrite_under_reader": "a gather into a slot never runs before an earlier-enqueued "

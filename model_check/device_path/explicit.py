@@ -53,7 +53,7 @@ from model_check.device_path.functions import (
     run_gather,
 )
 from model_check.device_path.table import DeviceTable
-from model_check.reference import NO_STREAM, Bounds
+from model_check.table.reference import NO_STREAM, Bounds
 
 Ref = tuple[int, int]
 Conflict = tuple[int, int, str, int]  # (stream, k, property, resource)

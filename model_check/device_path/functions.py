@@ -20,7 +20,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import NamedTuple
 
-from model_check.reference import (
+from model_check.table.reference import (
     NO_SLOT,
     NO_STREAM,
     Bounds,

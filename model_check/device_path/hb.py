@@ -39,7 +39,7 @@ from model_check.device_path.core import (
 )
 from model_check.device_path.explicit import _swap
 from model_check.device_path.table import DeviceTable
-from model_check.reference import NO_STREAM, Bounds
+from model_check.table.reference import NO_STREAM, Bounds
 
 Pend = tuple[int, int, int]  # (resource, mode, mask); resource LOOK for a look's read-back
 

@@ -29,7 +29,7 @@ from model_check.device_path.explicit import (
 )
 from model_check.device_path.hb import Pend, Summary, device_program
 from model_check.device_path.table import DeviceTable
-from model_check.reference import Bounds
+from model_check.table.reference import Bounds
 
 
 class PropertyViolated(AssertionError):

@@ -37,9 +37,9 @@ import z3
 
 from model_check.device_path.core import PROPERTIES, SLOT0, conflict_prop, resource_name
 from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceTable
-from model_check.reference import NO_SLOT, NO_STREAM, Bounds
-from model_check.z3_bmc import fresh_like, leaves, z3_bool
-from model_check.z3_host import (
+from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds
+from model_check.z3.bmc import fresh_like, leaves, z3_bool
+from model_check.z3.host import (
     Bool,
     Int,
     SymArgs,
@@ -830,7 +830,7 @@ def _chain(results: list[tuple[Bool, SymState]]) -> SymState:
     out = leaves(results[-1][1])
     for cond, value in reversed(results[:-1]):
         out = [ite(cond, a, b) for a, b in zip(leaves(value), out, strict=True)]
-    from model_check.z3_bmc import rebuild
+    from model_check.z3.bmc import rebuild
 
     rebuilt: SymState = rebuild(results[-1][1], out)
     return rebuilt

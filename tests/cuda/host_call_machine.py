@@ -69,8 +69,8 @@ from mutant_provider import EXPLAIN_DEPTH, HostCall, explain_calls, install, mut
 from sanitizer_oracle import races
 from trace_check import TABLE, LogError, ModelReplay
 
-from model_check.reference import NO_STREAM, Bounds, Counters
 from model_check.table import Table
+from model_check.table.reference import NO_STREAM, Bounds, Counters
 from rowcache import RowCacheWeightProvider
 from rowcache.backends import RecordingBackend
 

@@ -25,10 +25,10 @@ import types
 from typing import Any
 
 from model_check import codegen
-from model_check.explorer import explore
-from model_check.mutants import MUTANTS, mutant
-from model_check.reference import Bounds
+from model_check.search import explore
 from model_check.table import Step, Table, load_table
+from model_check.table.mutants import MUTANTS, mutant
+from model_check.table.reference import Bounds
 from rowcache import RowCacheWeightProvider
 
 HostCall = tuple[str, tuple[object, ...], int]

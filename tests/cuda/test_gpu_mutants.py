@@ -27,7 +27,7 @@ from host_call_machine import call_text, explain_to_compare, judge, kill
 from mutant_provider import NOT_ON_GPU, REQUIRED, host_mutants, install, schedule_mutants
 from race_fixtures import FIXTURES, Inconclusive, Report, save
 
-from model_check.mutants import MUTANTS
+from model_check.table.mutants import MUTANTS
 from rowcache import RowCacheWeightProvider
 
 EXPECTED = {

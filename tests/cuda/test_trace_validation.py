@@ -34,9 +34,9 @@ from mutant_provider import REQUIRED, install, schedule_mutants
 from sanitizer_oracle import races
 from trace_check import LogError, ModelReplay, pairs_text, render
 
-from model_check.mutants import mutant
-from model_check.reference import Bounds
 from model_check.table import load_table
+from model_check.table.mutants import mutant
+from model_check.table.reference import Bounds
 from rowcache import RowCacheWeightProvider
 from rowcache.backends.cuda import HOST, CudaBackend, CudaCall
 from rowcache.sources import SOURCE_NAMES

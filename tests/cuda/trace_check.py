@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from model_check.hb import HbState, hb_host_call, initial_hb_state
-from model_check.reference import Bounds, Counters, HostState
-from model_check.semantics import (
+from model_check.device.hb import HbState, hb_host_call, initial_hb_state
+from model_check.device.queues import (
     State,
     deadlocked,
     device_step,
@@ -35,6 +34,7 @@ from model_check.semantics import (
     runnable,
 )
 from model_check.table import Table, load_table
+from model_check.table.reference import Bounds, Counters, HostState
 from rowcache.backends.cuda import HOST, CudaCall
 from rowcache.sources import SOURCE_NAMES
 

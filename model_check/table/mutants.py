@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from model_check.table import Operation, Step, Table
+from model_check.table.schema import Operation, Step, Table
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Executable semantics of the transition table.
+"""The explicit device model: every interleaving of device steps, with FIFO queues.
 
 A `State` is the host state plus the device: one FIFO queue of pending operations per stream,
 the snapshot held by each CUDA event, the staging buffers, the slot contents and the device
@@ -23,21 +23,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from model_check.core import (
-    PROPERTIES,
-    Accepted,
-    Action,
-    DeviceCall,
-    Outcome,
-    Pairs,
-    Rejected,
-    Violation,
-    begin_call,
-    finish_host,
-    host_actions,
-    pairs_text,
-)
-from model_check.reference import (
+from model_check.device.interpreter import Action, DeviceCall, Outcome
+from model_check.table.host import Accepted, Pairs, Rejected, begin_call, finish_host, pairs_text
+from model_check.table.properties import PROPERTIES, Violation
+from model_check.table.reference import (
     NO_SLOT,
     NO_STREAM,
     Bounds,
@@ -46,20 +35,48 @@ from model_check.reference import (
     HostState,
     initial_host,
 )
-from model_check.table import EVENTS, RINGS, Operation, Table
+from model_check.table.schema import EVENTS, RINGS, Operation, Table
 
-__all__ = ["PROPERTIES", "Action", "Outcome", "State", "Violation", "host_actions", "host_call"]
+__all__ = ["PROPERTIES", "Action", "Outcome", "State", "Violation", "host_call"]
 
 Ref = tuple[int, int]  # (stream index, number of its pending operations that must run first)
 
-# Device operations are plain tuples for speed: (kind, a, b, refs).
-#   ("wait",  0, 0, (ref,))          runs once ref has run
-#   ("flag",  event, 0, ())          runs once the event's latest snapshot has run (mutant kind)
-#   ("copy",  slot, expert, reads)   reads: refs to reads of the slot enqueued before it
-#   ("read",  pairs, 0, copies)      pairs: (expert, slot); copies: refs to earlier copies
-#   ("map",   content, ring, ())     map upload from a staging buffer of ring
-# The last field is True when the operation is glued to the one before it (same group).
-Op = tuple[str, object, int, tuple[Ref, ...], bool]
+
+class QueuedOp(NamedTuple):
+    """A device operation waiting in a stream's queue.
+
+        kind    what            arg     after
+        wait    0               0       (ref,): runs once ref has run
+        flag    event index     0       (): runs once the event's latest snapshot has run
+                                        (the P7 mutant's kind)
+        copy    slot            expert  refs to reads of the slot enqueued before it
+        read    pairs           0       refs to copies into its slots enqueued before it
+        map     content         ring    (): a map upload from a staging buffer of ring
+
+    `glued`: the operation runs in one step with the one before it (see `QueueCall.enqueue`).
+    """
+
+    kind: str
+    what: object
+    arg: int
+    after: tuple[Ref, ...]
+    glued: bool
+
+    def __repr__(self) -> str:
+        # `QueueModel.canonical` orders states by their text; an operation prints as the plain
+        # tuple it is, so that order does not depend on this class's name.
+        return tuple.__repr__(self)
+
+
+class Blocked(NamedTuple):
+    """A host call waiting in host_sync: what it needs to continue."""
+
+    op: str
+    stream: int
+    step: int  # index of the host_sync step
+    effect: Effect
+    chosen: tuple[int, ...]  # staging buffer chosen per ring
+    before: HostState  # host state at the start of the call
 
 
 class Buffer(NamedTuple):
@@ -69,13 +86,13 @@ class Buffer(NamedTuple):
 
 class State(NamedTuple):
     host: HostState
-    queues: tuple[tuple[Op, ...], ...]  # consumer streams, then the copy stream
+    queues: tuple[tuple[QueuedOp, ...], ...]  # consumer streams, then the copy stream
     events: tuple[Ref | None, ...]  # snapshot of each event in table.EVENTS
     staging: tuple[tuple[Buffer, ...], ...]  # per ring in table.RINGS
     slots: tuple[int, ...]  # expert whose rows each slot holds on the device
     dmap: tuple[int, ...]  # device resident map
     read_issued: bool  # the consumer already read the current forward map
-    blocked: tuple[object, ...] | None  # a host call waiting in host_sync: its continuation
+    blocked: Blocked | None  # a host call waiting in host_sync
 
 
 NO_COUNTS = Counters()
@@ -116,11 +133,11 @@ def _dec_refs(refs: tuple[Ref, ...], stream: int) -> tuple[Ref, ...]:
     return tuple(out)
 
 
-def _dec_op(op: Op, stream: int) -> Op:
-    refs = op[3]
+def _dec_op(op: QueuedOp, stream: int) -> QueuedOp:
+    kind, what, arg, refs, glued = op
     if not refs:
         return op
-    return (op[0], op[1], op[2], _dec_refs(refs, stream), op[4])
+    return QueuedOp(kind, what, arg, _dec_refs(refs, stream), glued)
 
 
 # ---------------------------------------------------------------- device steps
@@ -130,11 +147,11 @@ def is_idle(state: State) -> bool:
     return not any(state.queues)
 
 
-def group_size(queue: tuple[Op, ...]) -> int:
+def group_size(queue: tuple[QueuedOp, ...]) -> int:
     """Length of the head group: operations one host call enqueued back to back on a stream
     with no event recorded between them. They run as one step; see `_Call.enqueue`."""
     n = 1
-    while n < len(queue) and queue[n][4]:
+    while n < len(queue) and queue[n].glued:
         n += 1
     return n
 
@@ -144,11 +161,11 @@ def runnable(state: State, stream: int) -> bool:
     if not queue:
         return False
     for op in queue[: group_size(queue)]:
-        if op[0] == "wait" and op[3]:
+        if op.kind == "wait" and op.after:
             return False
-        if op[0] == "flag":
-            assert isinstance(op[1], int)
-            if state.events[op[1]] is not None:
+        if op.kind == "flag":
+            assert isinstance(op.what, int)
+            if state.events[op.what] is not None:
                 return False
     return True
 
@@ -169,23 +186,23 @@ def device_step(state: State, stream: int) -> Outcome[State]:
 def _run_head(state: State, stream: int) -> tuple[State, Violation | None]:
     queue = state.queues[stream]
     head = queue[0]
-    kind = head[0]
+    kind = head.kind
     violation: Violation | None = None
     slots = state.slots
     dmap = state.dmap
     if kind == "copy":
-        slot, expert = head[1], head[2]
+        slot, expert = head.what, head.arg
         assert isinstance(slot, int)
-        if head[3]:
+        if head.after:
             violation = Violation(
                 "P1_no_overwrite_under_reader",
                 f"copy of expert {expert} into slot {slot} ran before an earlier read of the slot",
             )
         slots = (*slots[:slot], expert, *slots[slot + 1 :])
     elif kind == "read":
-        pairs = head[1]
+        pairs = head.what
         assert isinstance(pairs, tuple)
-        if head[3]:
+        if head.after:
             violation = Violation(
                 "P2_no_stale_read",
                 f"read of {pairs_text(pairs)} ran before an earlier copy into its slots",
@@ -198,8 +215,8 @@ def _run_head(state: State, stream: int) -> tuple[State, Violation | None]:
                         f"read of expert {expert} in slot {slot} found expert {slots[slot]}",
                     )
                     break
-    elif kind == "map" and head[2] == RINGS.index("resident"):
-        content = head[1]
+    elif kind == "map" and head.arg == RINGS.index("resident"):
+        content = head.what
         assert isinstance(content, tuple)
         dmap = content
     queues = list(state.queues)
@@ -272,7 +289,7 @@ class QueueCall(DeviceCall):
         never glued after another operation: that would hold the earlier operation back
         until the wait is satisfied, which the device does not do."""
         glue = stream in self.open_groups and kind not in ("wait", "flag")
-        self.queues[stream].append((kind, a, b, refs, glue))
+        self.queues[stream].append(QueuedOp(kind, a, b, refs, glue))
         self.open_groups.add(stream)
 
     def snapshot(self, stream: int) -> Ref | None:
@@ -286,12 +303,12 @@ class QueueCall(DeviceCall):
         for sid, queue in enumerate(self.queues):
             last = 0
             for i, op in enumerate(queue):
-                if op[0] != kind:
+                if op.kind != kind:
                     continue
                 if kind == "copy":
-                    touched = op[1] in slots
+                    touched = op.what in slots
                 else:
-                    pairs = op[1]
+                    pairs = op.what
                     assert isinstance(pairs, tuple)
                     touched = any(s in slots for _, s in pairs)
                 if touched:
@@ -307,12 +324,12 @@ class QueueCall(DeviceCall):
         while frontier:
             sid, upto = frontier.pop()
             for op in self.queues[sid][:upto]:
-                if op[0] == "read":
+                if op.kind == "read":
                     return True
-                deps: list[Ref] = list(op[3]) if op[0] == "wait" else []
-                if op[0] == "flag":
-                    assert isinstance(op[1], int)
-                    snap = self.events[op[1]]
+                deps: list[Ref] = list(op.after) if op.kind == "wait" else []
+                if op.kind == "flag":
+                    assert isinstance(op.what, int)
+                    snap = self.events[op.what]
                     if snap is not None:
                         deps.append(snap)
                 for dep_stream, k in deps:
@@ -398,13 +415,8 @@ class QueueCall(DeviceCall):
         read_issued = self.read_issued and not (finished and op.name == "prepare")
         blocked = None
         if not finished:
-            blocked = (
-                op.name,
-                self.stream,
-                blocked_at,
-                self.effect,
-                tuple(self.chosen),
-                self.before,
+            blocked = Blocked(
+                op.name, self.stream, blocked_at, self.effect, tuple(self.chosen), self.before
             )
         new = State(
             host=host,
@@ -453,9 +465,6 @@ def resume(table: Table, bounds: Bounds, state: State) -> Outcome[State]:
     """Continue a host call blocked in host_sync, once its streams drained."""
     assert state.blocked is not None
     name, stream, index, effect, chosen, before = state.blocked
-    assert isinstance(name, str) and isinstance(stream, int) and isinstance(index, int)
-    assert isinstance(effect, Effect) and isinstance(chosen, tuple)
-    assert isinstance(before, HostState)
     op = table.op(name)
     call = QueueCall(state._replace(host=before, blocked=None), bounds, stream, effect)
     call.chosen = list(chosen)
@@ -467,14 +476,12 @@ def resume(table: Table, bounds: Bounds, state: State) -> Outcome[State]:
 def can_resume(state: State, bounds: Bounds, table: Table) -> bool:
     if state.blocked is None:
         return False
-    name, stream, index = state.blocked[0], state.blocked[1], state.blocked[2]
-    assert isinstance(name, str) and isinstance(stream, int) and isinstance(index, int)
-    step = table.op(name).steps[index]
+    blocked = state.blocked
+    stream = blocked.stream
+    step = table.op(blocked.op).steps[blocked.step]
     if step.stream == "all":
         return is_idle(state)
-    before = state.blocked[5]
-    assert isinstance(before, HostState)
-    owner = before.owner
+    owner = blocked.before.owner
     role = {"copy": bounds.consumer_streams, "current": stream}.get(
         step.stream, owner if owner != NO_STREAM else stream
     )

@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-TABLE_PATH = Path(__file__).resolve().parent.parent / "spec" / "table.toml"
+from model_check.table.reference import EFFECTS, GUARDS, PRE_GUARD_EFFECTS
+
+TABLE_PATH = Path(__file__).resolve().parents[2] / "spec" / "table.toml"
 
 STREAM_ROLES = ("current", "owner", "copy")
 STEP_KINDS = (
@@ -123,8 +125,6 @@ def validate_step(step: Step, where: str) -> None:
 
 
 def parse_table(data: dict[str, Any]) -> Table:
-    from model_check.reference import EFFECTS, GUARDS, PRE_GUARD_EFFECTS
-
     consumer = tuple(str(s) for s in data["streams"]["consumer"])
     ops: list[Operation] = []
     for raw in data["operation"]:

@@ -1,14 +1,14 @@
 """An unbounded argument for the ordering properties: an inductive invariant checked by z3.
 
-The state is the device summary of z3_device (one followed operation per kind, each with its
+The state is the device summary of `z3.device` (one followed operation per kind, each with its
 mask of places) plus an abstract host: the owner stream and whether an accepted prepare has
 happened (`prepared`, which is "a forward map exists"). A host call is any operation of the
 table on any consumer stream; what the steps read of the host plan is free, within facts the
-tests check against the reference functions on every reachable host state (z3_host
-.EFFECT_FACTS): a prepare may or may not copy, and changes the map only when it copies; an
-invalidate changes it only when an expert is resident, so only after a prepare; a read needs a
-forward map. Nothing here depends on the number of experts or slots, nor on the number of
-calls.
+tests check against the reference functions on every reachable host state
+(`z3.host.EFFECT_FACTS`): a prepare may or may not copy, and changes the map only when it
+copies; an invalidate changes it only when an expert is resident, so only after a prepare; a
+read needs a forward map. Nothing here depends on the number of experts or slots, nor on the
+number of calls.
 
 The invariant is not written by hand. Candidate clauses come from a template, for every
 followed kind K:  "K pending => a"  and  "K pending => a or b"  where a, b range over "happens
@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 
 import z3
 
-from model_check.reference import NO_SLOT, NO_STREAM, Bounds
-from model_check.table import Table
-from model_check.z3_device import (
+from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds
+from model_check.table.schema import Table
+from model_check.z3.device import (
     KINDS,
     P1,
     P2,
@@ -51,7 +51,7 @@ from model_check.z3_device import (
     initial_dev,
     interpret,
 )
-from model_check.z3_host import (
+from model_check.z3.host import (
     EFFECT_FACTS,
     GUARD_ALWAYS,
     GUARD_NEEDS_FORWARD,

@@ -18,17 +18,17 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from model_check.core import Outcome, Violation
-from model_check.hb import (
+from model_check.device.hb import (
     HbState,
     NotExpressible,
-    Places,
     hb_host_call,
     initial_hb_state,
+    keeps_reads,
     live_places,
+    packing,
 )
-from model_check.reference import Bounds
-from model_check.semantics import (
+from model_check.device.interpreter import Outcome
+from model_check.device.queues import (
     State,
     can_resume,
     device_step,
@@ -37,7 +37,9 @@ from model_check.semantics import (
     resume,
     runnable,
 )
-from model_check.table import Table
+from model_check.table.properties import Violation
+from model_check.table.reference import Bounds
+from model_check.table.schema import Table
 
 
 class PropertyViolated(AssertionError):
@@ -57,11 +59,8 @@ def machine_for(
     )
     anything = st.lists(st.integers(-1, n), max_size=bounds.capacity + 1).map(tuple)
     id_sets = st.one_of(valid, valid, valid, anything)  # mostly accepted calls, some bad ones
-    places = Places(bounds)
-    live = live_places(table, places)
-    keep_reads = any(
-        s.kind == "host_sync" for op in table.operations if op.provider for s in op.steps
-    )
+    live = live_places(table, packing(bounds).places)
+    keep_reads = keeps_reads(table)
 
     class ModelMachine(RuleBasedStateMachine):
         def __init__(self) -> None:

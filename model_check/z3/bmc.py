@@ -4,10 +4,10 @@ Each call is a symbolic choice of an operation of the table, the stream it is ma
 arguments (`ids` as a set of in-range experts plus a flag for an out-of-range or repeated
 entry, `expert` in 0..num_experts where num_experts is out of range). Everything the call does
 is read from the table: the before_guard, guard and effect names select the symbolic reference
-functions (z3_host), set_owner updates the owner, and the steps run through the shared
-interpreter on the symbolic happens-before summary (z3_device), once per (current stream,
+functions (`z3.host`), set_owner updates the owner, and the steps run through the shared
+interpreter on the symbolic happens-before summary (`z3.device`), once per (current stream,
 owner stream) pair. The host state is exact (symbolic LRU ranks, slot map, forward map); the
-device summary follows one generic operation of each kind (see z3_device).
+device summary follows one generic operation of each kind (see `z3.device`).
 
 The bound: every sequence of at most k steps, a step being one host call of any operation
 (read and synchronize included, any number of reads per forward map) on any consumer stream,
@@ -16,7 +16,7 @@ the same step, as in the explorer's happens-before model (so k is the explorer's
 covers every sequence it explores, and more). Arguments: every one the explorer uses and more
 (any set of experts with a bad entry for a rejected prepare); a valid prepare names at least
 one expert, as in the explorer. Each ordering verdict covers every device interleaving at
-once, as in hb.py. A counterexample is a sequence of host calls; `z3_check.replay` runs it
+once, as in `device.hb`. A counterexample is a sequence of host calls; `z3.check.replay` runs it
 on the other device models to confirm it.
 """
 
@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 import z3
 
-from model_check.reference import NO_SLOT, Bounds
-from model_check.table import Table
-from model_check.z3_device import (
+from model_check.table.reference import NO_SLOT, Bounds
+from model_check.table.schema import Table
+from model_check.z3.device import (
     P3,
     P4,
     P5,
@@ -42,7 +42,7 @@ from model_check.z3_device import (
     initial_dev,
     interpret,
 )
-from model_check.z3_host import (
+from model_check.z3.host import (
     SYM_EFFECTS,
     SYM_GUARDS,
     SYM_PRE_GUARD,

@@ -1,9 +1,9 @@
-"""The reference host functions (reference.py) written once over values that may be symbolic.
+"""The reference host functions (`table.reference`) written once over values that may be symbolic.
 
 Every function here takes and returns plain Python values *or* z3 terms: the primitives
 (`ite`, `conj`, `disj`, `neg`, `count`) fold when their arguments are concrete and build z3
 terms otherwise, and the code never branches in Python on a value that may be symbolic. Run on
-concrete values it is an executable twin of reference.py, which is how the tests prove it equal
+concrete values it is an executable twin of `table.reference`, which is how the tests prove it equal
 to the reference on every host state reachable within the bounds; run on z3 constants it is
 the encoding the bounded model checker unrolls. The two runs are the same code path.
 
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import z3
 
-from model_check.reference import NO_SLOT, NO_STREAM, Bounds, Effect, HostState
+from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds, Effect, HostState
 
 # A value that is either concrete (bool / int) or a z3 term.
 Bool = Any

@@ -1,6 +1,6 @@
-"""The happens-before summary of hb.py, with symbolic state, as a `DeviceCall`.
+"""The happens-before summary of `device.hb`, with symbolic state, as a `DeviceCall`.
 
-hb.py keeps every pending device operation with a bit mask of the *places* it happens before
+`device.hb` keeps every pending device operation with a bit mask of the *places* it happens before
 (streams, event snapshots, staging reuse events) and decides each ordering property when its
 second operation is enqueued. Every mask update acts on each pending operation on its own
 (record E on X: E := X; Y waits E: Y |= E; a stream drains: the operations holding it are
@@ -49,10 +49,11 @@ from typing import Any, NamedTuple
 
 import z3
 
-from model_check.core import DeviceCall, Pairs
-from model_check.reference import NO_SLOT, Bounds, Counters, Effect, HostState
-from model_check.table import EVENTS, RINGS, Operation, Step, Table
-from model_check.z3_host import Bool, Int, conj, disj, ite, merge, neg, select
+from model_check.device.interpreter import DeviceCall
+from model_check.table.host import Pairs
+from model_check.table.reference import NO_SLOT, Bounds, Counters, Effect, HostState
+from model_check.table.schema import EVENTS, RINGS, Operation, Step, Table
+from model_check.z3.host import Bool, Int, conj, disj, ite, merge, neg, select
 
 KINDS: tuple[str, ...] = (
     "read",

@@ -2,15 +2,15 @@
 
 `check_table(table, bounds, depth)` returns a `Z3Report`:
 - per property P1..P9, whether some sequence of at most `depth` host calls violates it
-  (z3_bmc: exact symbolic host state, the happens-before summary of z3_device for the
+  (`z3.bmc`: exact symbolic host state, the happens-before summary of `z3.device` for the
   device), with the shortest counterexample as host calls, replayed on the explicit
-  interleaving model (semantics.py) to say whether that model confirms it;
+  interleaving model (`device.queues`) to say whether that model confirms it;
 - reachability ("sometimes") checks, so that a pass is not vacuous;
-- the unbounded result for the ordering properties (z3_induction): an inductive invariant,
+- the unbounded result for the ordering properties (`z3.induction`): an inductive invariant,
   found by Houdini from a template and checked by z3 for every operation of the table.
 Everything is built from the table: a mutant is a different table, nothing else.
 
-`python -m model_check.z3_check` runs it on the real table at the explorer's bounds.
+`python -m model_check.z3.check` runs it on the real table at the explorer's bounds.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import z3
 
-from model_check.core import PROPERTIES, Violation
-from model_check.reference import Bounds
-from model_check.table import Table, load_table
-from model_check.z3_bmc import Unrolling, z3_bool
-from model_check.z3_induction import InductionResult, prove
+from model_check.table.properties import PROPERTIES, Violation
+from model_check.table.reference import Bounds
+from model_check.table.schema import Table, load_table
+from model_check.z3.bmc import Unrolling, z3_bool
+from model_check.z3.induction import InductionResult, prove
 
 # Observations that must be reachable in the real table, or a pass says little.
 REACHABILITY: dict[str, str] = {
@@ -154,9 +154,9 @@ Calls = list[tuple[str, tuple[object, ...], int]]
 
 
 def replay_hb(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str] | None:
-    """Run the host calls on the happens-before summary (hb.py), every staging branch; the
+    """Run the host calls on the happens-before summary (`device.hb`), every staging branch; the
     properties it finds violated (None when the table is not expressible there)."""
-    from model_check.hb import NotExpressible, hb_host_call, initial_hb_state
+    from model_check.device.hb import NotExpressible, hb_host_call, initial_hb_state
 
     found: dict[str, str] = {}
     states = [initial_hb_state(bounds)]
@@ -177,7 +177,7 @@ def replay_hb(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str] | No
 def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str] | None:
     """Run the host calls on the explicit FIFO model, every interleaving of device steps
     between and after them; the properties it finds violated (None: too many states)."""
-    from model_check.semantics import (
+    from model_check.device.queues import (
         State,
         can_resume,
         deadlocked,

@@ -1,10 +1,9 @@
-"""Pictures of counterexample traces and of the transition table.
+"""Swimlanes of counterexample traces, as text and as pictures.
 
-Pure functions, no state: the text versions return strings, the image versions write one file
-(matplotlib's Agg canvas, never pyplot, so nothing global is touched; `.svg` or `.png` by the
-path's suffix; SVG output is byte-for-byte deterministic).
+Pure functions, no state: the text versions return strings, the image version writes one file
+(`render.draw`).
 
-A trace is what `model_check.explorer.explore` returns in `Result.trace`: a list of
+A trace is what `model_check.search.explore` returns in `Result.trace`: a list of
 `(Action, Outcome)` pairs. Every step is turned into timeline events (`swimlane_events`):
 
     host call      the call, on the host lane, then every device call it made, in order:
@@ -30,14 +29,11 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from model_check.semantics import Action, Violation
-from model_check.table import HOST_ONLY_KINDS, Operation, Step, Table
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+from model_check.device.interpreter import Action
+from model_check.render.draw import COLORS, clip, new_figure, save, staircase
+from model_check.table.properties import Violation
 
 __all__ = [
     "HOST",
@@ -48,8 +44,6 @@ __all__ = [
     "swimlane_events",
     "swimlane_svg",
     "swimlane_text",
-    "table_diagram",
-    "table_text",
     "trace_summary",
 ]
 
@@ -317,55 +311,6 @@ def swimlane_events(
     return events
 
 
-# ---------------------------------------------------------------- text
-
-
-def _clip(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    if width <= 1:
-        return "…"[:width]
-    return text[: width - 1] + "…"
-
-
-def _lane_start(first: int, lane: int, lane_w: int) -> int:
-    return first + 1 + lane * (lane_w + 3) + 2
-
-
-def _lane_width(header: list[str], rows: list[tuple[str, int, str]], width: int, first: int) -> int:
-    """The widest lanes (at most 22, at least 8) with which every row fits in `width`."""
-    for w in range(22, 7, -1):
-        cells = [(k, t) for _, k, t in rows] + list(enumerate(header))
-        if all(_lane_start(first, k, w) + len(t) <= width for k, t in cells):
-            return w
-    return 8
-
-
-def _staircase(
-    header: list[str],
-    rows: list[tuple[str, int, str]],
-    width: int,
-    first: int,
-    lane_w: int | None = None,
-) -> list[str]:
-    """Lines of a lane table with one cell per row: `rows` are (number, lane index, text).
-
-    Every lane gets a column, and a row's text starts in its lane's column and may run on
-    over the lanes to its right (they are empty on that row), so that it is clipped only at
-    `width`."""
-    if lane_w is None:
-        lane_w = _lane_width(header, rows, width, first)
-
-    def line(num: str, lane: int, text: str) -> str:
-        body = f"{num:>{first}} " + ("| " + " " * lane_w + " ") * lane + "| "
-        return (body + _clip(text, max(width - len(body), 1))).rstrip()
-
-    out = [f"{'#':>{first}} " + "".join(f"| {h:<{lane_w}} " for h in header).rstrip()]
-    out.append(("-" * (first + 1) + ("+" + "-" * (lane_w + 2)) * len(header))[:width])
-    out += [line(num, k, t) for num, k, t in rows]
-    return out
-
-
 def swimlane_text(
     trace: TraceSteps,
     n_consumer_streams: int,
@@ -393,7 +338,7 @@ def swimlane_text(
         rows.append((num, lane, MARKS[ev.mark] + text))
     first = max(3, len(str(len(trace))))
     out = textwrap.wrap(f"legend: {LEGEND}", width, subsequent_indent="        ")
-    out += _staircase(header, rows, width, first)
+    out += staircase(header, rows, width, first)
     found = next((e for e in events if e.mark == "violation"), None)
     if found is not None:
         where = _lane_name(found.lane, n_consumer_streams)
@@ -458,50 +403,15 @@ def _infer_consumer_streams(trace: TraceSteps) -> int:
 
 # ---------------------------------------------------------------- images
 
-_SALT = "rowcache-render"
-_COLORS = {
-    "copy": "#4c72b0",
-    "upload": "#55a868",
-    "read": "#dd8452",
-    "wait": "#8c8c8c",
-    "waitflag": "#8c8c8c",
-    "record": "#8172b3",
-    "host": "#bbbbbb",
-    "violation": "#d62728",
-}
-
 
 def _color(text: str, mark: str) -> str:
     if mark == "violation":
-        return _COLORS["violation"]
+        return COLORS["violation"]
     if mark == "record":
-        return _COLORS["record"]
+        return COLORS["record"]
     if mark in ("call", "host", "resume"):
-        return _COLORS["host"]
-    return _COLORS.get(text.split(" ", 1)[0], "#999999")
-
-
-def _save(fig: Figure, path: Path) -> None:
-    import matplotlib
-
-    suffix = path.suffix.lower()
-    if suffix not in (".svg", ".png"):
-        raise ValueError(f"{path}: the suffix must be .svg or .png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with matplotlib.rc_context({"svg.hashsalt": _SALT, "svg.fonttype": "path"}):
-        if suffix == ".svg":
-            fig.savefig(path, format="svg", metadata={"Date": None})
-        else:
-            fig.savefig(path, format="png", dpi=110)
-
-
-def _new_figure(width: float, height: float) -> tuple[Figure, Axes]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig, fig.add_axes((0.0, 0.0, 1.0, 1.0))
+        return COLORS["host"]
+    return COLORS.get(text.split(" ", 1)[0], "#999999")
 
 
 def swimlane_svg(
@@ -527,7 +437,7 @@ def swimlane_svg(
     line_u = 0.2 / lane_h  # one line of the violation text, in lane units
     top_u, foot_u = 0.3, (0.2 + line_u * len(detail)) if detail else 0.05
     width = max(6.0, left + col_w * (nrows + 1))
-    fig, ax = _new_figure(width, lane_h * (top_u + len(lanes) + foot_u))
+    fig, ax = new_figure(width, lane_h * (top_u + len(lanes) + foot_u))
     # Data coordinates: x counts events, y counts lanes downwards from 0 (host on top).
     x0 = -left / col_w
     ax.set_xlim(x0, nrows + 0.5)
@@ -576,7 +486,7 @@ def swimlane_svg(
         text = ev.text if ev.mark != "violation" else ev.text.split(":", 1)[0]
         face, edge, style, fc = "white", color, "solid", "black"
         if found is not None and ev.action == found.action and ev.lane == found.lane:
-            edge = _COLORS["violation"]  # the step that exposed the violation
+            edge = COLORS["violation"]  # the step that exposed the violation
         if ev.mark == "ran":
             face, fc = color, "white"
         elif ev.mark == "enqueue":
@@ -604,7 +514,7 @@ def swimlane_svg(
         ax.text(
             x,
             y,
-            _clip(MARKS[ev.mark] + text, 23),
+            clip(MARKS[ev.mark] + text, 23),
             rotation=90,
             ha="center",
             va="center",
@@ -626,7 +536,7 @@ def swimlane_svg(
                     (x, y),
                     arrowstyle="-|>",
                     mutation_scale=8,
-                    color=_COLORS["read"],
+                    color=COLORS["read"],
                     lw=0.8,
                     linestyle="dotted",
                     connectionstyle="arc3,rad=0.25",
@@ -659,212 +569,8 @@ def swimlane_svg(
             ha="left",
             va="top",
             fontsize=8,
-            color=_COLORS["violation"],
+            color=COLORS["violation"],
             fontweight="bold" if k == 0 else "normal",
         )
-    _save(fig, path)
-    return path
-
-
-# ---------------------------------------------------------------- the table
-
-ROLE_LANES = ("host", "current", "owner", "copy")
-
-
-def _step_lane(step: Step) -> str:
-    if step.kind in HOST_ONLY_KINDS or step.kind == "host_sync":
-        return "host"
-    return step.stream
-
-
-def _step_words(step: Step) -> list[str]:
-    words = {
-        "record_event": ["record", step.event],
-        "wait_event": ["wait", step.event],
-        "wait_flag": ["wait_flag", step.event],
-        "write_staging": ["write_staging", step.ring],
-        "upload_map": ["upload_map", step.ring],
-        "release_staging": ["release_staging", step.ring],
-        "host_sync": ["host_sync", step.stream],
-    }.get(step.kind, [step.kind])
-    if step.when != "always":
-        words.append(f"[{step.when}]")
-    return words
-
-
-def _record_of(op: Operation, index: int) -> int:
-    """Index of the record_event the wait at `index` waits for in the same operation (the
-    latest earlier one of the same event), -1 when it is recorded by an earlier call."""
-    step = op.steps[index]
-    for k in range(index - 1, -1, -1):
-        other = op.steps[k]
-        if other.kind == "record_event" and other.event == step.event:
-            return k
-    return -1
-
-
-def _op_header(op: Operation) -> str:
-    parts = [f"{op.name}({', '.join(op.args)})"]
-    if op.before_guard:
-        parts.append("before guard " + ", ".join(op.before_guard))
-    parts += [f"guard {op.guard}", f"effect {op.effect}"]
-    if op.set_owner:
-        parts.append(f"then owner := {op.set_owner}")
-    if not op.provider:
-        parts.append("(consumer operation)")
-    return "   ".join(parts)
-
-
-def table_text(table: Table, *, width: int = 100) -> str:
-    """The transition table as plain text: per operation its guard and effect, then its steps
-    in order, each in the column of the lane it runs on (host, or the stream role).
-    `<N` after a wait names the step that recorded the event it waits for (`<prev` when an
-    earlier call recorded it)."""
-    out = [
-        "streams: consumer " + ", ".join(table.consumer_streams) + "; provider copy",
-        "roles: current = the calling stream; owner = the stream of the previous accepted "
-        "prepare (current when none); copy = the provider's copy stream",
-    ]
-    out = [line for raw in out for line in textwrap.wrap(raw, width, subsequent_indent="  ")]
-    header = list(ROLE_LANES)
-    tables: list[list[tuple[str, int, str]]] = []
-    for op in table.operations:
-        rows: list[tuple[str, int, str]] = []
-        for index, step in enumerate(op.steps):
-            text = " ".join(_step_words(step))
-            if step.kind in ("wait_event", "wait_flag"):
-                rec = _record_of(op, index)
-                text += f" <{rec + 1}" if rec >= 0 else " <prev"
-            rows.append((str(index + 1), ROLE_LANES.index(_step_lane(step)), text))
-        tables.append(rows)
-    lane_w = _lane_width(header, [row for rows in tables for row in rows], width, 3)
-    for op, rows in zip(table.operations, tables, strict=True):
-        out.append("")
-        out += textwrap.wrap(_op_header(op), width, subsequent_indent="    ")
-        if rows:
-            out += _staircase(header, rows, width, 3, lane_w)
-        else:
-            out.append("    (no steps)")
-    return "\n".join(out) + "\n"
-
-
-def table_diagram(table: Table, path: str | Path) -> Path:
-    """Draw the table: one panel per operation, lanes host/current/owner/copy, the guard and
-    effect as the first boxes on the host lane, then the steps in order on their lanes, with
-    arrows from each record_event to the waits on the same event (dashed from the left edge
-    when an earlier call recorded it)."""
-    from matplotlib.patches import FancyArrowPatch, Rectangle
-
-    path = Path(path)
-    col_w, lane_h, title_h, left = 1.25, 0.55, 0.45, 0.9
-    ncols = max(len(op.steps) + 3 for op in table.operations)
-    nlanes = len(ROLE_LANES)
-    panel_h = nlanes + title_h / lane_h  # in lane units
-    total_units = panel_h * len(table.operations)
-    fig, ax = _new_figure(left + col_w * ncols, lane_h * total_units + 0.2)
-    x0 = -left / col_w - 0.5
-    ax.set_xlim(x0, ncols - 0.5)
-    ax.set_ylim(-total_units - 0.2 / lane_h, 0)
-    ax.set_axis_off()
-    kinds_color = {
-        "record_event": _COLORS["record"],
-        "wait_event": _COLORS["wait"],
-        "wait_flag": _COLORS["wait"],
-        "copy_rows": _COLORS["copy"],
-        "upload_map": _COLORS["upload"],
-        "release_staging": _COLORS["record"],
-        "consumer_read": _COLORS["read"],
-    }
-    for p, op in enumerate(table.operations):
-        top = -p * panel_h
-        ax.text(
-            x0 + 0.1,
-            top - title_h / lane_h / 2,
-            _op_header(op),
-            ha="left",
-            va="center",
-            fontsize=9,
-            fontweight="bold",
-        )
-        lanes_top = top - title_h / lane_h
-
-        def lane_y(name: str, lanes_top: float = lanes_top) -> float:
-            return lanes_top - ROLE_LANES.index(name) - 0.5
-
-        for k, name in enumerate(ROLE_LANES):
-            ax.add_patch(
-                Rectangle(
-                    (x0, lanes_top - k - 1),
-                    ncols - 0.5 - x0,
-                    1,
-                    color="#f4f4f4" if k % 2 else "#ffffff",
-                    lw=0,
-                )
-            )
-            ax.text(
-                x0 + 0.1,
-                lanes_top - k - 0.5,
-                name,
-                ha="left",
-                va="center",
-                fontsize=8,
-                fontweight="bold",
-            )
-        boxes: list[tuple[int, str, str]] = [
-            (0, "host", f"guard\n{op.guard}"),
-            (1, "host", f"effect\n{op.effect}"),
-        ]
-        for index, step in enumerate(op.steps):
-            boxes.append((index + 2, _step_lane(step), "\n".join(_step_words(step))))
-        if op.set_owner:
-            boxes.append((len(op.steps) + 2, "host", f"owner :=\n{op.set_owner}"))
-        for x, lane, text in boxes:
-            kind = op.steps[x - 2].kind if 2 <= x < len(op.steps) + 2 else "host"
-            color = kinds_color.get(kind, _COLORS["host"])
-            y = lane_y(lane)
-            ax.add_patch(
-                Rectangle(
-                    (x - 0.44, y - 0.4), 0.88, 0.8, facecolor="white", edgecolor=color, lw=1.2
-                )
-            )
-            ax.text(x, y, text, ha="center", va="center", fontsize=6.5, linespacing=1.0)
-            if kind != "host":
-                ax.text(
-                    x - 0.4, y + 0.36, str(x - 1), ha="left", va="top", fontsize=5, color="#666666"
-                )
-        for index, step in enumerate(op.steps):
-            if step.kind not in ("wait_event", "wait_flag"):
-                continue
-            end = (float(index + 2), lane_y(_step_lane(step)))
-            rec = _record_of(op, index)
-            if rec >= 0:
-                start = (float(rec + 2), lane_y(_step_lane(op.steps[rec])))
-                ax.add_patch(
-                    FancyArrowPatch(
-                        start,
-                        end,
-                        arrowstyle="-|>",
-                        mutation_scale=9,
-                        color="#444444",
-                        lw=1.0,
-                        connectionstyle="arc3,rad=0.2",
-                        shrinkA=8,
-                        shrinkB=8,
-                    )
-                )
-            else:
-                ax.add_patch(
-                    FancyArrowPatch(
-                        (end[0] - 0.9, end[1] + 0.3),
-                        end,
-                        arrowstyle="-|>",
-                        mutation_scale=9,
-                        color="#444444",
-                        lw=1.0,
-                        linestyle="dashed",
-                        shrinkA=0,
-                        shrinkB=8,
-                    )
-                )
-    _save(fig, path)
+    save(fig, path)
     return path
