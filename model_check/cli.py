@@ -18,6 +18,7 @@ from model_check.config import (
     CHECKS,
     MANIFEST_PATH,
     MUTANT_CHECKS,
+    WRITE_COMMAND,
     Check,
     Pinned,
     load_manifest,
@@ -154,9 +155,12 @@ def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinne
         pinned = manifest.get(check.key)
         got = Pinned(result.states, result.transitions, result.max_depth_reached)
         if pinned is None:
-            col.notes.append(f"{check.key} is not in {MANIFEST_PATH.name}")
+            col.notes.append(f"{check.key} is not in {MANIFEST_PATH.name} ({WRITE_COMMAND})")
         elif pinned != got:
-            col.notes.append(f"{check.key}: manifest pins {pinned}, this run found {got}")
+            col.notes.append(
+                f"{check.key}: manifest pins {pinned}, this run found {got} "
+                f"(re-pin on purpose with `{WRITE_COMMAND}`)"
+            )
         columns.append(col)
     # Each device model must reach every "sometimes" observation in one of its runs.
     for model in sorted({check.model for check, _ in runs}):

@@ -9,6 +9,7 @@ from pathlib import Path
 from model_check.table.reference import Bounds
 
 MANIFEST_PATH = Path(__file__).resolve().parent.parent / "spec" / "manifest.toml"
+WRITE_COMMAND = "python -m model_check check --write-manifest"
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ def load_manifest(path: Path = MANIFEST_PATH) -> dict[str, Pinned]:
 def manifest_text(rows: list[tuple[Check, Pinned]]) -> str:
     lines = [
         "# Distinct states, transitions and depth of every exhaustive check of the real table.",
-        "# Written by `python -m model_check --write-manifest`; a change to the table that changes",
-        "# the state space must update this file on purpose (tests/test_manifest.py asserts it).",
+        f"# Written by `{WRITE_COMMAND}`; a change to the table that",
+        "# changes the state space must update this file on purpose: `python -m model_check` and",
+        "# tests/test_model.py::test_real_table_holds_and_matches_the_manifest fail until it does.",
         "",
     ]
     for check, pinned in rows:

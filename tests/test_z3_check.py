@@ -59,7 +59,8 @@ from model_check.z3.host import (
     sym_args_text,
     sym_to_host,
 )
-from model_check.z3.induction import ORDERING, prove
+from model_check.z3.induction import ORDERING, check_invariant, prove
+from model_check.z3.invariant import differences, load_invariant
 
 TABLE = load_table()
 Call = tuple[str, tuple[object, ...], int]
@@ -337,6 +338,42 @@ def test_real_table_induction(real_report: Z3Report) -> None:
         "map:resident pending => before the owner stream",
     ):
         assert clause in ind.invariant, ind.invariant
+
+
+def test_real_table_induction_is_the_committed_invariant(real_report: Z3Report) -> None:
+    """spec/invariant.toml pins the invariant; it is checked on its own and the search finds
+    exactly it, with the same proved and vacuous properties."""
+    ind = real_report.induction
+    assert ind is not None and ind.committed is not None
+    assert ind.committed.ok, ind.committed
+    assert ind.matches_committed, ind.notes
+    committed = load_invariant()
+    assert committed is not None
+    assert set(committed.invariant) == set(ind.invariant)
+    assert set(committed.proves) == set(ORDERING)
+    # No step of the real table is a wait_flag or a provider host_sync.
+    assert set(committed.vacuous) == {P7, P8}
+
+
+def test_a_changed_invariant_fails_the_check() -> None:
+    committed = load_invariant()
+    assert committed is not None
+    result = prove(TABLE, Bounds(1, 1), committed=committed.invariant)
+    assert not differences(committed, result, 2, 1)
+    # A clause too few: the search finds one the file lacks.
+    fewer = replace(committed, invariant=committed.invariant[1:])
+    assert differences(fewer, result, 2, 1)
+    # Every clause is needed: without it the rest is not inductive or lets a violation by.
+    for clause in committed.invariant:
+        weaker = [c for c in committed.invariant if c != clause]
+        assert not check_invariant(TABLE, Bounds(1, 1), weaker).ok, clause
+    without_owner = [c for c in committed.invariant if not c.startswith("prepared")]
+    assert not all(check_invariant(TABLE, Bounds(1, 1), without_owner).per_operation.values())
+    # A clause the template does not have is reported, not ignored.
+    assert check_invariant(TABLE, Bounds(1, 1), ["read pending => maybe"]).unknown
+    # An ordering mutant's table breaks the committed invariant.
+    broken = next(m for m in MUTANTS if m.name == "no_release_wait").apply(TABLE)
+    assert not check_invariant(broken, Bounds(1, 1), committed.invariant).ok
 
 
 def test_report_text_names_every_property(real_report: Z3Report) -> None:

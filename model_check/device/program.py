@@ -20,7 +20,7 @@ kind, same thing" is equality of the high part. `Pending` is the readable form o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from model_check.device.interpreter import DeviceCall
 from model_check.table.host import Pairs, pairs_text
@@ -101,6 +101,7 @@ class Packing:
         self.copy = 1 << (self.low_bits + 1)
         self.map = 1 << (self.low_bits + 2)
         self.what = self.low_bits + 3
+        self.all_streams = self.places.all_streams
         self.map_buffered = 0  # map uploads from a tracked staging buffer
         for r in range(len(RINGS)):
             for b in range(self.buffers):
@@ -415,12 +416,15 @@ def _run(
     is_read, is_copy, is_map = pk.read, pk.copy, pk.map
     n = len(prims)
     while i < n:
-        prim = prims[i]
+        # The kind is dispatched on the class itself (`is` is cheaper than isinstance here,
+        # the hottest loop of the search), so `prim` is typed Any.
+        prim: Any = prims[i]
         i += 1
-        if isinstance(prim, Record):
+        cls = prim.__class__
+        if cls is Record:
             source, place = prim
             pend = [(e | place) if e & source else (e & ~place) for e in pend]
-        elif isinstance(prim, Wait):
+        elif cls is Wait:
             target, bit, release = prim
             if release:
                 for e in pend:
@@ -428,7 +432,7 @@ def _run(
                         tags.add("copy_waits_on_reader")
                         break
             pend = [(e | target) if e & bit else e for e in pend]
-        elif isinstance(prim, Copy):
+        elif cls is Copy:
             here, slot, freed, new = prim
             for e in pend:
                 if not e & slot:
@@ -442,7 +446,7 @@ def _run(
                 elif e & is_copy and not e & here and fault is None:
                     fault = Fault(i - 1, e, P4)
             pend.append(new)
-        elif isinstance(prim, Read):
+        elif cls is Read:
             here, slots, new = prim
             if fault is None:
                 for e in pend:
@@ -450,7 +454,7 @@ def _run(
                         fault = Fault(i - 1, e, P2)
                         break
             pend.append(new)
-        elif isinstance(prim, Stage):
+        elif cls is Stage:
             # The host takes the first buffer whose reuse event completed (or was never
             # recorded); at each buffer before it the device may or may not have reached the
             # event, and reaching it runs the operations before it (and nothing else, which
@@ -477,7 +481,7 @@ def _run(
                 branch_chosen[r] = index
                 _run(prims, i, after, branch_fault, branch_tags, branch_chosen, pk, out)
             return
-        elif isinstance(prim, Upload):
+        elif cls is Upload:
             here, r, resident, ring, new_by_buffer = prim
             if resident and fault is None:
                 for e in pend:
@@ -486,7 +490,7 @@ def _run(
                         break
             if resident or chosen[r] >= 0:
                 pend.append(new_by_buffer[chosen[r] + 1])
-        elif isinstance(prim, Release):
+        elif cls is Release:
             source, r, places = prim
             if chosen[r] >= 0:
                 place = places[chosen[r]]
@@ -522,7 +526,7 @@ def reduce_pending(pend: list[int], pk: Packing, keep_reads: bool, live: int) ->
     the table has a provider host_sync: P8 is violated by a read that IS ordered before the
     synchronized stream, so there every read is kept.
     """
-    streams = pk.places.all_streams
+    streams = pk.all_streams
     ops = {e & live for e in pend}  # live clears only event bits
     out: set[int] = set()
     is_read, is_map, buffered, shift = pk.read, pk.map, pk.map_buffered, pk.low_bits

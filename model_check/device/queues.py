@@ -21,6 +21,8 @@ provider call blocks the host, P9 when a call is rejected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 from model_check.device.interpreter import Action, DeviceCall, Outcome
@@ -66,6 +68,13 @@ class QueuedOp(NamedTuple):
         # `QueueModel.canonical` orders states by their text; an operation prints as the plain
         # tuple it is, so that order does not depend on this class's name.
         return tuple.__repr__(self)
+
+
+# QueuedOp((kind, what, arg, after, glued)) without NamedTuple's own __new__, a Python function:
+# the explicit model makes an operation at every enqueue and every device step.
+make_op: Callable[[tuple[str, object, int, tuple[Ref, ...], bool]], QueuedOp] = partial(
+    tuple.__new__, QueuedOp
+)
 
 
 class Blocked(NamedTuple):
@@ -137,7 +146,7 @@ def _dec_op(op: QueuedOp, stream: int) -> QueuedOp:
     kind, what, arg, refs, glued = op
     if not refs:
         return op
-    return QueuedOp(kind, what, arg, _dec_refs(refs, stream), glued)
+    return make_op((kind, what, arg, _dec_refs(refs, stream), glued))
 
 
 # ---------------------------------------------------------------- device steps
@@ -289,7 +298,7 @@ class QueueCall(DeviceCall):
         never glued after another operation: that would hold the earlier operation back
         until the wait is satisfied, which the device does not do."""
         glue = stream in self.open_groups and kind not in ("wait", "flag")
-        self.queues[stream].append(QueuedOp(kind, a, b, refs, glue))
+        self.queues[stream].append(make_op((kind, a, b, refs, glue)))
         self.open_groups.add(stream)
 
     def snapshot(self, stream: int) -> Ref | None:

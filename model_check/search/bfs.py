@@ -19,12 +19,13 @@ from collections.abc import Hashable
 from typing import Any, TypeVar
 
 from model_check.device.interpreter import Action, Outcome
-from model_check.search.model import Model, Result, successors
+from model_check.search.model import Model, Result, successors, without_cycle_collection
 
 S = TypeVar("S", bound=Hashable)
 Parents = dict[Any, tuple[Any, Action, Outcome[Any]] | None]
 
 
+@without_cycle_collection()
 def bfs(
     model: Model[S],
     depth: int,

@@ -31,7 +31,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from model_check.device.interpreter import Action
 from model_check.search.bfs import straighten
-from model_check.search.model import FactoredModel, Result
+from model_check.search.model import FactoredModel, Result, without_cycle_collection
 from model_check.table.properties import Violation
 
 H = TypeVar("H", bound=Hashable)
@@ -235,7 +235,8 @@ class Memo(Generic[H, D, P]):
         found = self.device.get(key)
         if found is None:
             halves = self.model.device_half(self.dparts[d], self.programs[prog])
-            found = tuple(Branch(self.did(h.device), h.violated, h.tags) for h in halves)
+            did = self.did
+            found = tuple([Branch(did(part), failed, tags) for part, failed, tags in halves])
             self.device[key] = found
         return found
 
@@ -349,6 +350,7 @@ def _order(a: Any, b: Any) -> int:
     return -1 if a < b else (1 if a > b else 0)
 
 
+@without_cycle_collection()
 def memo_search(
     model: FactoredModel[Any, Any, Any, Any],
     depth: int,

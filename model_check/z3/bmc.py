@@ -298,7 +298,7 @@ class Unrolling:
     def _plan_checks(
         report: Any, acc: Bool, args: SymArgs, new: SymHost, victim: tuple[Bool, ...]
     ) -> None:
-        """core.check_plan for a prepare: P5 and P3 on the host plan."""
+        """`table.host.check_plan` for a prepare: P5 and P3 on the host plan."""
         n = len(victim)
         report((P5, DATA_P5), conj(acc, disj(*(conj(victim[e], args.req[e]) for e in range(n)))))
         report((P3, DATA_P3_SET), conj(acc, disj(*(new.fwd[e] != args.req[e] for e in range(n)))))

@@ -29,6 +29,13 @@ from model_check.table.reference import Bounds
 from model_check.table.schema import Table, load_table
 from model_check.z3.bmc import Unrolling, z3_bool
 from model_check.z3.induction import InductionResult, prove
+from model_check.z3.invariant import (
+    INVARIANT_PATH,
+    WRITE_COMMAND,
+    differences,
+    invariant_text,
+    load_invariant,
+)
 
 # Observations that must be reachable in the real table, or a pass says little.
 REACHABILITY: dict[str, str] = {
@@ -143,8 +150,29 @@ class Z3Report:
                 "  inductive for every operation: "
                 + ", ".join(f"{op} {'yes' if ok else 'NO'}" for op, ok in ind.per_operation.items())
             )
+            if ind.vacuous:
+                lines.append(
+                    "  vacuous (no step of the table can violate them): " + ", ".join(ind.vacuous)
+                )
             lines.append("  invariant:")
             lines += [f"    {clause}" for clause in ind.invariant]
+            if ind.committed is not None:
+                c = ind.committed
+                lines.append(
+                    f"  committed invariant ({INVARIANT_PATH.name}): "
+                    + ("checked" if c.ok else "NOT inductive or NOT excluding every violation")
+                    + (
+                        ""
+                        if ind.matches_committed is None
+                        else ("; the search finds the same" if ind.matches_committed else "")
+                    )
+                )
+                if c.unknown:
+                    lines.append(f"    clauses not in the template: {c.unknown}")
+            if ind.matches_committed is False:
+                lines.append(f"  the search differs from {INVARIANT_PATH.name}:")
+                lines += [f"    {note}" for note in ind.notes]
+                lines.append(f"    (re-pin on purpose with `{WRITE_COMMAND}`)")
             if ind.counterexample:
                 lines.append(f"  induction counterexample: {ind.counterexample}")
         return "\n".join(lines)
@@ -243,8 +271,19 @@ def replay(table: Table, bounds: Bounds, calls: Calls) -> dict[str, list[str]]:
 
 @functools.lru_cache(maxsize=32)
 def _induction(table: Table, streams: int, buffers: int) -> InductionResult:
+    """The induction, with the committed invariant checked and compared."""
+    committed = load_invariant()
     # The abstraction does not depend on the number of experts or slots.
-    return prove(table, Bounds(1, 1, consumer_streams=streams, staging_buffers=buffers))
+    bounds = Bounds(1, 1, consumer_streams=streams, staging_buffers=buffers)
+    result = prove(table, bounds, committed=None if committed is None else committed.invariant)
+    if committed is None:
+        result.notes.append(f"{INVARIANT_PATH} is missing; write it with `{WRITE_COMMAND}`")
+        result.matches_committed = False
+    else:
+        found = differences(committed, result, streams, buffers)
+        result.notes += found
+        result.matches_committed = not found
+    return result
 
 
 def check_table(
@@ -336,11 +375,36 @@ CONFIGURATIONS: tuple[tuple[Bounds, int], ...] = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m model_check.z3.check", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--depth", type=int, help="host calls (default: the explorer's)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--write-invariant",
+        action="store_true",
+        help=f"run the induction on the real table and write {INVARIANT_PATH.name}",
+    )
+    return parser
+
+
+def write_invariant(table: Table) -> int:
+    # Every configuration has the same streams and staging buffers, the induction's bounds.
+    [(streams, buffers)] = {(b.consumer_streams, b.staging_buffers) for b, _ in CONFIGURATIONS}
+    result = prove(table, Bounds(1, 1, consumer_streams=streams, staging_buffers=buffers))
+    if not result.ok:
+        print(f"the induction does not prove the table; {INVARIANT_PATH} left as it is")
+        return 1
+    INVARIANT_PATH.write_text(invariant_text(result, streams, buffers))
+    print(f"wrote {INVARIANT_PATH}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     table = load_table()
+    if args.write_invariant:
+        return write_invariant(table)
     ok = True
     for bounds, depth in CONFIGURATIONS:
         report = check_table(table, bounds, args.depth or depth)

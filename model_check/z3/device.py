@@ -36,9 +36,9 @@ counterexample may need a replay to be trusted):
 
 The roles `owner` and `current` resolve to a stream number in DeviceCall.role, so a call is
 interpreted once per concrete (current stream, owner stream) pair by the shared interpreter
-(core.DeviceCall.run_step) and the results are combined by the caller under the condition
-that selects the pair. A step's `when` condition becomes a path condition: every state update
-in it is an `ite` on the condition, every verdict is conjoined with it.
+(`device.interpreter.DeviceCall.run_step`) and the results are combined by the caller under
+the condition that selects the pair. A step's `when` condition becomes a path condition: every
+state update in it is an `ite` on the condition, every verdict is conjoined with it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,30 @@
 """An unbounded argument for the ordering properties: an inductive invariant checked by z3.
 
-The state is the device summary of `z3.device` (one followed operation per kind, each with its
-mask of places) plus an abstract host: the owner stream and whether an accepted prepare has
-happened (`prepared`, which is "a forward map exists"). A host call is any operation of the
-table on any consumer stream; what the steps read of the host plan is free, within facts the
-tests check against the reference functions on every reachable host state
-(`z3.host.EFFECT_FACTS`): a prepare may or may not copy, and changes the map only when it
-copies; an invalidate changes it only when an expert is resident, so only after a prepare; a
-read needs a forward map. Nothing here depends on the number of experts or slots, nor on the
-number of calls.
+What is proved, and about what (spec/README.md states the same):
 
-The invariant is not written by hand. Candidate clauses come from a template, for every
+- The model is the happens-before summary (`device.hb`) in the symbolic form of `z3.device`:
+  one followed pending operation per kind (a read, a copy, a map upload per staging ring, a
+  `wait_flag` per event), each with its mask of places, with 2 consumer streams plus the copy
+  stream and 1 staging buffer per ring (the bounds of every configuration), and an abstract
+  host: the owner stream and whether an accepted prepare has happened (`prepared`, which is
+  "a forward map exists"). A host call is any operation of the table on any consumer stream;
+  what the steps read of the host plan is free, within facts the tests check against the
+  reference functions on every reachable host state (`z3.host.EFFECT_FACTS`): a prepare may
+  or may not copy, and changes the map only when it copies; an invalidate changes it only when
+  an expert is resident, so only after a prepare; a read needs a forward map. The followed
+  read and copy are taken to share a slot (the worst case). Nothing depends on the number of
+  experts or slots, nor on the number of calls: that is what is unbounded.
+- The properties are the ordering verdicts of the summary (`ORDERING`): P1 (a copy not
+  ordered after a pending read), P2's ordering part (a read not ordered after a pending copy),
+  P4's ordering parts (two copies into a slot, or two resident-map uploads, unordered), P6 (a
+  staging buffer rewritten under its upload), P7 (a `wait_flag` inside the snapshot it waits
+  for) and P8 (a provider host_sync behind a pending read). A property whose violation no step
+  of the table can commit at all is reported as vacuous (`InductionResult.vacuous`): in the
+  real table P7 (no `wait_flag` step) and P8 (no provider host_sync). The data parts of P2
+  and P4 (stale content, the drained map) and P3, P5, P9 are not covered here; the bounded
+  searches decide them.
+
+The invariant is found, not written by hand. Candidate clauses come from a template, for every
 followed kind K:  "K pending => a"  and  "K pending => a or b"  where a, b range over "happens
 before place p" for every stream, event and staging reuse event, "happens before the owner
 stream", and false; for map uploads also "from staging buffer b => inside b's reuse
@@ -18,9 +32,14 @@ snapshot"; and the host facts "prepared <=> there is an owner" and "K pending =>
 Houdini's algorithm keeps the clauses true initially and drops every clause some transition
 from a state satisfying all kept clauses can falsify, until the set is inductive: the
 strongest inductive invariant the template can express. It is then minimized greedily to the
-clauses needed to stay inductive and to exclude every violation the transition can commit,
-which is what the report prints. Then, for every operation of the table on its own:
-Init => Inv, Inv and step(op) => Inv', Inv and step(op) => no violation.
+clauses needed to stay inductive and to exclude every violation the transition can commit.
+
+The minimized invariant is committed as data, `spec/invariant.toml` (as TLA+ proofs commit
+`Inv`). `check_invariant` checks the committed clauses directly, for every operation of the
+table on its own: Init => Inv, Inv and step(op) => Inv', Inv and step => no violation; and
+`prove` reports whether Houdini's search found exactly the committed clauses, so that a change
+of the table that changes the invariant fails until the file is re-pinned on purpose
+(`python -m model_check.z3.check --write-invariant`).
 """
 
 from __future__ import annotations
@@ -73,6 +92,25 @@ class AbsState(NamedTuple):
 
 
 @dataclass
+class InvariantCheck:
+    """The committed invariant checked on the table (see `check_invariant`)."""
+
+    initial: bool  # Init => Inv
+    per_operation: dict[str, bool]  # Inv and step(op) => Inv', for each operation
+    excludes: dict[str, bool]  # per ordering property: Inv and step => no violation
+    unknown: list[str] = field(default_factory=list)  # clauses the template does not have
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.initial
+            and not self.unknown
+            and all(self.per_operation.values())
+            and all(self.excludes.values())
+        )
+
+
+@dataclass
 class InductionResult:
     proved: dict[str, bool]  # per ordering property: excluded for every number of calls
     invariant: list[str]  # the minimized inductive invariant, one clause a line
@@ -81,11 +119,21 @@ class InductionResult:
     houdini_rounds: int = 0
     candidates: int = 0
     counterexample: str | None = None  # a transition from Inv that breaks a property
+    vacuous: list[str] = field(default_factory=list)  # no step can commit these at all
+    # The committed invariant (spec/invariant.toml): its own check, and whether the search
+    # found exactly what the file pins (None: not compared; `notes` says what differs).
+    committed: InvariantCheck | None = None
+    matches_committed: bool | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(self.proved.values()) and all(self.per_operation.values())
+        return (
+            all(self.proved.values())
+            and all(self.per_operation.values())
+            and (self.committed is None or self.committed.ok)
+            and self.matches_committed is not False
+        )
 
 
 def _abs_vars(layout: Layout, prefix: str) -> AbsState:
@@ -248,15 +296,92 @@ def _as_bool(x: Bool) -> Any:
     return z3.BoolVal(x) if isinstance(x, bool) else x
 
 
-def prove(table: Table, bounds: Bounds, *, minimize: bool = True) -> InductionResult:
-    start = time.perf_counter()
+class _Setup(NamedTuple):
+    """One transition from an abstract state satisfying the domain, in a solver."""
+
+    layout: Layout
+    streams: int
+    init: AbsState
+    pre: AbsState
+    post: AbsState
+    step: Transition
+    solver: z3.Solver
+
+
+def _setup(table: Table, bounds: Bounds) -> _Setup:
     layout = Layout(bounds)
-    streams = bounds.consumer_streams
     init = AbsState(NO_STREAM, False, initial_dev(layout))
     pre, post = _abs_vars(layout, "pre"), _abs_vars(layout, "post")
     step = transition(table, bounds, layout, pre, post, "step")
-    base = z3.Solver()
-    base.add(_domain(pre, bounds, layout), _as_bool(step.formula))
+    solver = z3.Solver()
+    solver.add(_domain(pre, bounds, layout), _as_bool(step.formula))
+    return _Setup(layout, bounds.consumer_streams, init, pre, post, step, solver)
+
+
+def vacuous(setup: _Setup) -> list[str]:
+    """Ordering properties no step of the table can violate: not even from an arbitrary state
+    in which only operations of kinds some step enqueues are pending (a `wait_flag` operation
+    exists only if some step is a `wait_flag`). No invariant is needed for these."""
+    solver, pre, post = setup.solver, setup.pre, setup.post
+    never: list[Bool] = []
+    for before, after in zip(pre.dev, post.dev, strict=True):
+        solver.push()
+        solver.add(z3.Not(_as_bool(before.alive)), _as_bool(after.alive))
+        if solver.check() == z3.unsat:
+            never.append(z3.Not(_as_bool(before.alive)))
+        solver.pop()
+    out = []
+    for prop in ORDERING:
+        solver.push()
+        solver.add(*never, _as_bool(setup.step.found.get(prop, False)))
+        if solver.check() == z3.unsat:
+            out.append(prop)
+        solver.pop()
+    return out
+
+
+def check_invariant(
+    table: Table, bounds: Bounds, clauses: Sequence[str], setup: _Setup | None = None
+) -> InvariantCheck:
+    """The clauses (texts of the template's clauses, as `InductionResult.invariant` prints
+    them) checked directly: Init => Inv, Inv and step(op) => Inv' for each operation, and
+    Inv and step => no violation of each ordering property."""
+    s = setup or _setup(table, bounds)
+    by_text = {c.text: c for c in candidates(s.layout)}
+    unknown = [text for text in clauses if text not in by_text]
+    inv = [by_text[text] for text in clauses if text in by_text]
+    solver, streams = s.solver, s.streams
+    pre_inv = [_as_bool(c.value(s.pre, streams)) for c in inv]
+    post_inv = z3.And(*[_as_bool(c.value(s.post, streams)) for c in inv] or [z3.BoolVal(True)])
+    per_op: dict[str, bool] = {}
+    for i, op in enumerate(table.operations):
+        solver.push()
+        solver.add(s.step.op_sel == i, *pre_inv, z3.Not(post_inv))
+        per_op[op.name] = solver.check() == z3.unsat
+        solver.pop()
+    excludes: dict[str, bool] = {}
+    for prop in ORDERING:
+        solver.push()
+        solver.add(*pre_inv, _as_bool(s.step.found.get(prop, False)))
+        excludes[prop] = solver.check() == z3.unsat
+        solver.pop()
+    initial = all(_truth(c.value(s.init, streams)) for c in inv)
+    return InvariantCheck(initial, per_op, excludes, unknown)
+
+
+def prove(
+    table: Table,
+    bounds: Bounds,
+    *,
+    minimize: bool = True,
+    committed: Sequence[str] | None = None,
+) -> InductionResult:
+    """Houdini's search for the strongest inductive invariant the template expresses, the
+    ordering properties it excludes, its minimization; with `committed` (the clauses of
+    spec/invariant.toml), their own check and whether the search found exactly them."""
+    start = time.perf_counter()
+    setup = _setup(table, bounds)
+    layout, streams, init, pre, post, step, base = setup
     cands = [c for c in candidates(layout) if _truth(c.value(init, streams))]
     n_cands = len(cands)
     # Houdini: drop clauses until the conjunction is inductive.
@@ -324,14 +449,18 @@ def prove(table: Table, bounds: Bounds, *, minimize: bool = True) -> InductionRe
         per_op[op.name] = base.check() == z3.unsat
         base.pop()
     assert all(_truth(c.value(init, streams)) for c in final)
+    invariant = [c.text for c in final]
+    checked = None if committed is None else check_invariant(table, bounds, committed, setup)
     return InductionResult(
         proved=proved,
-        invariant=[c.text for c in final],
+        invariant=invariant,
         per_operation=per_op,
         seconds=time.perf_counter() - start,
         houdini_rounds=rounds,
         candidates=n_cands,
         counterexample=cex,
+        vacuous=vacuous(setup),
+        committed=checked,
     )
 
 
@@ -360,4 +489,4 @@ def _describe(
     return f"owner s{owner}, pending: {'; '.join(pending) or 'none'}; then {op.name} on s{cur}"
 
 
-__all__ = ["InductionResult", "prove"]
+__all__ = ["InductionResult", "InvariantCheck", "check_invariant", "prove"]
