@@ -5,7 +5,7 @@ Two halves, each checked against the model:
 * Host bookkeeping (this module): a plain LRU over a fixed set of slots, kept in an
   ``OrderedDict`` (least recently used first), a list ``slot_of`` (expert -> slot, -1 when not
   resident) and a heap of free slots. It computes exactly what
-  ``model_check.reference.plan_prepare`` / ``plan_invalidate`` compute: misses are placed in
+  ``model_check.table.reference.plan_prepare`` / ``plan_invalidate`` compute: misses are placed in
   ascending id order, each into the lowest free slot, then into the slot of the least recently
   used resident expert *not requested by this call*; the requested experts then become the
   most recently used, in ascending id order. The conformance tests compare the two step by

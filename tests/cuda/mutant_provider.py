@@ -1,6 +1,6 @@
 """Test-only switch: the real CUDA provider running schedules generated from a mutated table.
 
-``model_check.mutants.mutant(name).apply(load_table())`` changes the table;
+``model_check.table.mutants.mutant(name).apply(load_table())`` changes the table;
 ``model_check.codegen.generate`` turns it into schedule source exactly as it does for the
 shipped ``rowcache/schedules/_generated.py``; the module is compiled in memory and installed on
 one provider instance (its ``_run_prepare`` / ``_run_invalidate`` attributes, which exist for
@@ -12,7 +12,7 @@ others change a reference function of the host bookkeeping (guard, effect, pre-g
 the provider implements by hand, not from the table: ``tests/test_conformance.py`` catches
 those on the CPU. ``NOT_ON_GPU`` names the schedule mutants the CUDA backend cannot run.
 
-A GPU mutant is the model mutant of the same name (``model_check.mutants.mutant(name)``):
+A GPU mutant is the model mutant of the same name (``model_check.table.mutants.mutant(name)``):
 ``explain_calls(name)`` is the host-call sequence of the counterexample ``python -m model_check
 explain NAME`` prints for it, which the CUDA machine's shrunk counterexamples are held to
 (``host_call_machine.judge``).

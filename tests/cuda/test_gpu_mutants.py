@@ -1,6 +1,6 @@
 """GPU mutants: the real CUDA provider running schedules generated from mutated tables.
 
-Every mutant of ``model_check.mutants`` that changes a schedule runs through every race
+Every mutant of ``model_check.table.mutants`` that changes a schedule runs through every race
 fixture on the GPU, and each must be detected there: a wrong read, a wrong map, or a host
 block. These tests pass when the mutant is caught; they show that the race fixtures can fail.
 
