@@ -17,8 +17,9 @@ from model_check.device_path.checks import (
 from model_check.device_path.core import (
     PROPERTIES,
     REACHABILITY,
-    Action,
+    HostPart,
     Interpreter,
+    call,
     host_actions,
     initial_host,
     interpret,
@@ -125,11 +126,11 @@ def test_plan_uses_free_slots_then_lru_victims_never_one_it_exposes() -> None:
 
 def test_record_snapshots_work_enqueued_so_far_and_wait_copies_the_snapshot() -> None:
     state = initial_state(TABLE, B32)
-    state = host_call(TABLE, B32, state, Action("device_prepare", ((0,), 0), 0)).state
+    state = host_call(TABLE, B32, state, call("device_prepare", ((0,), 0), 0)).state
     queue = state.part.queues[0]
     assert [op.kind for op in queue] == ["plan", "gather"] and queue[1].glue
     # A prepare from stream 1: the handoff event holds stream 0's two operations.
-    after = host_call(TABLE, B32, state, Action("device_prepare", ((1,), 0), 1)).state
+    after = host_call(TABLE, B32, state, call("device_prepare", ((1,), 0), 1)).state
     wait = after.part.queues[1][0]
     assert wait.kind == "wait" and wait.wait == (0, 2)
     assert not runnable(after.part, 1) and runnable(after.part, 0)
@@ -158,16 +159,16 @@ def test_summary_masks_follow_the_same_facts() -> None:
 
 def test_rejected_call_changes_nothing() -> None:
     state = initial_state(TABLE, B32)
-    state = host_call(TABLE, B32, state, Action("device_prepare", ((0, 1), 0), 0)).state
-    for action in (Action("device_prepare", ((0,), 1), 1), Action("device_invalidate", (3,), 1)):
+    state = host_call(TABLE, B32, state, call("device_prepare", ((0, 1), 0), 0)).state
+    for action in (call("device_prepare", ((0,), 1), 1), call("device_invalidate", (3,), 1)):
         outcome = host_call(TABLE, B32, state, action)
         assert outcome.state == state and outcome.violation is None
 
 
 def test_the_device_cannot_raise_errors_reach_the_next_look() -> None:
     state = initial_state(TABLE, B32)
-    state = host_call(TABLE, B32, state, Action("device_prepare", ((0, 3), 0), 0)).state
-    look = host_call(TABLE, B32, state, Action("check_errors", (), 0))
+    state = host_call(TABLE, B32, state, call("device_prepare", ((0, 3), 0), 0)).state
+    look = host_call(TABLE, B32, state, call("check_errors", (), 0))
     assert look.violation is None and look.state.part.blocked is not None  # waits in host_sync
     assert look.state.host.ghost_err is False  # reported once, then reset
 
@@ -200,23 +201,35 @@ def test_calls_made_on_stream_zero_only_cannot_depend_on_the_stream() -> None:
             if host.owner < 0 and op.guard == "forward_unread":
                 continue
             for args in {a.args for a in host_actions(TABLE, B32) if a.op == op.name}:
-                assert memo(host, Action(op.name, args, 0)) == memo(host, Action(op.name, args, 1))
+                assert memo(host, call(op.name, args, 0)) == memo(host, call(op.name, args, 1))
+
+
+def _host_parts(depth: int) -> set[HostPart]:
+    """Every host part the summary reaches within `depth` calls."""
+    model = HbModel(TABLE, B32)
+    level = {model.initial()}
+    seen = set(level)
+    for _ in range(depth):
+        level = {
+            o.state
+            for state in level
+            for action in model.actions(state)
+            for o in model.outcomes(state, action)
+        } - seen
+        seen |= level
+    return {state.host for state in seen}
 
 
 def test_functions_said_to_keep_the_reference_state_do_so() -> None:
     """z3_check ties the shadow's cache state to the reference's when every function of the
     table is in SAME_STATE_AS_REFERENCE: check the claim on every reachable host part."""
     from model_check.device_path.functions import num_passes, plan_fn
-    from model_check.device_path.search import search
 
-    model = HbModel(TABLE, B32)
-    search(model, 3)
     plans = [f for f in SAME_STATE_AS_REFERENCE if f in FUNCTIONS["plan"]]
     assert plans
-    for host in model.interned.hosts:
-        for action in host_actions(TABLE, B32):
-            if action.op != "device_prepare":
-                continue
+    calls = [a for a in host_actions(TABLE, B32) if a.op == "device_prepare"]
+    for host in _host_parts(3):
+        for action in calls:
             ids, p = action.args
             assert isinstance(ids, tuple) and isinstance(p, int)
             total = num_passes(ids, B32)

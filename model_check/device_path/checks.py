@@ -22,8 +22,10 @@ from model_check.device_path.core import PROPERTIES, REACHABILITY, Violation
 from model_check.device_path.explicit import ExplicitModel
 from model_check.device_path.hb import HbModel
 from model_check.device_path.mutants import DEVICE_MUTANTS, DeviceMutant, device_mutant
-from model_check.device_path.search import Result, search
 from model_check.device_path.table import DeviceTable, load_device_table
+from model_check.search.bfs import bfs
+from model_check.search.memo import memo_search
+from model_check.search.model import Result
 from model_check.table.reference import Bounds
 
 
@@ -70,14 +72,22 @@ EXPECTED_TAGS = {
 
 
 def explore(
-    table: DeviceTable, check: DeviceCheck, *, only: str | None = None, stop_at_first: bool = True
+    table: DeviceTable,
+    check: DeviceCheck,
+    *,
+    only: str | None = None,
+    stop_at_first: bool = True,
+    symmetry: bool = True,
 ) -> Result:
-    model = (
-        HbModel(table, check.bounds)
-        if check.model == "hb"
-        else ExplicitModel(table, check.bounds, only)
-    )
-    return search(model, check.depth, only=only, stop_at_first=stop_at_first)
+    """One exhaustive check of the device table: the summary through the memoized search,
+    the explicit model through the plain one (both `model_check.search`)."""
+    if check.model == "hb":
+        hb = HbModel(table, check.bounds)
+        if symmetry:
+            return memo_search(hb, check.depth, stop_at_first=stop_at_first, only=only)
+        return bfs(hb, check.depth, stop_at_first=stop_at_first, symmetry=False, only=only)
+    model = ExplicitModel(table, check.bounds, only)
+    return bfs(model, check.depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)
 
 
 @dataclass
@@ -343,12 +353,12 @@ def explain(name: str, depth: int = 3) -> str:
     m = device_mutant(name)
     table = m.apply(load_device_table())
     model = ExplicitModel(table, B32, m.breaks)
-    result = search(model, depth, only=m.breaks, symmetry=False)
+    result = bfs(model, depth, only=m.breaks, symmetry=False)
     if result.violation is None:
         return f"{m.name}: no violation of {m.breaks} within {depth} host calls"
     lines = [f"{m.name}: {m.description}", ""]
     for action, outcome in result.trace:
-        if isinstance(action, str):
+        if action.kind != "host":
             lines.append(f"    {action}")
             continue
         lines.append(f"  {action}")

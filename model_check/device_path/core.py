@@ -29,6 +29,7 @@ from __future__ import annotations
 from functools import cache, lru_cache
 from typing import NamedTuple
 
+from model_check.device.interpreter import Action
 from model_check.device_path.functions import (
     GUARDS,
     Dev,
@@ -47,6 +48,7 @@ from model_check.device_path.functions import (
     run_gather,
 )
 from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceStep, DeviceTable
+from model_check.table.properties import Violation
 from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds, HostState
 
 PROPERTIES: dict[str, str] = {
@@ -115,11 +117,6 @@ def conflict_prop(res: int, earlier: int, later: int) -> str | None:
 Access = tuple[int, int]
 
 
-class Violation(NamedTuple):
-    prop: str
-    detail: str
-
-
 class HostPart(NamedTuple):
     owner: int
     ghost: HostState  # the reference in host-call order; forward: the last pass's
@@ -148,16 +145,6 @@ class Program(NamedTuple):
     data: Violation | None  # verdicts on the shadow, in host-call order (the summaries' P2-P5, P9)
     tags: frozenset[str]
     rejected: bool = False
-
-
-class Action(NamedTuple):
-    op: str
-    args: tuple[object, ...] = ()
-    stream: int = 0
-
-    def __str__(self) -> str:
-        shown = ", ".join(map(str, self.args))
-        return f"{self.op}({shown}) on s{self.stream}"
 
 
 class Item(NamedTuple):
@@ -448,6 +435,11 @@ def read_verdict(dev: Dev, expected: Pairs) -> tuple[str, str] | None:
     return None
 
 
+def call(op: str, args: tuple[object, ...] = (), stream: int = 0) -> Action:
+    """The action of a host call."""
+    return Action("host", op, args, stream)
+
+
 def interpret(
     table: DeviceTable,
     bounds: Bounds,
@@ -506,22 +498,24 @@ def host_actions(table: DeviceTable, bounds: Bounds) -> list[Action]:
             if op.args == ("ids", "pass"):
                 for ids in subsets:
                     for p in range(num_passes(ids, bounds)):
-                        actions.append(Action(op.name, (ids, p), s))
-                actions.append(Action(op.name, ((0, n), 0), s))  # a bad id, counted
+                        actions.append(Action("host", op.name, (ids, p), s))
+                actions.append(Action("host", op.name, ((0, n), 0), s))  # a bad id, counted
                 if s == 0:
-                    actions.append(Action(op.name, ((-1,), 0), s))  # all padding: an empty pass
-                    actions.append(Action(op.name, ((0,), 1), s))  # rejected: no such pass
+                    actions.append(
+                        Action("host", op.name, ((-1,), 0), s)
+                    )  # all padding: an empty pass
+                    actions.append(Action("host", op.name, ((0,), 1), s))
             elif op.args == ("ids",):
                 for ids in subsets:
-                    actions.append(Action(op.name, (ids,), s))
-                actions.append(Action(op.name, ((0, n),), s))
+                    actions.append(Action("host", op.name, (ids,), s))
+                actions.append(Action("host", op.name, ((0, n),), s))
             elif op.args == ("expert",):
                 for e in range(n):
-                    actions.append(Action(op.name, (e,), s))
+                    actions.append(Action("host", op.name, (e,), s))
                 if s == 0:
-                    actions.append(Action(op.name, (n,), s))  # rejected
+                    actions.append(Action("host", op.name, (n,), s))  # rejected
             else:
-                actions.append(Action(op.name, (), s))
+                actions.append(Action("host", op.name, (), s))
     return actions
 
 

@@ -26,10 +26,12 @@ when the host looks at the counters it read back.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
+from model_check.device.interpreter import Action, Outcome
 from model_check.device_path.core import (
-    Action,
+    PROPERTIES,
+    REACHABILITY,
     HostPart,
     Interpreter,
     Prim,
@@ -53,8 +55,9 @@ from model_check.device_path.functions import (
     run_gather,
 )
 from model_check.device_path.table import DeviceTable
-from model_check.table.reference import NO_STREAM, Bounds
+from model_check.table.reference import NO_STREAM, Bounds, Counters
 
+S = TypeVar("S")
 Ref = tuple[int, int]
 Conflict = tuple[int, int, str, int]  # (stream, k, property, resource)
 
@@ -87,10 +90,11 @@ class XState(NamedTuple):
     part: DevPart
 
 
-class Outcome(NamedTuple):
-    state: object  # XState, or the interned state of ExplicitModel
-    violation: Violation | None
-    tags: frozenset[str]
+NO_COUNTERS = Counters()
+
+
+def _outcome(state: S, violation: Violation | None, tags: frozenset[str]) -> Outcome[S]:
+    return Outcome(state, violation, tags, (), NO_COUNTERS)
 
 
 def initial_part(table: DeviceTable, bounds: Bounds) -> DevPart:
@@ -375,24 +379,24 @@ def resume(part: DevPart) -> tuple[DevPart, Violation | None]:
 # ---------------------------------------------------------------- whole states (machines, tests)
 
 
-def host_call(table: DeviceTable, bounds: Bounds, state: XState, action: Action) -> Outcome:
+def host_call(table: DeviceTable, bounds: Bounds, state: XState, action: Action) -> Outcome[XState]:
     """One host call on an explicit state."""
     program = interpret(table, bounds, state.host, action.op, action.args, action.stream)
     if program.rejected:
-        return Outcome(state, None, program.tags)
+        return _outcome(state, None, program.tags)
     part, found, tags = execute(state.part, program.prims)
     violation = program.static or found or idle_verdict(part, program.host)
-    return Outcome(XState(program.host, part), violation, program.tags | tags)
+    return _outcome(XState(program.host, part), violation, program.tags | tags)
 
 
-def device(state: XState, stream: int, bounds: Bounds) -> Outcome:
+def device(state: XState, stream: int, bounds: Bounds) -> Outcome[XState]:
     part, found = device_step(state.part, stream, bounds)
-    return Outcome(XState(state.host, part), found or idle_verdict(part, state.host), frozenset())
+    return _outcome(XState(state.host, part), found or idle_verdict(part, state.host), frozenset())
 
 
-def resume_host(state: XState) -> Outcome:
+def resume_host(state: XState) -> Outcome[XState]:
     part, found = resume(state.part)
-    return Outcome(XState(state.host, part), found or idle_verdict(part, state.host), frozenset())
+    return _outcome(XState(state.host, part), found or idle_verdict(part, state.host), frozenset())
 
 
 # ---------------------------------------------------------------- the search model
@@ -463,48 +467,55 @@ class Interner:
         return i
 
 
-class ExplicitModel:
-    """Every host-call sequence, every interleaving of device steps.
+State = tuple[int, int]  # interned (host part, device part)
 
-    States are interned: (host part, device part) as two integers, and every half of a
+
+class ExplicitModel:
+    """Every host-call sequence, every interleaving of device steps: a
+    `model_check.search.model.Model` that `bfs.bfs` explores.
+
+    States are interned, (host part, device part) as two integers, and every half of a
     transition is memoized on them, so a host part is interpreted once per call and a device
-    part steps once per stream."""
+    part runs a program or steps a stream once."""
 
     name = "interleavings"
+    decides = tuple(PROPERTIES)
+    expected_tags = frozenset(REACHABILITY)
 
     def __init__(self, table: DeviceTable, bounds: Bounds, only: str | None = None) -> None:
         self.table, self.bounds, self.only = table, bounds, only
-        self.actions = host_actions(table, bounds)
+        self.calls = host_actions(table, bounds)
+        self._index = {a: i for i, a in enumerate(self.calls)}
+        self.interpret = Interpreter(table, bounds)
         # The capture stream is a third one: the two consumer streams stay interchangeable.
         self.symmetric = len(table.consumer_streams) == 2
-        self.interpret = Interpreter(table, bounds)
         self.hosts = Interner()
         self.parts = Interner()
         self.prims = Interner()
         self._host_steps: dict[int, list[tuple[int, int, Violation | None, frozenset[str]]]] = {}
         self._executed: dict[tuple[int, int], tuple[int, Violation | None, frozenset[str]]] = {}
-        self._device: dict[int, list[tuple[int, int, Violation | None]]] = {}
+        self._moves: dict[int, dict[Action, tuple[int, Violation | None]]] = {}
+        self._actions: dict[int, list[Action]] = {}
         self._idle: dict[tuple[int, int], Violation | None] = {}
-        self._swapped: dict[tuple[int, int], tuple[int, int]] = {}
-        self._quiet_programs: dict[int, bool] = {}
+        self._swapped: dict[State, State] = {}
 
-    def initial(self) -> tuple[int, int]:
+    def initial(self) -> State:
         return (
             self.hosts(initial_host(self.bounds)),
             self.parts(initial_part(self.table, self.bounds)),
         )
 
-    def host_of(self, state: tuple[int, int]) -> HostPart:
+    def host_of(self, state: State) -> HostPart:
         host = self.hosts.values[state[0]]
         assert isinstance(host, HostPart)
         return host
 
-    def part_of(self, state: tuple[int, int]) -> DevPart:
+    def part_of(self, state: State) -> DevPart:
         part = self.parts.values[state[1]]
         assert isinstance(part, DevPart)
         return part
 
-    def canonical(self, state: tuple[int, int]) -> tuple[int, int]:
+    def canonical(self, state: State) -> State:
         if not self.symmetric:
             return state
         swapped = self._swapped.get(state)
@@ -516,10 +527,35 @@ class ExplicitModel:
             self._swapped[state] = swapped
         return min(state, swapped)
 
-    def stuck(self, state: tuple[int, int]) -> Violation | None:
+    def stuck(self, state: State) -> Violation | None:
         if deadlocked(self.part_of(state)):
             return Violation("P7_no_deadlock", "pending operations remain and none can run")
         return None
+
+    def _device_moves(self, did: int) -> dict[Action, tuple[int, Violation | None]]:
+        """The device part reached and the verdict of every device step and resume."""
+        moves = self._moves.get(did)
+        if moves is None:
+            part = self.part_of((0, did))
+            moves = {}
+            for sid in range(len(part.queues)):
+                if runnable(part, sid):
+                    after, found = device_step(part, sid, self.bounds, self.only)
+                    moves[Action("device", stream=sid)] = (self.parts(after), found)
+            if can_resume(part):
+                after, found = resume(part)
+                moves[Action("resume")] = (self.parts(after), found)
+            self._moves[did] = moves
+        return moves
+
+    def actions(self, state: State) -> list[Action]:
+        found = self._actions.get(state[1])
+        if found is None:
+            found = list(self._device_moves(state[1]))
+            if self.part_of(state).blocked is None:
+                found += self.calls
+            self._actions[state[1]] = found
+        return found
 
     def _idle_verdict(self, hid: int, did: int) -> Violation | None:
         key = (hid, did)
@@ -528,13 +564,13 @@ class ExplicitModel:
         return self._idle[key]
 
     def _host_steps_of(self, hid: int) -> list[tuple[int, int, Violation | None, frozenset[str]]]:
-        """Per action: (host after, program id or -1 when rejected, static verdict, tags)."""
+        """Per host call: (host after, program id or -1 when rejected, static verdict, tags)."""
         steps = self._host_steps.get(hid)
         if steps is None:
             host = self.hosts.values[hid]
             assert isinstance(host, HostPart)
             steps = []
-            for action in self.actions:
+            for action in self.calls:
                 program = self.interpret(host, action)
                 if program.rejected:
                     steps.append((hid, -1, None, program.tags))
@@ -560,91 +596,21 @@ class ExplicitModel:
             done = self._executed[key] = (self.parts(part), found, tags)
         return done
 
-    def _device_steps(self, did: int) -> list[tuple[int, int, Violation | None]]:
-        """(stream or -1 for a resume, part after, verdict) of every device move."""
-        moves = self._device.get(did)
-        if moves is None:
-            part = self.part_of((0, did))
-            moves = []
-            for sid in range(len(part.queues)):
-                if runnable(part, sid):
-                    after, found = device_step(part, sid, self.bounds, self.only)
-                    moves.append((sid, self.parts(after), found))
-            if can_resume(part):
-                after, found = resume(part)
-                moves.append((-1, self.parts(after), found))
-            self._device[did] = moves
-        return moves
-
-    def _quiet(self, pid: int) -> bool:
-        """The program enqueues work and neither reports nor syncs: enqueueing it can meet no
-        violation, and it leaves the device busy (no idle verdict)."""
-        quiet = self._quiet_programs.get(pid)
-        if quiet is None:
-            prims = self.prims.values[pid]
-            assert isinstance(prims, tuple)
-            tags = {p[0] for p in prims}
-            quiet = self._quiet_programs[pid] = "op" in tags and not tags & {"report", "sync"}
-        return quiet
-
-    def _device_moves(self, state: tuple[int, int]) -> list[tuple[object, ...]]:
+    def outcomes(self, state: State, action: Action) -> list[Outcome[State]]:
         hid, did = state
-        out: list[tuple[object, ...]] = []
-        for sid, after, found in self._device_steps(did):
+        if action.kind != "host":
+            after, found = self._device_moves(did)[action]
             violation = found or self._idle_verdict(hid, after)
-            tags = frozenset({"device_idle"}) if is_idle(self.part_of((0, after))) else frozenset()
-            name = (
-                "host resumes after host_sync"
-                if sid < 0
-                else f"device runs the head of stream {sid}"
-            )
-            out.append((name, Outcome((hid, after), violation, tags), 0))
-        return out
+            idle = is_idle(self.part_of((0, after)))
+            return [_outcome((hid, after), violation, IDLE if idle else NONE)]
+        steps = self._host_steps_of(hid)
+        nhid, pid, static, tags = steps[self._index[action]]
+        if pid < 0:
+            return [_outcome(state, None, tags)]
+        after, found, more = self._execute(did, pid)
+        violation = static or found or self._idle_verdict(nhid, after)
+        return [_outcome((nhid, after), violation, tags | more)]
 
-    def successors(self, state: tuple[int, int]) -> list[tuple[object, ...]]:
-        """Device moves (cost 0), then host calls (cost 1) unless a call waits in host_sync."""
-        hid, did = state
-        out = self._device_moves(state)
-        if self.part_of(state).blocked is not None:
-            return out
-        for action, (nhid, pid, static, tags) in zip(
-            self.actions, self._host_steps_of(hid), strict=True
-        ):
-            if pid < 0:
-                out.append((action, Outcome(state, None, tags), 1))
-                continue
-            after, found, more = self._execute(did, pid)
-            violation = static or found or self._idle_verdict(nhid, after)
-            out.append((action, Outcome((nhid, after), violation, tags | more), 1))
-        return out
 
-    def successors_at_bound(
-        self, state: tuple[int, int], only: str | None = None
-    ) -> list[tuple[object, ...]]:
-        """At the depth bound the host calls' next states are not stored: one summary move
-        stands for all of them (their number, tags and first violation, of property `only`
-        when given), and a quiet program (`_quiet`) is not run at all. Device moves stay."""
-        hid, did = state
-        out = self._device_moves(state)
-        if self.part_of(state).blocked is not None:
-            return out
-        tags: set[str] = set()
-        first: tuple[Action, Violation] | None = None
-        for action, (nhid, pid, static, more) in zip(
-            self.actions, self._host_steps_of(hid), strict=True
-        ):
-            tags |= more
-            violation = None
-            if pid >= 0:
-                if self._quiet(pid):
-                    violation = static
-                else:
-                    after, found, extra = self._execute(did, pid)
-                    tags |= extra
-                    violation = static or found or self._idle_verdict(nhid, after)
-            if violation is not None and first is None and only in (None, violation.prop):
-                first = (action, violation)
-        name: object = "host calls at the bound" if first is None else first[0]
-        found_first = None if first is None else first[1]
-        out.append((name, Outcome(state, found_first, frozenset(tags)), 1, len(self.actions)))
-        return out
+IDLE = frozenset({"device_idle"})
+NONE: frozenset[str] = frozenset()

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from model_check.device.interpreter import Action, Outcome
 from model_check.device_path.core import (
     LOOK,
-    Action,
+    PROPERTIES,
+    REACHABILITY,
     HostPart,
     Interpreter,
     Prim,
@@ -39,25 +41,18 @@ from model_check.device_path.core import (
 )
 from model_check.device_path.explicit import _swap
 from model_check.device_path.table import DeviceTable
-from model_check.table.reference import NO_STREAM, Bounds
+from model_check.search.model import DeviceHalf, HostHalf, canonical_parts
+from model_check.table.reference import NO_STREAM, Bounds, Counters
 
 Pend = tuple[int, int, int]  # (resource, mode, mask); resource LOOK for a look's read-back
 
 
 class HbState(NamedTuple):
-    """Interned: the host part and the pending accesses, as indices into the model's tables."""
-
-    host: int
-    pending: int
+    host: HostPart
+    pending: frozenset[Pend]
 
 
-class Outcome(NamedTuple):
-    state: HbState
-    violation: Violation | None
-    tags: frozenset[str]
-
-
-class DeviceHalf(NamedTuple):
+class Half(NamedTuple):
     pending: frozenset[Pend]
     violation: Violation | None
     tags: frozenset[str]
@@ -105,12 +100,12 @@ class Summary:
         self.live = self.all_streams
         for e in live:
             self.live |= self.event(e)
-        self.cache: dict[tuple[frozenset[Pend], tuple[Prim, ...]], DeviceHalf] = {}
+        self.cache: dict[tuple[frozenset[Pend], tuple[Prim, ...]], Half] = {}
 
     def event(self, e: int) -> int:
         return 1 << (self.n_streams + e)
 
-    def run(self, pending: frozenset[Pend], prims: tuple[Prim, ...]) -> DeviceHalf:
+    def run(self, pending: frozenset[Pend], prims: tuple[Prim, ...]) -> Half:
         key = (pending, prims)
         done = self.cache.get(key)
         if done is None:
@@ -118,7 +113,7 @@ class Summary:
             self.cache[key] = done
         return done
 
-    def _run(self, pending: frozenset[Pend], prims: tuple[Prim, ...]) -> DeviceHalf:
+    def _run(self, pending: frozenset[Pend], prims: tuple[Prim, ...]) -> Half:
         pend = set(pending)
         violation: Violation | None = None
         tags: set[str] = set()
@@ -182,7 +177,7 @@ class Summary:
                         "the host read the counters before their copy landed",
                     )
                 pend = {p for p in pend if p[0] != LOOK}
-        return DeviceHalf(self.reduce(pend), violation, frozenset(tags))
+        return Half(self.reduce(pend), violation, frozenset(tags))
 
     def reduce(self, pend: set[Pend]) -> frozenset[Pend]:
         """Masks only change by monotone maps (record E on X: E := X; Y waits E: Y |= E; a
@@ -206,176 +201,95 @@ def _swap_mask(k: int) -> int:
     return (k & ~3) | ((k & 1) << 1) | ((k & 2) >> 1)
 
 
-class Interned:
-    """Host parts and pending sets interned to integers: states hash as two ints, and both
-    halves of a transition are memoized on them."""
-
-    def __init__(self) -> None:
-        self.hosts: list[HostPart] = []
-        self.host_ids: dict[HostPart, int] = {}
-        self.pendings: list[frozenset[Pend]] = []
-        self.pending_ids: dict[frozenset[Pend], int] = {}
-
-    def host(self, host: HostPart) -> int:
-        i = self.host_ids.get(host)
-        if i is None:
-            i = self.host_ids[host] = len(self.hosts)
-            self.hosts.append(host)
-        return i
-
-    def pending(self, pending: frozenset[Pend]) -> int:
-        i = self.pending_ids.get(pending)
-        if i is None:
-            i = self.pending_ids[pending] = len(self.pendings)
-            self.pendings.append(pending)
-        return i
-
-
-class HostStep(NamedTuple):
-    """The host half of one call from one host part."""
-
-    host: int  # after the call
-    program: int  # interned device program (-1: rejected)
-    violation: Violation | None  # static and data verdicts
-    tags: frozenset[str]
+NO_COUNTERS = Counters()
 
 
 class HbModel:
-    """Every host-call sequence; device order decided by the summary (core.Model's interface)."""
+    """Every host-call sequence; device order decided by the summary.
+
+    A `model_check.search.model.FactoredModel`: the host part is `core.HostPart`, the device
+    part the pending accesses, a program the call's primitives without payloads
+    (`device_program`); `memo.memo_search` explores it with both halves memoized, and its
+    `Model.outcomes` is the composition of the two."""
 
     name = "happens-before"
+    decides = tuple(p for p in PROPERTIES if p != "P7_no_deadlock")
+    # The summary leaves device_synchronize, hence a drained device, to the explicit model.
+    expected_tags = frozenset(REACHABILITY) - {"device_idle"}
 
     def __init__(self, table: DeviceTable, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
-        self.actions = [a for a in host_actions(table, bounds) if a.op != "device_synchronize"]
+        self.calls = [a for a in host_actions(table, bounds) if a.op != "device_synchronize"]
         self.summary = Summary(table, bounds)
         self.interpret = Interpreter(table, bounds)
         self.symmetric = len(table.consumer_streams) == 2
-        self.interned = Interned()
-        self.programs: list[tuple[Prim, ...]] = []
-        self.program_ids: dict[tuple[Prim, ...], int] = {}
-        self.host_steps: dict[int, list[HostStep]] = {}
-        self._host_tags: dict[int, frozenset[str]] = {}
-        self.device_steps: dict[tuple[int, int], tuple[int, Violation | None, frozenset[str]]] = {}
-        self.swapped_hosts: dict[int, int] = {}
-        self.swapped_pendings: dict[int, int] = {}
+
+    # ------------------------------------------------------------ Model
 
     def initial(self) -> HbState:
-        return HbState(
-            self.interned.host(initial_host(self.bounds)), self.interned.pending(frozenset())
-        )
+        return HbState(initial_host(self.bounds), frozenset())
+
+    def actions(self, state: HbState) -> list[Action]:
+        return self.calls
+
+    def outcomes(self, state: HbState, action: Action) -> list[Outcome[HbState]]:
+        program = self.interpret(state.host, action)
+        if program.rejected:
+            return [Outcome(state, None, program.tags, (), NO_COUNTERS)]
+        half = self.summary.run(state.pending, device_program(program.prims))
+        # The static verdict (P8) first, then the ordering ones, then the data ones.
+        violation = program.static or half.violation or program.data
+        new = HbState(program.host, half.pending)
+        return [Outcome(new, violation, program.tags | half.tags, (), NO_COUNTERS)]
 
     def canonical(self, state: HbState) -> HbState:
-        if not self.symmetric:
-            return state
-        swapped = HbState(self._swap_host(state.host), self._swap_pending(state.pending))
-        return min(state, swapped)
-
-    def _swap_host(self, i: int) -> int:
-        j = self.swapped_hosts.get(i)
-        if j is None:
-            host = self.interned.hosts[i]
-            owner = _swap(host.owner) if host.owner != NO_STREAM else NO_STREAM
-            j = self.swapped_hosts[i] = self.interned.host(host._replace(owner=owner))
-        return j
-
-    def _swap_pending(self, i: int) -> int:
-        j = self.swapped_pendings.get(i)
-        if j is None:
-            pending = self.interned.pendings[i]
-            j = self.interned.pending(frozenset((r, m, _swap_mask(k)) for r, m, k in pending))
-            self.swapped_pendings[i] = j
-        return j
+        host, pending = canonical_parts(self, state.host, state.pending)
+        return HbState(host, pending)
 
     def stuck(self, state: HbState) -> Violation | None:
         return None
 
-    def _host_steps(self, i: int) -> list[HostStep]:
-        steps = self.host_steps.get(i)
-        if steps is None:
-            host = self.interned.hosts[i]
-            steps = []
-            for action in self.actions:
-                program = self.interpret(host, action)
-                if program.rejected:
-                    steps.append(HostStep(i, -1, None, program.tags))
-                    continue
-                prims = device_program(program.prims)
-                pid = self.program_ids.get(prims)
-                if pid is None:
-                    pid = self.program_ids[prims] = len(self.programs)
-                    self.programs.append(prims)
-                steps.append(
-                    HostStep(
-                        self.interned.host(program.host),
-                        pid,
-                        program.static or program.data,
-                        program.tags,
-                    )
-                )
-            self.host_steps[i] = steps
-            self._host_tags[i] = frozenset().union(*(hs.tags for hs in steps))
-        return steps
+    # ------------------------------------------------------------ FactoredModel
 
-    def _device_step(
-        self, pending: int, program: int
-    ) -> tuple[int, Violation | None, frozenset[str]]:
-        key = (pending, program)
-        done = self.device_steps.get(key)
-        if done is None:
-            half = self.summary.run(self.interned.pendings[pending], self.programs[program])
-            done = (self.interned.pending(half.pending), half.violation, half.tags)
-            self.device_steps[key] = done
-        return done
+    def split(self, state: HbState) -> tuple[HostPart, frozenset[Pend]]:
+        return state.host, state.pending
 
-    def successors_at_bound(
-        self, state: HbState, only: str | None = None
-    ) -> list[tuple[object, ...]]:
-        """At the depth bound only the verdict, the tags and the number of transitions count:
-        one summary move stands for all of them (its violation is the first in action order,
-        as the search would have met it)."""
-        steps = self._host_steps(state.host)
-        tags = set(self._host_tags[state.host])
-        first: tuple[Action, Outcome] | None = None
-        device_step, pending = self._device_step, state.pending
-        for action, hs in zip(self.actions, steps, strict=True):
-            if hs.program < 0:
-                continue
-            _, found, more = device_step(pending, hs.program)
-            if more:
-                tags |= more
-            if first is None and (hs.violation is not None or found is not None):
-                violation = hs.violation
-                if found is not None and (
-                    violation is None or violation.prop != "P8_hot_path_never_blocks"
-                ):
-                    violation = found
-                if violation is not None and only in (None, violation.prop):
-                    first = (action, Outcome(state, violation, frozenset()))
-        if first is None:
-            return [
-                (
-                    "host calls at the bound",
-                    Outcome(state, None, frozenset(tags)),
-                    1,
-                    len(self.actions),
-                )
-            ]
-        action, outcome = first
-        return [(action, outcome._replace(tags=frozenset(tags)), 1, len(self.actions))]
+    def join(self, host: HostPart, device: frozenset[Pend]) -> HbState:
+        return HbState(host, device)
 
-    def successors(self, state: HbState) -> list[tuple[Action, Outcome, int]]:
-        out: list[tuple[Action, Outcome, int]] = []
-        for action, hs in zip(self.actions, self._host_steps(state.host), strict=True):
-            if hs.program < 0:
-                out.append((action, Outcome(state, None, hs.tags), 1))
-                continue
-            pending, found, tags = self._device_step(state.pending, hs.program)
-            # The static verdict (P8) first, then the ordering ones, then the data ones.
-            violation = hs.violation
-            if found is not None and (
-                violation is None or violation.prop != "P8_hot_path_never_blocks"
-            ):
-                violation = found
-            out.append((action, Outcome(HbState(hs.host, pending), violation, hs.tags | tags), 1))
-        return out
+    def host_actions(self) -> list[Action]:
+        return self.calls
+
+    def host_half(self, host: HostPart, action: Action) -> HostHalf[HostPart, tuple[Prim, ...]]:
+        program = self.interpret(host, action)
+        if program.rejected:
+            return HostHalf(None, host, False, program.tags, None)
+        failed = program.static is not None or program.data is not None
+        return HostHalf(device_program(program.prims), program.host, failed, program.tags, None)
+
+    def device_half(
+        self, device: frozenset[Pend], program: tuple[Prim, ...]
+    ) -> list[DeviceHalf[frozenset[Pend]]]:
+        half = self.summary.run(device, program)
+        return [DeviceHalf(half.pending, half.violation is not None, half.tags)]
+
+    def device_verdicts(
+        self, device: frozenset[Pend], program: tuple[Prim, ...]
+    ) -> list[tuple[bool, frozenset[str]]]:
+        half = self.summary.run(device, program)
+        return [(half.violation is not None, half.tags)]
+
+    def forget(self, host: HostPart) -> HostPart:
+        return host  # the interpreter's data half already forgot (core.forget_dead)
+
+    def swap_host(self, host: HostPart) -> HostPart:
+        return host._replace(owner=_swap(host.owner) if host.owner != NO_STREAM else NO_STREAM)
+
+    def swap_device(self, device: frozenset[Pend]) -> frozenset[Pend]:
+        return frozenset((r, m, _swap_mask(k)) for r, m, k in device)
+
+    def host_order(self, host: HostPart) -> int:
+        return host.owner  # a host part and its renaming differ only there
+
+    def device_order(self, device: frozenset[Pend]) -> tuple[Pend, ...]:
+        return tuple(sorted(device))

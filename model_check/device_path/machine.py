@@ -13,9 +13,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from model_check.device_path.core import Action, HostPart, Violation, initial_host, interpret
+from model_check.device.interpreter import Outcome
+from model_check.device_path.core import HostPart, call, initial_host, interpret
 from model_check.device_path.explicit import (
-    Outcome,
     XState,
     deadlocked,
     device,
@@ -29,6 +29,7 @@ from model_check.device_path.explicit import (
 )
 from model_check.device_path.hb import Pend, Summary, device_program
 from model_check.device_path.table import DeviceTable
+from model_check.table.properties import Violation
 from model_check.table.reference import Bounds
 
 
@@ -54,7 +55,7 @@ def machine_for(table: DeviceTable, bounds: Bounds) -> type[RuleBasedStateMachin
             self.hb_host: HostPart = initial_host(bounds)
             self.hb_pending: frozenset[Pend] = frozenset()
 
-        def _check(self, outcome: Outcome) -> None:
+        def _check(self, outcome: Outcome[XState]) -> None:
             if outcome.violation is not None:
                 found = outcome.violation
                 raise AssertionError(
@@ -64,7 +65,7 @@ def machine_for(table: DeviceTable, bounds: Bounds) -> type[RuleBasedStateMachin
         def _host(self, op: str, args: tuple[object, ...], stream: int) -> None:
             if op not in names:
                 return
-            action = Action(op, args, stream)
+            action = call(op, args, stream)
             # The summary first: it must stop the run before the explicit model goes wrong.
             program = interpret(table, bounds, self.hb_host, op, args, stream)
             if not program.rejected:
