@@ -498,6 +498,7 @@ class ExplicitModel:
         self._actions: dict[int, list[Action]] = {}
         self._idle: dict[tuple[int, int], Violation | None] = {}
         self._swapped: dict[State, State] = {}
+        self._quiet_programs: dict[int, bool] = {}
 
     def initial(self) -> State:
         return (
@@ -595,6 +596,28 @@ class ExplicitModel:
             part, found, tags = execute(self.part_of((0, did)), prims)
             done = self._executed[key] = (self.parts(part), found, tags)
         return done
+
+    def bound_verdicts(
+        self, state: State, action: Action
+    ) -> tuple[int, bool, frozenset[str]] | None:
+        """`search.model.BoundVerdicts`: a host call that is rejected, or whose program only
+        enqueues (`_quiet`), meets no verdict while being enqueued and leaves the device busy
+        (no idle verdict), so at the depth bound its one outcome is known without running it."""
+        _, pid, static, tags = self._host_steps_of(state[0])[self._index[action]]
+        if pid < 0:
+            return 1, False, tags
+        if self._quiet(pid):
+            return 1, static is not None, tags
+        return None
+
+    def _quiet(self, pid: int) -> bool:
+        quiet = self._quiet_programs.get(pid)
+        if quiet is None:
+            prims = self.prims.values[pid]
+            assert isinstance(prims, tuple)
+            kinds = {p[0] for p in prims}
+            quiet = self._quiet_programs[pid] = "op" in kinds and not kinds & {"report", "sync"}
+        return quiet
 
     def outcomes(self, state: State, action: Action) -> list[Outcome[State]]:
         hid, did = state

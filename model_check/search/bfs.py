@@ -9,17 +9,23 @@ one with the fewest host calls, and its trace is rebuilt from parent links.
 With symmetry, states are stored under `Model.canonical`; a violation's trace is then taken
 from a second search without renaming, which reads straight (same violation depth, since
 renaming preserves it).
+
+A model may offer `bound_verdicts(state, action)` (`model.BoundVerdicts`): for a host call out
+of a state at the depth bound, whose successors are not stored, the number of its outcomes,
+whether some verdict may fail and their tags, without computing the states. The search takes
+that instead of `Model.outcomes` where no verdict may fail, and `outcomes` everywhere else, so
+counts, tags, verdicts and traces are those of the plain search.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any, TypeVar
 
 from model_check.device.interpreter import Action, Outcome
-from model_check.search.model import Model, Result, successors, without_cycle_collection
+from model_check.search.model import Model, Result, without_cycle_collection
 
 S = TypeVar("S", bound=Hashable)
 Parents = dict[Any, tuple[Any, Action, Outcome[Any]] | None]
@@ -55,7 +61,11 @@ def bfs(
             result.violation = stuck
             result.trace = _trace(parent, state)
             break
-        for action, outcome, cost in successors(model, state):
+        for action, outcome, cost, known in _moves(model, state, d == depth):
+            if outcome is None:
+                result.transitions += known[0]
+                result.tags |= known[2]
+                continue
             result.transitions += 1
             result.tags |= outcome.tags
             found = outcome.violation
@@ -85,6 +95,30 @@ def bfs(
     if result.violation is not None and symmetry:
         straighten(result, model, depth, only)
     return result
+
+
+Known = tuple[int, bool, frozenset[str]]
+
+
+def _moves(
+    model: Model[S], state: S, at_bound: bool
+) -> Iterator[tuple[Action, Outcome[S] | None, int, Known]]:
+    """`successors`, except that a host call out of a state at the bound that the model
+    answers with `bound_verdicts`, and whose verdicts all hold, comes as one move without an
+    outcome (its count and tags in `known`)."""
+    light = getattr(model, "bound_verdicts", None) if at_bound else None
+    for action in model.actions(state):
+        cost = 1 if action.kind == "host" else 0
+        if light is not None and cost:
+            known = light(state, action)
+            if known is not None and not known[1]:
+                yield action, None, cost, known
+                continue
+        for outcome in model.outcomes(state, action):
+            yield action, outcome, cost, NO_KNOWN
+
+
+NO_KNOWN: Known = (0, False, frozenset())
 
 
 def straighten(result: Result, model: Model[Any], depth: int, only: str | None) -> None:

@@ -68,6 +68,21 @@ class Model(Protocol[S]):
         ...
 
 
+S_in = TypeVar("S_in", bound=Hashable, contravariant=True)
+
+
+class BoundVerdicts(Protocol[S_in]):
+    """What a `Model` may add for `bfs.bfs`: the verdicts of a host call out of a state at the
+    depth bound (whose successors are not stored) without the states it reaches."""
+
+    def bound_verdicts(
+        self, state: S_in, action: Action
+    ) -> tuple[int, bool, frozenset[str]] | None:
+        """(number of outcomes, whether some verdict may fail, their tags), or None when the
+        model cannot tell without computing the outcomes."""
+        ...
+
+
 def successors(model: Model[S], state: S) -> Iterator[Transition[S]]:
     """Every transition out of `state`, in the model's order."""
     for action in model.actions(state):
