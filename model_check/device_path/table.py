@@ -1,9 +1,9 @@
 """Loading and validating the device-planned path's entries of the transition table.
 
 The entries live in `spec/table.toml` under `[device]` (see the comment there for their
-semantics); while that section is absent they are read from `draft_table.toml` next to this
-module. Like the host path's loader, this one only parses plain data into frozen dataclasses
-and rejects any name the semantics does not know.
+semantics). Like the host path's loader (model_check/table/schema.py, which ignores the
+section), this one only parses plain data into frozen dataclasses and rejects any name the
+semantics does not know.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from model_check.table import TABLE_PATH, TableError
-
-DRAFT_PATH = Path(__file__).resolve().parent / "draft_table.toml"
 
 ROLES = ("current", "owner", "capture")
 DEVICE_KINDS = (
@@ -216,13 +214,10 @@ def parse_device_table(data: dict[str, Any]) -> DeviceTable:
     )
 
 
-def load_device_table(path: Path | None = None) -> DeviceTable:
-    """The device entries of `path` (default: spec/table.toml, or the draft while the spec has
-    no [device] section)."""
-    candidates = [path] if path is not None else [TABLE_PATH, DRAFT_PATH]
-    for candidate in candidates:
-        with candidate.open("rb") as f:
-            data = tomllib.load(f)
-        if "device" in data:
-            return parse_device_table(data)
-    raise TableError(f"no [device] section in {', '.join(str(c) for c in candidates)}")
+def load_device_table(path: Path = TABLE_PATH) -> DeviceTable:
+    """The device entries of the table (`[device]` in spec/table.toml)."""
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    if "device" not in data:
+        raise TableError(f"no [device] section in {path}")
+    return parse_device_table(data)
