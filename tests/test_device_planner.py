@@ -4,10 +4,10 @@ the model's reference, step by step.
 A hypothesis machine drives three things with the same forwards and invalidations: a
 ``DevicePlannedProvider`` (every pass planned and copied by ``rowcache.device_plan``), a
 ``RowCacheWeightProvider`` (the host planner, one ``prepare`` per expert group) and the model's
-reference effects (``model_check.table.reference.plan_prepare`` / ``plan_invalidate``). Routings hold
-``-1`` padding. After every pass: the forward maps of all three are equal, every slot the map
-names holds exactly its expert's rows, and the LRU order, the resident map and the counters
-agree; so the victim choice of every step is the reference's.
+reference effects (``model_check.table.reference.plan_prepare`` / ``plan_invalidate``).
+Routings hold ``-1`` padding. After every pass: the forward maps of all three are equal,
+every slot the map names holds exactly its expert's rows, and the LRU order, the resident map
+and the counters agree; so the victim choice of every step is the reference's.
 
 Then the device's error path: ids outside ``[-1, E)`` are ignored (nothing written for them,
 the maps keep their size), counted, and raised once by ``stats()`` as ``DeviceInputError``.
