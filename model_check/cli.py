@@ -12,10 +12,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
 
 from model_check.config import (
     CHECKS,
+    DEVICE_CHECKS,
     MANIFEST_PATH,
     MUTANT_CHECKS,
     WRITE_COMMAND,
@@ -25,9 +25,21 @@ from model_check.config import (
     manifest_text,
 )
 from model_check.device.program import NotExpressible
+from model_check.device_path import checks as device_checks
+from model_check.device_path.mutants import DEVICE_MUTANTS, device_mutant
+from model_check.device_path.table import DeviceTable, load_device_table
+from model_check.report import (
+    Column,
+    Kill,
+    column_json,
+    kill_matrix_text,
+    kills_json,
+    survivors,
+    verdict_table,
+)
 from model_check.search import Result, explore
 from model_check.table.mutants import MUTANTS, Mutant, mutant
-from model_check.table.properties import PROPERTIES, Violation
+from model_check.table.properties import PROPERTIES
 from model_check.table.reference import Bounds
 from model_check.table.schema import Table, load_table
 
@@ -39,31 +51,45 @@ DECIDES = {
 MACHINE_BOUNDS = Bounds(num_experts=4, capacity=3)
 
 
-@dataclass
-class Column:
-    """One checker's run: what it covered and what it found."""
-
-    name: str
-    states: int | None
-    depth: int | None
-    seconds: float
-    decides: list[str]
-    violation: Violation | None = None
-    notes: list[str] = field(default_factory=list)
-    reached: set[str] = field(default_factory=set)
-
-    @property
-    def ok(self) -> bool:
-        return self.violation is None and not self.notes
-
-
 # One unit of a full run, done in a worker process: an exhaustive exploration ("explore"), the
-# z3 check of one configuration ("z3") or the hypothesis machine ("machine").
-Job = tuple[str, Table, Check | None, int, int]
+# z3 check of one configuration ("z3") or the hypothesis machine ("machine"), of the host
+# path's operations, or of the device-planned path's ("device_explore", "device_z3",
+# "device_machine", on the table's [device] section).
+Job = tuple[str, Table | DeviceTable, Check | None, int, int]
+
+# Seconds each job took on the 2-core development machine (spec/README.md, "Performance"),
+# only to schedule the longest first.
+ESTIMATES: dict[tuple[str, str], float] = {
+    ("z3", "hb/3e2c/d6"): 36,
+    ("z3", "hb/4e3c/d4"): 22,
+    ("explore", "hb/4e3c/d4"): 21,
+    ("device_z3", "device/hb/3e2c/d6"): 21,
+    ("device_z3", "device/hb/4e3c/d4"): 19,
+    ("device_explore", "device/interleavings/3e2c/d3"): 16,
+    ("device_explore", "device/hb/4e3c/d4"): 12,
+    ("device_machine", ""): 9,
+    ("explore", "interleavings/3e2c/d3"): 6,
+    ("machine", ""): 3,
+    ("explore", "interleavings/4e3c/d2"): 2.5,
+    ("device_explore", "device/interleavings/4e3c/d2"): 2,
+    ("explore", "hb/3e2c/d6"): 1,
+    ("device_explore", "device/hb/3e2c/d6"): 1,
+}
 
 
 def _run_job(job: Job) -> Result | Column:
     kind, table, check, examples, steps = job
+    if kind.startswith("device_"):
+        assert isinstance(table, DeviceTable)
+        if kind == "device_machine":
+            return device_checks.machine_column(table, examples, steps)
+        assert check is not None
+        if kind == "device_z3":
+            # The induction does not depend on the bounds: once, with the smaller ones.
+            induction = check.bounds == device_checks.B32
+            return device_checks.z3_column(table, check.bounds, check.depth, induction)
+        return device_checks.explore(table, check)
+    assert isinstance(table, Table)
     if kind == "machine":
         return machine_column(table, examples, steps)
     assert check is not None
@@ -82,19 +108,30 @@ def _pool_map(jobs: list[Job]) -> list[Result | Column]:
         return list(pool.map(_run_job, jobs))
 
 
-def _schedule(checks: Sequence[Check]) -> list[tuple[str, Check | None]]:
-    """Every job of a full run, longest first: the largest happens-before search, the z3
-    checks, the explicit interleavings, the hypothesis machine, the other summaries."""
+def _schedule(
+    checks: Sequence[Check], device: Sequence[Check] = ()
+) -> list[tuple[str, Check | None]]:
+    """Every job of a full run, longest first: the largest happens-before search, then the
+    others by `ESTIMATES` (the z3 checks, the device path's, the explicit interleavings, the
+    hypothesis machines, the other summaries)."""
     hb = sorted(
         (c for c in checks if c.model == "hb"),
         key=lambda c: (-c.bounds.num_experts, -c.bounds.capacity, -c.depth),
     )
+    rest: list[tuple[str, Check | None]] = [("z3", c) for c in checks if c.model == "hb"]
+    rest += [("explore", c) for c in checks if c.model != "hb"]
+    rest.append(("machine", None))
+    rest += [("explore", c) for c in hb[1:]]
+    if device:
+        rest += [("device_z3", c) for c in device if c.model == "hb"]
+        rest += [("device_explore", c) for c in device]
+        rest.append(("device_machine", None))
+
+    def estimate(job: tuple[str, Check | None]) -> float:
+        return -ESTIMATES.get((job[0], "" if job[1] is None else job[1].key), 0.0)
+
     jobs: list[tuple[str, Check | None]] = [("explore", c) for c in hb[:1]]
-    jobs += [("z3", c) for c in checks if c.model == "hb"]
-    jobs += [("explore", c) for c in checks if c.model != "hb"]
-    jobs.append(("machine", None))
-    jobs += [("explore", c) for c in hb[1:]]
-    return jobs
+    return jobs + sorted(rest, key=estimate)
 
 
 @dataclass
@@ -102,6 +139,9 @@ class FullRun:
     explorers: list[tuple[Check, Result]]
     z3: list[Column]
     machine: Column | None
+    device_explorers: list[tuple[Check, Result]] = field(default_factory=list)
+    device_z3: list[Column] = field(default_factory=list)
+    device_machine: Column | None = None
 
 
 def run_all(
@@ -112,32 +152,60 @@ def run_all(
     steps: int = 30,
     z3: bool = True,
     machine: bool = True,
+    device_table: DeviceTable | None = None,
+    device: Sequence[Check] = (),
 ) -> FullRun:
     """Every checker of `python -m model_check`, spread over two processes; the results do not
-    depend on the order they finish in."""
+    depend on the order they finish in. `device`: the device-planned path's checks to run too
+    (on `device_table`, by default the table's [device] section)."""
+    if device and device_table is None:
+        device_table = load_device_table()
     plan = [
         (kind, check)
-        for kind, check in _schedule(checks)
-        if (kind != "z3" or z3) and (kind != "machine" or machine)
+        for kind, check in _schedule(checks, device)
+        if (not kind.endswith("z3") or z3) and (not kind.endswith("machine") or machine)
     ]
-    results = _pool_map([(kind, table, check, examples, steps) for kind, check in plan])
+    jobs: list[Job] = []
+    for kind, check in plan:
+        source: Table | DeviceTable = table
+        if kind.startswith("device_"):
+            assert device_table is not None
+            source = device_table
+        jobs.append((kind, source, check, examples, steps))
+    results = _pool_map(jobs)
     done = {
         (kind, None if c is None else c.key): r for (kind, c), r in zip(plan, results, strict=True)
     }
-    explorers = []
-    for c in checks:
-        result = done[("explore", c.key)]
-        assert isinstance(result, Result)
-        explorers.append((c, result))
-    z3_cols = []
-    for c in checks:
-        col = done.get(("z3", c.key))
-        if col is not None:
-            assert isinstance(col, Column)
-            z3_cols.append(col)
+
+    def searches(kind: str, of: Sequence[Check]) -> list[tuple[Check, Result]]:
+        out = []
+        for c in of:
+            result = done[(kind, c.key)]
+            assert isinstance(result, Result)
+            out.append((c, result))
+        return out
+
+    def columns(kind: str, of: Sequence[Check]) -> list[Column]:
+        out = []
+        for c in of:
+            col = done.get((kind, c.key))
+            if col is not None:
+                assert isinstance(col, Column)
+                out.append(col)
+        return out
+
     found = done.get(("machine", None))
     assert found is None or isinstance(found, Column)
-    return FullRun(explorers, z3_cols, found)
+    found_device = done.get(("device_machine", None))
+    assert found_device is None or isinstance(found_device, Column)
+    return FullRun(
+        searches("explore", checks),
+        columns("z3", checks),
+        found,
+        searches("device_explore", device),
+        columns("device_z3", device),
+        found_device,
+    )
 
 
 def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinned]) -> list[Column]:
@@ -213,81 +281,51 @@ def z3_column(table: Table, check: Check) -> Column:
     return col
 
 
-def verdict_table(columns: list[Column]) -> str:
-    names = [c.name for c in columns]
-    width = max(len(p) for p in PROPERTIES)
-    cw = max(12, *(len(n) for n in names))
-    lines = ["property".ljust(width) + "".join(n.rjust(cw + 2) for n in names)]
-    for prop in PROPERTIES:
-        cells = []
-        for col in columns:
-            if prop not in col.decides:
-                cells.append("-")
-            elif col.violation is not None and col.violation.prop == prop:
-                cells.append("VIOLATED")
-            elif col.violation is not None:
-                cells.append("stopped")
-            else:
-                cells.append("holds")
-        lines.append(prop.ljust(width) + "".join(c.rjust(cw + 2) for c in cells))
-    lines.append("")
-    rows: list[tuple[str, list[str]]] = [
-        ("states", ["-" if c.states is None else str(c.states) for c in columns]),
-        ("depth", ["-" if c.depth is None else str(c.depth) for c in columns]),
-        ("seconds", [f"{c.seconds:.1f}" for c in columns]),
-        ("verdict", ["pass" if c.ok else "FAIL" for c in columns]),
-    ]
-    for label, cells in rows:
-        lines.append(label.ljust(width) + "".join(x.rjust(cw + 2) for x in cells))
-    return "\n".join(lines)
-
-
 def cmd_check(args: argparse.Namespace) -> int:
+    from model_check.device_path.core import PROPERTIES as DEVICE_PROPERTIES
+
     table = load_table()
     manifest = load_manifest()
-    full = run_all(table, examples=args.examples, steps=args.steps)
+    full = run_all(table, examples=args.examples, steps=args.steps, device=DEVICE_CHECKS)
     runs = full.explorers
     if args.write_manifest:
-        rows = [(c, Pinned(r.states, r.transitions, r.max_depth_reached)) for c, r in runs]
+        rows = [
+            (c, Pinned(r.states, r.transitions, r.max_depth_reached))
+            for c, r in [*runs, *full.device_explorers]
+        ]
         MANIFEST_PATH.write_text(manifest_text(rows))
         manifest = load_manifest()
     columns = explorer_columns(runs, manifest)
     columns += full.z3
     assert full.machine is not None
     columns.append(full.machine)
-    ok = all(c.ok for c in columns)
+    device = device_checks.search_columns(full.device_explorers, manifest, WRITE_COMMAND)
+    device += full.device_z3
+    assert full.device_machine is not None
+    device.append(full.device_machine)
+    ok = all(c.ok for c in [*columns, *device])
     if args.json:
-        print(json.dumps({"ok": ok, "columns": [_column_json(c) for c in columns]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "columns": [column_json(c) for c in columns],
+                    "device_columns": [column_json(c) for c in device],
+                },
+                indent=2,
+            )
+        )
     else:
-        print(verdict_table(columns))
-        for col in columns:
+        print(verdict_table(columns, list(PROPERTIES)))
+        print("\nthe device-planned path ([device] in spec/table.toml):\n")
+        print(verdict_table(device, list(DEVICE_PROPERTIES)))
+        for col in [*columns, *device]:
             if col.violation is not None:
                 print(f"\n{col.name}: {col.violation.prop}: {col.violation.detail}")
             for note in col.notes:
                 print(f"\n{note}")
         print("\nall properties hold" if ok else "\nFAILED")
     return 0 if ok else 1
-
-
-def _column_json(col: Column) -> dict[str, Any]:
-    return {
-        "checker": col.name,
-        "states": col.states,
-        "depth": col.depth,
-        "seconds": round(col.seconds, 3),
-        "decides": col.decides,
-        "violation": None if col.violation is None else vars(col.violation),
-        "notes": col.notes,
-        "ok": col.ok,
-    }
-
-
-@dataclass
-class Kill:
-    checker: str
-    found: str | None  # property of the violation found, or None when the mutant survived
-    seconds: float
-    applicable: bool = True
 
 
 def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -> list[Kill]:
@@ -345,8 +383,10 @@ def z3_kill(mutated: Table) -> Kill:
     return Kill("z3", found_z3, time.perf_counter() - start)
 
 
-def _kill_job(job: tuple[str, Table, int, int, bool]) -> list[Kill]:
-    name, table, examples, steps, use_z3 = job
+def _kill_job(job: tuple[str, str, Table, int, int, bool]) -> list[Kill]:
+    path, name, table, examples, steps, use_z3 = job
+    if path == "device":
+        return device_checks.kill_row(device_mutant(name), examples, steps, use_z3)
     return kill_row(mutant(name), table, examples, steps, use_z3)
 
 
@@ -356,68 +396,52 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     # Rows are independent and printed in catalogue order. Each runs in a fresh process, with
     # one worker too: which property z3's first counterexample shows depends on the queries
     # the process made before, and a fresh process makes the matrix the same from run to run.
-    workers = min(len(MUTANTS), os.cpu_count() or 1, 2)
-    jobs = [(m.name, table, args.examples, args.steps, use_z3) for m in MUTANTS]
+    # The device-planned path's mutants (model_check/device_path/mutants.py) follow.
+    names = [("host", m.name) for m in MUTANTS] + [("device", m.name) for m in DEVICE_MUTANTS]
+    workers = min(len(names), os.cpu_count() or 1, 2)
+    jobs = [(path, name, table, args.examples, args.steps, use_z3) for path, name in names]
     with ProcessPoolExecutor(
         max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1
     ) as pool:
         kills = list(pool.map(_kill_job, jobs))
-    rows = list(zip(MUTANTS, kills, strict=True))
-    survivors = [
-        (m.name, k.checker)
-        for m, row in rows
-        for k in row
-        if k.applicable and (k.found is None or (k.checker == "intended" and k.found != m.breaks))
-    ]
+    rows = list(zip(MUTANTS, kills[: len(MUTANTS)], strict=True))
+    device_rows = list(zip(DEVICE_MUTANTS, kills[len(MUTANTS) :], strict=True))
+    survived = survivors(rows) + survivors(device_rows)
     if args.json:
         print(
             json.dumps(
                 {
-                    "ok": not survivors,
-                    "mutants": [
-                        {
-                            "name": m.name,
-                            "breaks": m.breaks,
-                            "description": m.description,
-                            "kills": [vars(k) for k in row],
-                        }
-                        for m, row in rows
-                    ],
+                    "ok": not survived,
+                    "mutants": kills_json(rows),
+                    "device_mutants": kills_json(device_rows),
                 },
                 indent=2,
             )
         )
     else:
-        checkers = [k.checker for k in rows[0][1]]
-        nw = max(len(m.name) for m in MUTANTS)
-        print("mutant".ljust(nw) + "  breaks" + "".join(c.rjust(22) for c in checkers))
-        for m, row in rows:
-            cells = [
-                "n/a"
-                if not k.applicable
-                else (k.found[:2] if k.found else "SURVIVED") + f" {k.seconds:5.1f}s"
-                for k in row
-            ]
-            print(
-                m.name.ljust(nw)
-                + "  "
-                + m.breaks[:2].ljust(6)
-                + "".join(c.rjust(22) for c in cells)
-            )
+        print(kill_matrix_text(rows))
+        print("\nthe device-planned path:\n")
+        print(kill_matrix_text(device_rows, width=30))
+        total = len(rows) + len(device_rows)
         print(
-            f"\n{len(MUTANTS)} mutants, "
+            f"\n{total} mutants ({len(device_rows)} of the device path), "
             + (
                 "every one killed by every applicable checker"
-                if not survivors
-                else f"SURVIVORS: {survivors}"
+                if not survived
+                else f"SURVIVORS: {survived}"
             )
         )
-    return 0 if not survivors else 1
+    return 0 if not survived else 1
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from model_check.render import swimlane_svg, swimlane_text
 
+    if args.mutant in {m.name for m in DEVICE_MUTANTS}:
+        print(device_checks.explain(args.mutant, args.depth))
+        if args.out:
+            print("\n(no drawing for the device path's mutants: the text above is the trace)")
+        return 0
     m = mutant(args.mutant)
     bounds = Bounds(num_experts=3, capacity=2)
     result = explore(
@@ -435,10 +459,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_diagram(args: argparse.Namespace) -> int:
+    from model_check.device_path.table import table_text as device_table_text
     from model_check.render import table_diagram, table_text
 
     table = load_table()
     print(table_text(table))
+    print()
+    print(device_table_text(load_device_table()))
     if args.out:
         print(f"\nwrote {table_diagram(table, Path(args.out))}")
     return 0
@@ -465,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     muts = sub.add_parser("mutants", parents=[common], help="print the kill matrix")
     muts.add_argument("--no-z3", action="store_true", help="skip the z3 column")
     explain = sub.add_parser("explain", help="shortest counterexample of a mutant")
-    explain.add_argument("mutant", choices=[m.name for m in MUTANTS])
+    names = [m.name for m in MUTANTS] + [m.name for m in DEVICE_MUTANTS]
+    explain.add_argument("mutant", choices=names)
     explain.add_argument("--out", help="write the swimlane as .svg or .png")
     explain.add_argument("--depth", type=int, default=4)
     diagram = sub.add_parser("diagram", help="render the transition table")

@@ -14,32 +14,51 @@ WRITE_COMMAND = "python -m model_check check --write-manifest"
 
 @dataclass(frozen=True)
 class Check:
-    """One exhaustive exploration: a device model at a configuration and host-call depth."""
+    """One exhaustive exploration: a device model at a configuration and host-call depth, of
+    the host path's operations (`path` "host") or of the device-planned path's ("device",
+    model_check/device_path)."""
 
     model: str  # "hb" (happens-before summary) or "interleavings" (explicit FIFO model)
     bounds: Bounds
     depth: int
+    path: str = "host"
 
     @property
     def key(self) -> str:
         b = self.bounds
-        return f"{self.model}/{b.num_experts}e{b.capacity}c/d{self.depth}"
+        prefix = "" if self.path == "host" else f"{self.path}/"
+        return f"{prefix}{self.model}/{b.num_experts}e{b.capacity}c/d{self.depth}"
 
+
+B32 = Bounds(num_experts=3, capacity=2)
+B43 = Bounds(num_experts=4, capacity=3)
 
 CHECKS: tuple[Check, ...] = (
     # Every host-call sequence to the full bounds, all interleavings decided by happens-before.
-    Check("hb", Bounds(num_experts=3, capacity=2), 6),
-    Check("hb", Bounds(num_experts=4, capacity=3), 4),
+    Check("hb", B32, 6),
+    Check("hb", B43, 4),
     # Every interleaving enumerated step by step, to a smaller depth: the cross-check of the
     # summary, and the checker for P7.
-    Check("interleavings", Bounds(num_experts=3, capacity=2), 3),
-    Check("interleavings", Bounds(num_experts=4, capacity=3), 2),
+    Check("interleavings", B32, 3),
+    Check("interleavings", B43, 2),
 )
 
 # Mutants are searched at these bounds: every one is killed well within them.
 MUTANT_CHECKS: tuple[Check, ...] = (
-    Check("hb", Bounds(num_experts=3, capacity=2), 6),
-    Check("interleavings", Bounds(num_experts=3, capacity=2), 4),
+    Check("hb", B32, 6),
+    Check("interleavings", B32, 4),
+)
+
+# The device-planned path's operations, at the same bounds.
+DEVICE_CHECKS: tuple[Check, ...] = (
+    Check("hb", B32, 6, "device"),
+    Check("hb", B43, 4, "device"),
+    Check("interleavings", B32, 3, "device"),
+    Check("interleavings", B43, 2, "device"),
+)
+DEVICE_MUTANT_CHECKS: tuple[Check, ...] = (
+    Check("hb", B32, 6, "device"),
+    Check("interleavings", B32, 3, "device"),
 )
 
 
@@ -74,6 +93,7 @@ def manifest_text(rows: list[tuple[Check, Pinned]]) -> str:
             "[[check]]",
             f'key = "{check.key}"',
             f'model = "{check.model}"',
+            f'path = "{check.path}"',
             f"num_experts = {check.bounds.num_experts}",
             f"capacity = {check.bounds.capacity}",
             f"depth = {check.depth}",

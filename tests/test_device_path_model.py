@@ -7,13 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from model_check.device_path.checks import (
-    DEVICE_CHECKS,
-    DEVICE_MUTANT_CHECKS,
-    EXPECTED_TAGS,
-    DeviceCheck,
-    explore,
-)
+from model_check.config import DEVICE_CHECKS, DEVICE_MUTANT_CHECKS, Check, Pinned, load_manifest
+from model_check.device_path.checks import EXPECTED_TAGS, explore
 from model_check.device_path.core import (
     PROPERTIES,
     REACHABILITY,
@@ -40,14 +35,6 @@ from model_check.table.reference import Bounds
 
 B32 = Bounds(num_experts=3, capacity=2)
 TABLE = load_device_table()
-
-# Distinct states, transitions and depth of every exhaustive check of the real device table.
-PINNED = {
-    "device/hb/3e2c/d6": (4544, 218112, 6),
-    "device/hb/4e3c/d4": (58736, 4816352, 4),
-    "device/interleavings/3e2c/d3": (56826, 2691887, 3),
-    "device/interleavings/4e3c/d2": (4955, 400930, 2),
-}
 
 
 # ---------------------------------------------------------------- the table
@@ -240,10 +227,11 @@ def test_functions_said_to_keep_the_reference_state_do_so() -> None:
 
 
 @pytest.mark.parametrize("check", DEVICE_CHECKS, ids=lambda c: c.key)
-def test_real_table_holds_and_matches_the_pinned_counts(check: DeviceCheck) -> None:
+def test_real_table_holds_and_matches_the_manifest(check: Check) -> None:
     result = explore(TABLE, check)
     assert result.violation is None, result.violation
-    assert (result.states, result.transitions, result.max_depth_reached) == PINNED[check.key]
+    pinned = load_manifest()[check.key]
+    assert Pinned(result.states, result.transitions, result.max_depth_reached) == pinned
     missing = EXPECTED_TAGS[check.model] - result.tags
     if check.bounds == B32:
         assert not missing, missing
@@ -331,8 +319,8 @@ def test_summary_reports_what_the_explicit_model_meets_on_a_hand_made_bug() -> N
     op = TABLE.op("device_prepare")
     steps = tuple(replace(s, stream="capture") if s.kind == "gather" else s for s in op.steps)
     table = TABLE.with_op(replace(op, steps=steps))
-    hb = explore(table, DeviceCheck("hb", B32, 3)).violation
-    explicit = explore(table, DeviceCheck("interleavings", B32, 2)).violation
+    hb = explore(table, Check("hb", B32, 3, "device")).violation
+    explicit = explore(table, Check("interleavings", B32, 2, "device")).violation
     assert hb is not None and explicit is not None
 
 
@@ -341,3 +329,26 @@ def test_device_program_drops_only_payloads() -> None:
     program = interpret(TABLE, B32, host, "device_prepare", ((0,), 0), 0)
     stripped = device_program(program.prims)
     assert [p[0] for p in stripped] == [p[0] for p in program.prims]
+
+
+def test_full_run_schedules_the_device_checks_too() -> None:
+    from model_check.cli import _schedule
+    from model_check.config import CHECKS
+
+    jobs = _schedule(CHECKS, DEVICE_CHECKS)
+    assert jobs[0][0] == "explore" and jobs[0][1] is not None and jobs[0][1].path == "host"
+    keys = sorted(c.key for kind, c in jobs if kind == "device_explore" and c is not None)
+    assert keys == sorted(c.key for c in DEVICE_CHECKS)
+    assert sum(1 for kind, _ in jobs if kind == "device_z3") == 2
+    assert sum(1 for kind, _ in jobs if kind == "device_machine") == 1
+    assert _schedule(CHECKS) == [j for j in jobs if not j[0].startswith("device_")]
+
+
+def test_explain_and_diagram_show_the_device_path(capsys: pytest.CaptureFixture[str]) -> None:
+    from model_check.cli import main
+
+    assert main(["explain", "dp_check_errors_without_sync"]) == 0
+    out = capsys.readouterr().out
+    assert "check_errors() on stream 0" in out and "P9_device_errors_reported" in out
+    assert main(["diagram"]) == 0
+    assert "replay(ids)" in capsys.readouterr().out

@@ -297,10 +297,11 @@ def test_summary_and_explicit_model_agree_on_a_hand_made_bug() -> None:
 
 
 def test_manifest_is_what_write_manifest_writes() -> None:
-    from model_check.config import MANIFEST_PATH, WRITE_COMMAND, manifest_text
+    from model_check.config import DEVICE_CHECKS, MANIFEST_PATH, WRITE_COMMAND, manifest_text
 
     pinned = load_manifest()
-    assert manifest_text([(c, pinned[c.key]) for c in CHECKS]) == MANIFEST_PATH.read_text()
+    rows = [(c, pinned[c.key]) for c in (*CHECKS, *DEVICE_CHECKS)]
+    assert manifest_text(rows) == MANIFEST_PATH.read_text()
     assert WRITE_COMMAND in MANIFEST_PATH.read_text()
 
 

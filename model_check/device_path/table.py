@@ -221,3 +221,40 @@ def load_device_table(path: Path = TABLE_PATH) -> DeviceTable:
     if "device" not in data:
         raise TableError(f"no [device] section in {path}")
     return parse_device_table(data)
+
+
+def table_text(table: DeviceTable) -> str:
+    """The device section at a glance (spec/README.md shows it)."""
+    consumers = ", ".join(table.consumer_streams)
+    lines = [
+        f"device streams: consumer {consumers}; capture {table.capture_stream} (graphs are "
+        "captured there)",
+        "roles: current = the calling stream; owner = the stream of the previous eager prepare "
+        "or handoff",
+        "  (current when none); capture = the capture stream",
+    ]
+    for op in table.operations:
+        args = ", ".join(op.args)
+        marks = [m for m, on in (("hot", op.hot), ("consumer", not op.provider)) if on]
+        head = f"{op.name}({args})   guard {op.guard}"
+        if marks:
+            head += f"   ({', '.join(marks)})"
+        if op.set_owner == "current":
+            head += "   then owner := current"
+        elif op.set_owner == "current_if_none":
+            head += "   then owner := current if none"
+        lines += ["", head]
+        for i, step in enumerate(op.steps):
+            text = step.kind
+            if step.stream:
+                text += f" on {step.stream}"
+            if step.event:
+                text += f" {step.event}"
+            if step.fn:
+                text += f" ({step.fn})"
+            if step.when != "always":
+                text += f" [{step.when}]"
+            if step.graph:
+                text += "   captured, every pass"
+            lines.append(f"  {i + 1:2d}  {text}")
+    return "\n".join(lines)

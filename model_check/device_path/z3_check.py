@@ -37,6 +37,7 @@ import z3
 
 from model_check.device_path.core import PROPERTIES, SLOT0, conflict_prop, resource_name
 from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceTable
+from model_check.table.properties import Violation
 from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds
 from model_check.z3.bmc import fresh_like, leaves, z3_bool
 from model_check.z3.host import (
@@ -1105,10 +1106,10 @@ class Z3Report:
     timing: dict[str, float] = field(default_factory=dict)
 
     @property
-    def violation(self) -> tuple[str, str] | None:
+    def violation(self) -> Violation | None:
         for prop in self.decides:
             if self.verdicts.get(prop) == "violated":
-                return prop, self.counterexamples.get(prop, "")
+                return Violation(prop, self.counterexamples.get(prop, ""))
         return None
 
     @property
