@@ -14,14 +14,17 @@ them. Pass ``p`` exposes the requested experts of rank ``[p*C, (p+1)*C)``: the h
 expert groups, so a pass is the host path's ``prepare`` of one group and the model's reference
 decides both.
 
-Ordering (``spec/table.toml``, operations ``device_prepare``, ``invalidate`` and ``replay``):
+Ordering (``spec/table.toml``, section ``[device]``: ``device_prepare``, ``handoff``,
+``replay``, ``device_invalidate``, ``check_errors``):
 every pass runs on the stream it is enqueued on, reading and writing the cache state and the
 slots there, and the consumer reads the slots on that same stream. When an eager call comes
 from another stream than the previous one (the owner), the owner's work is handed over first:
 an event recorded on the owner, waited on by the current stream. ``invalidate`` enqueues its
 update on the owner stream, behind the last forward's reads. Graph replays are not seen by the
-provider: a replay must run on the owner stream, or be preceded by ``handoff()`` on the
-replaying stream.
+provider: call ``handoff()`` on the replaying stream before every replay (host-only work, and
+nothing at all on the owner stream), so that the provider knows the stream the replayed passes
+ran on; a later ``invalidate`` or ``check_errors`` then runs behind them. ``invalidate`` and
+``check_errors`` with no owner yet make the current stream the owner.
 
 Errors the device meets (ids outside ``[-1, E)``, a step with more distinct experts than its
 passes expose) cannot raise there: those ids are ignored and counted, and ``check_errors()``
@@ -30,6 +33,8 @@ passes expose) cannot raise there: those ids are ignored and counted, and ``chec
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -208,15 +213,17 @@ class DevicePlannedProvider(RowCacheWeightProvider):
                     f"invalidate({expert_id}) during a CUDA graph capture would be captured and "
                     "run again at every replay; call it outside the capture"
                 )
-            if self._cuda and self._owner is not None:
-                with torch.cuda.stream(self._owner):
-                    self._kernels.invalidate(self._state, expert_id)
-            else:
+            with self._on_owner():
                 self._kernels.invalidate(self._state, expert_id)
 
     def check_errors(self) -> None:
         """Raise ``DeviceInputError`` for errors the device counted since the last report
-        (waits for the device; never call it on the hot path)."""
+        (waits for the owner stream; never call it on the hot path). The read and the reset
+        run on the owner stream, behind its pending passes (table: ``check_errors``)."""
+        with self._guard("check_errors"), self._on_owner():
+            self._check_errors_on_owner()
+
+    def _check_errors_on_owner(self) -> None:
         counters, first_bad = read_counters(self._state)
         message = error_message(counters, first_bad, self._num_experts)
         if message is not None:
@@ -227,11 +234,14 @@ class DevicePlannedProvider(RowCacheWeightProvider):
     def stats(self) -> dict[str, int]:
         """Counters read back from the device (waits for it); raises ``DeviceInputError``
         first when the device counted errors."""
-        self.check_errors()
-        counters, _ = read_counters(self._state)
-        resident = int((self._state.resident >= 0).sum().item())
-        # What the last pass copied (0 before the first, as on the host path).
-        last_copies = int(self._state.miss_count.item())
+        # Not guarded, as the host providers' stats(): it may be called while another thread
+        # is inside a call (it then reads whatever the device has done so far).
+        with self._on_owner():
+            self._check_errors_on_owner()
+            counters, _ = read_counters(self._state)
+            resident = int((self._state.resident >= 0).sum().item())
+            # What the last pass copied (0 before the first, as on the host path).
+            last_copies = int(self._state.miss_count.item())
         return {
             "hits": counters["hits"],
             "misses": counters["misses"],
@@ -281,6 +291,19 @@ class DevicePlannedProvider(RowCacheWeightProvider):
         return tuple(self._state.forward.tolist())
 
     # -- streams ------------------------------------------------------------------------
+
+    @contextmanager
+    def _on_owner(self) -> Iterator[None]:
+        """Run the block on the owner stream; with no owner yet the current stream becomes
+        the owner first, so that a later call from another stream hands over from it (table:
+        ``device_invalidate`` and ``check_errors`` set the owner when there is none)."""
+        if not self._cuda:
+            yield
+            return
+        if self._owner is None:
+            self._owner = torch.cuda.current_stream(self._device)
+        with torch.cuda.stream(self._owner):
+            yield
 
     def _take_over(self) -> None:
         """On CUDA, outside capture: order the current stream after the owner's work when

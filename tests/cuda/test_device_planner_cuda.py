@@ -379,6 +379,7 @@ def _invalidate_during_replay(on_current_stream: bool) -> tuple[list[str], list[
     with torch.cuda.stream(owner):
         gpu_sleep(sleep)
         captured.ids.copy_(captured.staged, non_blocking=True)
+        h.gpu.handoff()  # the table's replay: handoff, then the graph (a no-op on the owner)
         captured.graph.replay()
         replay_done.record(owner)
     with torch.cuda.stream(h.streams[1]):
