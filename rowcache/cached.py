@@ -25,7 +25,6 @@ import heapq
 import torch
 from torch import Tensor
 
-from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
@@ -149,15 +148,7 @@ class CachedWeightProvider(SlotSurface):
         If the last ``prepare`` exposed the expert, its map entry becomes -1.
         """
         with self._guard("invalidate"):
-            if isinstance(expert_id, bool) or not isinstance(expert_id, int):
-                raise InvalidInputError(
-                    f"invalidate: expert_id must be an int, got {expert_id!r} "
-                    f"({type(expert_id).__name__})"
-                )
-            if not 0 <= expert_id < self._num_experts:
-                raise InvalidInputError(
-                    f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
-                )
+            self._check_expert_id(expert_id)
             if self._slot_of[expert_id] < 0:
                 return
             self._release(expert_id)

@@ -161,14 +161,7 @@ class RowCacheWeightProvider(SlotSurface):
         self._last_copies = 0  # experts the last accepted prepare copied
         self._guard = CallGuard(type(self).__name__)
         # Every prepare returns the same live buffers, so the result is built once.
-        slots = self._slots
-        self._result = ExpertWeightResult(
-            w1=slots.w13,
-            w2=slots.w2,
-            expert_map=self._backend.forward_map,
-            w1_scale=slots.w13_scale,
-            w2_scale=slots.w2_scale,
-        )
+        self._result = self._result_with(self._backend.forward_map)
 
     # -- surface -----------------------------------------------------------
 
@@ -212,15 +205,7 @@ class RowCacheWeightProvider(SlotSurface):
         next ``prepare``, whose release event orders their reuse).
         """
         with self._guard("invalidate"):
-            if isinstance(expert_id, bool) or not isinstance(expert_id, int):
-                raise InvalidInputError(
-                    f"invalidate: expert_id must be an int, got {expert_id!r} "
-                    f"({type(expert_id).__name__})"
-                )
-            if not 0 <= expert_id < self._num_experts:
-                raise InvalidInputError(
-                    f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
-                )
+            self._check_expert_id(expert_id)
             backend = self._backend
             current = backend.current_stream()
             slot = self._slot_of[expert_id]

@@ -8,7 +8,7 @@ from torch import Tensor
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout
 from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
-from rowcache.types import Split
+from rowcache.types import ExpertWeightResult, Split
 
 SPLITS: tuple[Split, ...] = ("token", "expert")
 
@@ -65,6 +65,30 @@ class SlotSurface:
         self._slots = allocate_slot_buffers(self._sources, capacity, device)
         self._capacity = capacity
         self._num_experts = self._sources.num_experts
+
+    def _check_expert_id(self, expert_id: object) -> None:
+        """Reject an ``invalidate`` argument that is not an int in ``[0, E)``."""
+        if isinstance(expert_id, bool) or not isinstance(expert_id, int):
+            raise InvalidInputError(
+                f"invalidate: expert_id must be an int, got {expert_id!r} "
+                f"({type(expert_id).__name__})"
+            )
+        if not 0 <= expert_id < self._num_experts:
+            raise InvalidInputError(
+                f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
+            )
+
+    def _result_with(self, expert_map: Tensor) -> ExpertWeightResult:
+        """The result every ``prepare`` returns: the live slot buffers and ``expert_map``
+        (built once: the buffers and the map keep their addresses)."""
+        slots = self._slots
+        return ExpertWeightResult(
+            w1=slots.w13,
+            w2=slots.w2,
+            expert_map=expert_map,
+            w1_scale=slots.w13_scale,
+            w2_scale=slots.w2_scale,
+        )
 
     @property
     def capacity(self) -> int:

@@ -121,14 +121,7 @@ class DevicePlannedProvider(RowCacheWeightProvider):
         self._owner: Any = None
         self._owner_changes = 0
         self._guard = CallGuard(type(self).__name__)
-        slots = self._slots
-        self._result = ExpertWeightResult(
-            w1=slots.w13,
-            w2=slots.w2,
-            expert_map=self._state.forward,
-            w1_scale=slots.w13_scale,
-            w2_scale=slots.w2_scale,
-        )
+        self._result = self._result_with(self._state.forward)
 
     # -- surface -----------------------------------------------------------------------
 
@@ -199,15 +192,7 @@ class DevicePlannedProvider(RowCacheWeightProvider):
     def invalidate(self, expert_id: int) -> None:
         """Free ``expert_id``'s slot (a no-op when it is not resident), on the owner stream."""
         with self._guard("invalidate"):
-            if isinstance(expert_id, bool) or not isinstance(expert_id, int):
-                raise InvalidInputError(
-                    f"invalidate: expert_id must be an int, got {expert_id!r} "
-                    f"({type(expert_id).__name__})"
-                )
-            if not 0 <= expert_id < self._num_experts:
-                raise InvalidInputError(
-                    f"invalidate: expert id {expert_id} outside [0, {self._num_experts})"
-                )
+            self._check_expert_id(expert_id)
             if self._cuda and torch.cuda.is_current_stream_capturing():
                 raise InvalidInputError(
                     f"invalidate({expert_id}) during a CUDA graph capture would be captured and "
