@@ -4,6 +4,13 @@
 # passed, none was skipped, and every GPU mutant was detected.
 #
 #   tools/run_cuda_conformance.sh [LOG_DIR]        (default: out/cuda-conformance)
+#   tools/run_cuda_conformance.sh --summary-only LOG_DIR
+#
+# The steps can run in separate calls (one GPU call each, into separate folders), be copied
+# into one folder, and be summarized there on any machine (no torch or GPU needed):
+#   ROWCACHE_STEPS=suite bash tools/run_cuda_conformance.sh A      (then mutants into B, ...)
+#   cp A/* B/* C/* ALL/ && bash tools/run_cuda_conformance.sh --summary-only ALL
+# A step absent from the folder is reported missing, and the run FAIL.
 #
 # Environment:
 #   PYTHON                       a Python whose torch is a CUDA build (default: python3)
@@ -13,16 +20,46 @@
 #   ROWCACHE_SANITIZER_EXAMPLES  the same, in the sanitizer pass (default 50)
 #   ROWCACHE_STEP_TIMEOUT        seconds allowed for each of the three pytest runs (default 900)
 #   ROWCACHE_COMMIT              the commit to report (default: git rev-parse HEAD)
+#   ROWCACHE_STEPS               the steps to run, of "suite mutants sanitizer summary" (default
+#                                "suite mutants sanitizer", then the summary); "summary" alone
+#                                only summarizes LOG_DIR (as --summary-only); a run of some
+#                                steps without "summary" exits with their pytest status
 #
 # rowcache and model_check run from this checkout (PYTHONPATH): nothing is built or installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
+STEPS=${ROWCACHE_STEPS:-suite mutants sanitizer}
+if [ "${1:-}" = "--summary-only" ]; then
+  [ $# -eq 2 ] || { echo "usage: $0 --summary-only LOG_DIR" >&2; exit 2; }
+  STEPS=summary
+  shift
+fi
+RUN_SUMMARY=0
+PYTEST_STEPS=()
+for name in $STEPS; do
+  case $name in
+    suite|mutants|sanitizer) PYTEST_STEPS+=("$name") ;;
+    summary) RUN_SUMMARY=1 ;;
+    *) echo "cuda-conformance: unknown step '$name' in ROWCACHE_STEPS (known: suite mutants sanitizer summary)" >&2; exit 2 ;;
+  esac
+done
+if [ -z "${ROWCACHE_STEPS:-}" ] && [ "$STEPS" != summary ]; then
+  RUN_SUMMARY=1  # the default run: all three steps, then the summary
+fi
 LOGS=${1:-out/cuda-conformance}
+if [ ${#PYTEST_STEPS[@]} -eq 0 ]; then  # the summary alone: pure Python over LOG_DIR
+  [ -d "$LOGS" ] || { echo "cuda-conformance: no folder $LOGS" >&2; exit 2; }
+  exec "$PY" "$ROOT/tools/conformance_summary.py" "$LOGS"
+fi
 mkdir -p "$LOGS"
 LOGS=$(cd "$LOGS" && pwd)
-rm -f "$LOGS"/*.xml "$LOGS"/*.log "$LOGS"/*.rc "$LOGS"/fixtures.jsonl "$LOGS"/summary.txt
+rm -f "$LOGS"/summary.txt "$LOGS"/fixtures.jsonl
+for name in "${PYTEST_STEPS[@]}"; do
+  rm -f "$LOGS/$name".xml "$LOGS/$name".log "$LOGS/$name".rc "$LOGS/$name".fixtures.jsonl \
+    "$LOGS/environment.$name.txt"
+done
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export ROWCACHE_CONFORMANCE_LOGS="$LOGS"
 export PYTHONUNBUFFERED=1
@@ -76,106 +113,28 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   echo "== $name: pytest tests/cuda $*"
   env "${assignments[@]}" timeout "$STEP_TIMEOUT" "$PY" -m pytest tests/cuda -p no:cacheprovider \
     -q -rA --junitxml="$LOGS/$name.xml" "$@" > "$LOGS/$name.log" 2>&1
-  echo $? > "$LOGS/$name.rc"
+  local rc=$?
+  echo $rc > "$LOGS/$name.rc"
+  [ $rc -eq 0 ] || STEPS_RC=1
+  cp "$LOGS/environment.txt" "$LOGS/environment.$name.txt"
+  if [ -f "$LOGS/fixtures.jsonl" ]; then mv "$LOGS/fixtures.jsonl" "$LOGS/$name.fixtures.jsonl"; fi
   tail -n 1 "$LOGS/$name.log"
 }
-step suite "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m "not gpu_mutant"
-step mutants "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m gpu_mutant
-step sanitizer TORCH_CUDA_SANITIZER=1 \
-  "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_SANITIZER_EXAMPLES:-50}" -- -m "not gpu_mutant and not csan_subprocess"
+STEPS_RC=0
+for name in "${PYTEST_STEPS[@]}"; do
+  case $name in
+    suite) step suite "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m "not gpu_mutant" ;;
+    mutants) step mutants "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m gpu_mutant ;;
+    sanitizer) step sanitizer TORCH_CUDA_SANITIZER=1 \
+      "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_SANITIZER_EXAMPLES:-50}" -- -m "not gpu_mutant and not csan_subprocess" ;;
+  esac
+done
 
 # -- the summary -------------------------------------------------------------------------
-"$PY" - "$LOGS" <<'PYEOF'
-import json, sys, xml.etree.ElementTree as ET
-from collections import defaultdict
-from pathlib import Path
-
-logs = Path(sys.argv[1])
-env = dict(line.split(": ", 1) for line in (logs / "environment.txt").read_text().splitlines())
-
-
-def counts(name):
-    rc = int((logs / f"{name}.rc").read_text().strip() or 1)
-    path = logs / f"{name}.xml"
-    if not path.exists():
-        return {"passed": 0, "failed": 0, "skipped": 0, "rc": rc, "cases": {}}
-    cases = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        key = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            cases[key] = "failed"
-        elif case.find("skipped") is not None:
-            cases[key] = "skipped"
-        else:
-            cases[key] = "passed"
-    c = {k: sum(v == k for v in cases.values()) for k in ("passed", "failed", "skipped")}
-    return {**c, "rc": rc, "cases": cases}
-
-
-suite, mutants, sanitizer = counts("suite"), counts("mutants"), counts("sanitizer")
-detected = sorted(
-    k.split("[", 1)[1].rstrip("]")
-    for k, v in mutants["cases"].items()
-    if "test_gpu_mutant_is_detected[" in k and v == "passed"
-)
-all_race = sorted(
-    k.split("[", 1)[1].rstrip("]")
-    for k in mutants["cases"]
-    if "test_gpu_mutant_is_detected[" in k
-)
-
-device_mutants = sorted(k for k in mutants["cases"] if "test_device_mutant" in k)
-device_detected = [k for k in device_mutants if mutants["cases"][k] == "passed"]
-
-SHORT = {"wrong_read": "R", "wrong_map": "M", "host_block": "H"}
-matrix = defaultdict(dict)
-fixtures = []
-path = logs / "fixtures.jsonl"
-if path.exists():
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if row["fixture"] not in fixtures:
-            fixtures.append(row["fixture"])
-        kinds = sorted({SHORT[f[0]] for f in row["findings"]})
-        cell = "inconclusive" if row.get("inconclusive") else "".join(kinds) or "-"
-        matrix[row["provider"]][row["fixture"]] = cell
-
-out = []
-def text(c):
-    return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
-out.append(f"commit {env.get('commit')}; GPU {env.get('gpu')}; torch {env.get('torch')}")
-out.append(f"suite:     {text(suite)}")
-out.append(f"mutants:   {text(mutants)}; race-fixture detection {len(detected)}/{len(all_race)}; "
-           f"device-path mutants detected {len(device_detected)}/{len(device_mutants)}")
-out.append(f"sanitizer: {text(sanitizer)} (TORCH_CUDA_SANITIZER=1)")
-if matrix:
-    width = max(len(p) for p in matrix)
-    out.append("")
-    out.append("race fixtures: findings per provider (R wrong read, M wrong map, H host block,")
-    out.append("- none, ? inconclusive); columns:")
-    for number, fixture in enumerate(fixtures, 1):
-        out.append(f"  F{number} {fixture}")
-    out.append(" " * width + " | " + " | ".join(f"F{n:<2}" for n in range(1, len(fixtures) + 1)))
-    for provider, row in matrix.items():
-        cells = [row.get(f, " ").replace("inconclusive", "?").ljust(3) for f in fixtures]
-        out.append(provider.ljust(width) + " | " + " | ".join(cells))
-ok = (
-    all(c["rc"] == 0 and c["failed"] == 0 and c["skipped"] == 0 for c in (suite, mutants, sanitizer))
-    and suite["passed"] > 0 and sanitizer["passed"] > 0 and all_race and detected == all_race
-    and device_mutants and device_detected == device_mutants
-)
-gpu = env.get("gpu", "?").split(",")
-line = (
-    f"cuda-conformance: {'PASS' if ok else 'FAIL'} | suite {text(suite)} | GPU mutants "
-    f"{len(detected)}/{len(all_race)} detected, device path {len(device_detected)}/"
-    f"{len(device_mutants)} ({text(mutants)}) | sanitizer "
-    f"{'clean' if sanitizer['rc'] == 0 and sanitizer['failed'] == 0 else 'NOT clean'} "
-    f"({text(sanitizer)}) | {gpu[0].strip()}, driver {gpu[1].strip() if len(gpu) > 1 else '?'}, "
-    f"torch {env.get('torch', '?').split()[0]} | commit {env.get('commit', '?')[:12]}"
-)
-out.append("")
-out.append(line)
-(logs / "summary.txt").write_text("\n".join(out) + "\n")
-print("\n".join(out))
-sys.exit(0 if ok else 1)
-PYEOF
+if [ "$RUN_SUMMARY" = 1 ]; then
+  "$PY" "$ROOT/tools/conformance_summary.py" "$LOGS"
+  exit $?
+fi
+echo "steps run: $STEPS (exit status: every step's pytest status; the summary, once every step's"
+echo "files are in one folder: tools/run_cuda_conformance.sh --summary-only DIR)"
+exit "$STEPS_RC"
