@@ -12,6 +12,21 @@ expert's (or any other once-per-token) output. ``run`` must enqueue all its
 reads of the slot buffers before it returns, because the next ``prepare`` may
 overwrite them. It returns a tensor whose first dimension is the number of
 rows in ``rows``.
+
+Two routes. ``run_with_expert_cache(provider, topk_ids, run)`` takes reduced outputs: when
+everything fits it returns ``run``'s output as is, but a step cut by expert groups (the host
+planner's ``"expert"`` split, or several passes of the device planner) sums the groups'
+outputs in float32, which rounds differently from one kernel call that reduces each token's
+top-k outputs once: not bit-identical. ``run_unreduced_with_expert_cache(provider, topk_ids,
+run_unreduced, reduce)`` is exact: ``run_unreduced(weights, rows, include_shared)`` returns
+the rows' per-entry outputs ``[rows, top_k, H]`` unreduced (each token's output for each of
+its routing entries, router weights applied; any value for an entry whose expert maps to -1,
+which is never read), the library merges every call's exposed entries into one step buffer
+and calls ``reduce(step_buffer, output)`` exactly once per step, after the last call. The
+returned tensor is read (in stream order) before the next ``prepare`` or ``run_unreduced``,
+so it may be a workspace that the next call overwrites. Shared work goes with the first call
+of a group split or pass split and with every chunk of a token split (each row in one chunk),
+as for ``run``; where its output goes is the caller's business (``reduce`` may add it).
 """
 
 from __future__ import annotations
@@ -22,15 +37,35 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
-from rowcache.device_plan.forward import PassPlanned, run_passes
+from rowcache.device_plan.forward import (
+    PassPlanned,
+    check_unreduced,
+    exposed_entries,
+    merge_pass,
+    reduce_once,
+    run_passes,
+    run_passes_unreduced,
+)
 from rowcache.errors import InvalidInputError, RowCacheError
 from rowcache.planning import plan_chunks, plan_expert_groups
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 
-__all__ = ["RunFn", "run_with_expert_cache"]
+__all__ = [
+    "ReduceFn",
+    "RunFn",
+    "UnreducedRunFn",
+    "run_unreduced_with_expert_cache",
+    "run_with_expert_cache",
+]
 
 RunFn: TypeAlias = Callable[[ExpertWeightResult, slice, bool], Tensor]
 """``run(weights, rows, include_shared) -> output rows``; see the module docstring."""
+
+UnreducedRunFn: TypeAlias = Callable[[ExpertWeightResult, slice, bool], Tensor]
+"""``run_unreduced(weights, rows, include_shared) -> [rows, top_k, H]`` per-entry outputs."""
+
+ReduceFn: TypeAlias = Callable[[Tensor, Tensor], None]
+"""``reduce(unreduced [M, top_k, H], output [M, H])``: writes each token's reduction."""
 
 
 def _check_rows(output: Tensor, rows: slice, expected: int) -> None:
@@ -58,6 +93,9 @@ def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run:
     A device-planned provider (``rowcache.device_plan``) runs the number of passes its
     ``num_passes(topk_ids)`` fixes by the shape, without reading ``topk_ids`` on the host
     (``rowcache.device_plan.forward.run_passes``), so the forward can be captured.
+
+    The float32 sum of a step cut by experts is not bit-identical to one kernel call:
+    ``run_unreduced_with_expert_cache`` is the exact route.
     """
     if isinstance(provider, PassPlanned):
         return run_passes(provider, topk_ids, run)
@@ -68,11 +106,74 @@ def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run:
             return run(provider.prepare(topk_ids), slice(0, topk_ids.shape[0]), True)
         return _token_split(provider, topk_ids, run, chunks)
     if split == "expert":
-        groups = plan_expert_groups(topk_ids, provider.capacity)
+        groups = _step_groups(provider, topk_ids)
         if len(groups) <= 1:
             return run(provider.prepare(topk_ids), slice(0, topk_ids.shape[0]), True)
         return _expert_split(provider, topk_ids, run, groups)
     raise InvalidInputError(f"run_with_expert_cache: unknown split {split!r}")
+
+
+def run_unreduced_with_expert_cache(
+    provider: ExpertWeightProvider,
+    topk_ids: Tensor,
+    run_unreduced: UnreducedRunFn,
+    reduce: ReduceFn,
+) -> Tensor:
+    """The MoE output for every row of ``topk_ids``, bit-identical to one call with every
+    expert resident; see the module docstring for the callbacks.
+
+    The step is cut as ``run_with_expert_cache`` cuts it (``provider.split``, or the passes of
+    a device-planned provider). When it is not cut, ``reduce(part, output)`` runs over
+    ``run_unreduced``'s output as it is. A token split writes each chunk's rows into a step
+    buffer; an expert split or several passes merge each call's exposed entries (those whose
+    expert the call's ``expert_map`` maps to a slot) into a zeroed step buffer, taking them,
+    not adding them (``rowcache.device_plan.forward.merge_pass`` says why); entries no call
+    exposes, such as padding, stay +0. Then ``reduce(step_buffer, output)``, once. ``output``
+    is allocated here (``[M, H]``, the dtype of ``run_unreduced``'s output) and returned.
+
+    With a device-planned provider nothing is read on the host and every allocation's shape
+    follows from the input shapes, so the forward can be captured into a CUDA graph.
+    """
+    if isinstance(provider, PassPlanned):
+        return run_passes_unreduced(provider, topk_ids, run_unreduced, reduce)
+    every_row = slice(0, topk_ids.shape[0])
+    split = provider.split
+    if split == "token":
+        chunks = plan_chunks(topk_ids, provider.capacity)
+        if len(chunks) <= 1:
+            part = run_unreduced(provider.prepare(topk_ids), every_row, True)
+            check_unreduced(part, topk_ids, every_row)
+            return reduce_once(reduce, part)
+        step: Tensor | None = None
+        for start, stop in chunks:
+            rows = slice(start, stop)
+            part = run_unreduced(provider.prepare(topk_ids[rows]), rows, True)
+            check_unreduced(part, topk_ids, rows)
+            if step is None:
+                step = part.new_empty((topk_ids.shape[0], *part.shape[1:]))
+            step[rows] = part
+        assert step is not None
+        return reduce_once(reduce, step)
+    if split == "expert":
+        groups = _step_groups(provider, topk_ids)
+        step = None
+        for index, group in enumerate(groups):
+            weights = provider.prepare(topk_ids, unique_ids=group)
+            part = run_unreduced(weights, every_row, index == 0)
+            check_unreduced(part, topk_ids, every_row)
+            if len(groups) <= 1:
+                return reduce_once(reduce, part)
+            if step is None:
+                step = torch.zeros_like(part, memory_format=torch.contiguous_format)
+            merge_pass(step, part, exposed_entries(weights.expert_map, topk_ids))
+        assert step is not None
+        return reduce_once(reduce, step)
+    raise InvalidInputError(f"run_unreduced_with_expert_cache: unknown split {split!r}")
+
+
+def _step_groups(provider: ExpertWeightProvider, topk_ids: Tensor) -> list[list[int]]:
+    """The expert groups of a step cut by experts (one ``prepare`` each, in this order)."""
+    return plan_expert_groups(topk_ids, provider.capacity)
 
 
 def _token_split(
@@ -99,6 +200,8 @@ def _expert_split(
     run: RunFn,
     groups: list[list[int]],
 ) -> Tensor:
+    # Reduced outputs summed in float32: not bit-identical to one call (see the module
+    # docstring); run_unreduced_with_expert_cache is the exact route.
     every_row = slice(0, topk_ids.shape[0])
     total: Tensor | None = None
     dtype = torch.float32

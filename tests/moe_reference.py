@@ -4,7 +4,9 @@ Both paths compute every token row with the same sequence of operations (one
 SiLU-gated MLP per routed expert, summed in the routing order, then the shared
 expert), so a provider that puts the right expert's bytes in the right slot
 gives bit-identical rows; only the expert split, which sums partial outputs in
-float32, may differ by rounding. A -1 in ``topk_ids`` is padding: both paths
+float32, may differ by rounding. ``UnreducedKernel`` computes as vLLM's Triton
+experts do (per-entry outputs ``[M, top_k, H]``, then one ``moe_sum``), for the
+exact route ``run_unreduced_with_expert_cache``. A -1 in ``topk_ids`` is padding: both paths
 skip it. Weights are unquantized: the scale buffers are not read.
 """
 
@@ -179,3 +181,91 @@ def term_magnitude(layer: MoELayer, x: Tensor, topk_ids: Tensor, topk_weights: T
             acc += _mlp(row, shared[0].float(), shared[1].float())[0].abs()
         total = max(total, float(acc.max()))
     return total
+
+
+# -- a kernel shaped like vLLM's TritonExperts: unreduced per-entry outputs, then moe_sum ------
+
+
+def moe_sum_bf16(unreduced: Tensor, output: Tensor) -> None:
+    """Each token's top-k entries added in order in the entries' dtype (one rounding per
+    addition, like vLLM's ``moe_sum`` kernel for small top-k): ``output[t] = sum_j in[t, j]``."""
+    acc = unreduced[:, 0].clone()
+    for j in range(1, unreduced.shape[1]):
+        acc = acc + unreduced[:, j]
+    output.copy_(acc)
+
+
+class UnreducedKernel:
+    """vLLM's Triton MoE arithmetic on the CPU, for one layer input.
+
+    Entry ``[t, j]`` is token ``t``'s output for its routing entry ``j``: the first GEMM in
+    float32 from the bf16 weights, the activation rounded to the input dtype (vLLM's
+    intermediate cache), the second GEMM in float32 times the router weight, rounded to the
+    input dtype. It depends on that expert's weights alone, so it has the same bits whichever
+    other experts are resident. An entry whose expert the map marks -1 is zero, or NaN with
+    ``unexposed_nan`` (a kernel that leaves such entries unwritten, as vLLM 0.33.0's does under
+    an expert map); padding (-1) is zero. ``reduce`` is ``moe_sum_bf16`` plus the shared
+    expert's output when the layer has one.
+    """
+
+    def __init__(
+        self,
+        layer: MoELayer,
+        x: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        *,
+        unexposed_nan: bool = False,
+    ) -> None:
+        self.layer, self.x, self.topk_ids, self.topk_weights = layer, x, topk_ids, topk_weights
+        self.unexposed_nan = unexposed_nan
+        self.shared_out = x.new_zeros(x.shape)
+        self.reduce_calls = 0
+        self.calls = 0
+
+    def _entry(self, token: int, j: int, w13: Tensor, w2: Tensor) -> Tensor:
+        row = self.x[token : token + 1].float()
+        gate, up = (row @ w13.float().t()).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(self.x.dtype).float()
+        out = (act @ w2.float().t()) * self.topk_weights[token, j].float()
+        return out[0].to(self.x.dtype)
+
+    def run_unreduced(
+        self, weights: ExpertWeightResult, rows: slice, include_shared: bool
+    ) -> Tensor:
+        self.calls += 1
+        expert_map: list[int] = weights.expert_map.tolist()
+        ids = self.topk_ids[rows].tolist()
+        out = self.x.new_zeros((len(ids), self.topk_ids.shape[1], self.x.shape[1]))
+        for local, experts in enumerate(ids):
+            token = rows.start + local
+            for j, expert in enumerate(experts):
+                if expert == PADDING:
+                    continue
+                slot = expert_map[expert]
+                if slot < 0:
+                    if self.unexposed_nan:
+                        out[local, j] = float("nan")
+                    continue
+                out[local, j] = self._entry(token, j, weights.w1[slot], weights.w2[slot])
+        shared = _shared(self.layer)
+        if include_shared and shared is not None:
+            x = self.x[rows].float()
+            self.shared_out[rows] = _mlp(x, shared[0].float(), shared[1].float()).to(self.x.dtype)
+        return out
+
+    def reduce(self, unreduced: Tensor, output: Tensor) -> None:
+        self.reduce_calls += 1
+        moe_sum_bf16(unreduced, output)
+        if _shared(self.layer) is not None:
+            output.add_(self.shared_out[: output.shape[0]])
+
+    def run(self, weights: ExpertWeightResult, rows: slice, include_shared: bool) -> Tensor:
+        """The reduced callback (``RunFn``): one call's entries reduced by ``moe_sum_bf16``
+        (plus the shared output of these rows when ``include_shared``)."""
+        part = self.run_unreduced(weights, rows, include_shared)
+        output = part.new_empty((part.shape[0], part.shape[2]))
+        moe_sum_bf16(part, output)
+        if include_shared and _shared(self.layer) is not None:
+            output.add_(self.shared_out[rows])
+        return output

@@ -97,6 +97,13 @@ FAKE_VLLM = {
             UnquantizedFusedMoEMethod,
         )
         """,
+    "vllm/model_executor/layers/fused_moe/experts/__init__.py": "",
+    "vllm/model_executor/layers/fused_moe/experts/triton_moe.py": """
+        class TritonExperts:
+            # As vLLM's: apply (here the test's kernel) reduces [M, top_k, H] through it.
+            def moe_sum(self, input, output):
+                output.copy_(input.sum(dim=1))
+        """,
     "vllm/model_executor/layers/fused_moe/oracle/__init__.py": "",
     "vllm/model_executor/layers/fused_moe/oracle/unquantized.py": """
         import enum
@@ -787,3 +794,155 @@ def test_weight_loader_writes_the_host_tensor(fake_vllm: Any) -> None:
     with pytest.raises(ValueError, match="bad shard"):
         _host_loader(failing, param, host)(param=param)
     assert param.data.data_ptr() == view.data_ptr()
+
+
+# -- exact steps: vLLM's moe_sum tapped ---------------------------------------------------------
+
+
+class TritonKernel:
+    """vLLM's modular kernel around its TritonExperts, reduced to the arithmetic: each token's
+    weighted per-entry outputs in [M, top_k, H] (zeros where the map says -1), then
+    ``fused_experts.moe_sum(cache3, output)``, then the finalize copy."""
+
+    def __init__(self, layer: Any) -> None:
+        from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+        self.layer = layer
+        self.fused_experts = TritonExperts()
+        self.calls = 0
+        self.shared_calls: list[object] = []
+
+    def apply(self, **kw: Any) -> Any:
+        import torch
+        from moe_reference import UnreducedKernel
+
+        from rowcache.types import ExpertWeightResult
+
+        self.calls += 1
+        if kw["shared_experts"] is not None:
+            self.shared_calls.append(kw["shared_experts"])
+        x, ids, expert_map = kw["hidden_states"], kw["topk_ids"], kw["expert_map"]
+        if expert_map is None:
+            expert_map = torch.arange(kw["w1"].shape[0])
+        entries = UnreducedKernel(self.layer, x, ids, kw["topk_weights"])
+        cache3 = entries.run_unreduced(
+            ExpertWeightResult(w1=kw["w1"], w2=kw["w2"], expert_map=expert_map),
+            slice(0, x.shape[0]),
+            False,
+        )
+        fused_out = x.new_empty(x.shape)
+        self.fused_experts.moe_sum(cache3, fused_out)
+        output = x.new_empty(x.shape)
+        output.copy_(fused_out)
+        return output
+
+
+def _bf16_layer_and_inputs(
+    tokens: int, top_k: int = TOP_K, seed: int = 7
+) -> tuple[Any, Any, Any, Any, Any]:
+    import torch
+    from moe_reference import make_layer, make_routing
+
+    weights = make_layer(E, HIDDEN, INTER, dtype=torch.bfloat16, shared=False, seed=3)
+    layer = SimpleNamespace(
+        w13_weight=weights.w13,
+        w2_weight=weights.w2,
+        activation="silu",
+        global_num_experts=E,
+        apply_router_weight_on_input=False,
+    )
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids, topk_weights = make_routing(tokens, E, top_k, dtype=torch.bfloat16, seed=seed)
+    return weights, layer, x, ids, topk_weights
+
+
+@pytest.mark.parametrize("planner", ["device", "host"])
+def test_a_cut_step_is_bit_identical_to_one_call(fake_vllm: Any, planner: str) -> None:
+    import torch
+
+    from rowcache.row_provider import RowCacheWeightProvider
+
+    section: dict[str, object] = {"moe_expert_cache_size": 3, "moe_expert_cache_split": "expert"}
+    if planner == "device":
+        section["moe_expert_cache_planner"] = "device"
+    method = _method(fake_vllm, section)
+    weights, layer, x, ids, topk_weights = _bf16_layer_and_inputs(tokens=6)
+    reductions: list[Any] = []
+    kernel = TritonKernel(weights)
+    vllm_moe_sum = kernel.fused_experts.moe_sum
+
+    def counted(input: Any, output: Any) -> None:
+        reductions.append(input.shape)
+        vllm_moe_sum(input, output)
+
+    kernel.fused_experts.moe_sum = counted
+    expected = kernel.apply(
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_ids=ids,
+        topk_weights=topk_weights,
+        expert_map=None,
+        shared_experts=None,
+    )
+    kernel.calls, reductions[:] = 0, []
+    method.moe_kernel = kernel
+    kw = {"capacity": 3, "device": "cpu", "planner": planner}
+    if planner == "host":
+        kw["split"] = "expert"
+    method.rowcache_provider = RowCacheWeightProvider(layer.w13_weight, layer.w2_weight, **kw)
+    shared = object()
+    for _ in range(2):  # the tap is installed once and stays
+        out = method.apply(layer, x, topk_weights, ids, shared, x)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    # Several kernel calls per step, one reduction of the merged [M, top_k, H] entries each,
+    # shared experts with the first call of each step only.
+    assert kernel.calls > 2 and len(reductions) == 2
+    assert reductions == [(6, TOP_K, HIDDEN)] * 2
+    assert kernel.shared_calls == [shared, shared]
+    # Outside a cut step the tap calls vLLM's moe_sum as it is.
+    fits = method.apply(layer, x[:1], topk_weights[:1], ids[:1], None, None)
+    assert len(reductions) == 3 and fits.shape == (1, HIDDEN)
+
+
+def test_the_float32_sum_of_a_cut_step_is_not_bit_identical(
+    fake_vllm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel whose experts are not TritonExperts: a cut step falls back to the float32 sum
+    (one warning), which differs from the single call in the last bits on some routing."""
+    import torch
+
+    from rowcache.row_provider import RowCacheWeightProvider
+
+    caplog.set_level(logging.WARNING, logger="rowcache.vllm")
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    method = _method(fake_vllm, section)
+    differing = 0
+    for seed in range(8):
+        weights, layer, x, ids, topk_weights = _bf16_layer_and_inputs(6, top_k=3, seed=seed)
+        kernel = TritonKernel(weights)
+        expected = kernel.apply(
+            hidden_states=x,
+            w1=layer.w13_weight,
+            w2=layer.w2_weight,
+            topk_ids=ids,
+            topk_weights=topk_weights,
+            expert_map=None,
+            shared_experts=None,
+        )
+
+        class OtherExperts:  # reduces like TritonExperts, but is not one
+            moe_sum = kernel.fused_experts.moe_sum
+
+        kernel.fused_experts = OtherExperts()
+        method.moe_kernel = kernel
+        method.rowcache_provider = RowCacheWeightProvider(
+            layer.w13_weight, layer.w2_weight, capacity=3, device="cpu", planner="device"
+        )
+        out = method.apply(layer, x, topk_weights, ids, None, None)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+        differing += not torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert differing > 0
+    warned = [m for m in _rowcache_warnings(caplog) if "not vLLM's TritonExperts" in m]
+    assert len(warned) == 1 and "OtherExperts" in warned[0]

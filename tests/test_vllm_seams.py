@@ -136,6 +136,12 @@ class Method(Base):
     def apply(self, layer, x, topk_ids):
         return x
 
+    def run(self, x):
+        self.finish(x)
+
+    def finish(self, x):
+        self.moe_sum(x, x)
+
 direct_register_custom_op(op_name="moe_forward", op_func=f)
 """
 
@@ -151,6 +157,8 @@ direct_register_custom_op(op_name="moe_forward", op_func=f)
         "Method.kind",
         "Method.apply(layer, x, topk_ids)",
         "op:moe_forward",
+        "Method.run -> moe_sum",
+        "Method.finish -> moe_sum",
     ],
 )
 def test_checker_accepts(name: str) -> None:
@@ -166,6 +174,9 @@ def test_checker_accepts(name: str) -> None:
         ("Method.apply(layer, x, topk_weights)", "has no parameter(s) topk_weights"),
         ("Method.field()", "Method.field is not a method"),
         ("op:moe_forward_shared", "no custom op registered as 'moe_forward_shared'"),
+        ("Method.apply -> moe_sum", "Method.apply never calls self.moe_sum(...)"),
+        ("Method.gone -> moe_sum", "Method.gone is not a method"),
+        ("LIMIT.run -> moe_sum", "'LIMIT' is not a class"),
     ],
 )
 def test_checker_rejects_naming_the_seam(name: str, reason: str) -> None:

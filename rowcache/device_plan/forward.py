@@ -1,10 +1,21 @@
 """Driving the passes of one forward through a ``DevicePlannedProvider``.
 
-The number of passes is the provider's ``num_passes(topk_ids)``, fixed by the shape. One pass:
-``run``'s output is returned as is, so the result is bit-identical to the host path's single
-kernel call. More: every pass runs over all rows (shared work only with the first) and the
-partial outputs are summed in float32, then cast back to the first output's dtype; a pass that
-exposes nothing contributes zeros.
+The number of passes is the provider's ``num_passes(topk_ids)``, fixed by the shape. Every pass
+runs over all rows, shared work only with the first; a pass that exposes nothing contributes
+nothing. Two routes:
+
+* ``run_passes_unreduced`` (exact): ``run_unreduced`` returns each pass's per-entry outputs
+  ``[M, top_k, H]`` unreduced; every pass's exposed entries are merged into one step buffer
+  (``merge_pass``) and the caller's ``reduce`` runs once, after the last pass, over the whole
+  step. The result has the bits of one kernel call with every expert resident, for any kernel
+  whose per-entry outputs do not depend on which other experts are resident.
+* ``run_passes`` (the ``run`` callback, reduced outputs): one pass returns ``run``'s output as
+  is; more are summed in float32 and cast back to the first output's dtype. That sum rounds
+  differently from one call that reduces each token's top-k outputs once, so a multi-pass step
+  is not bit-identical to the single call: use it only where that is acceptable.
+
+Both read nothing on the host and allocate only tensors whose shapes follow from the input
+shapes, so a forward through either is captured into a CUDA graph once per batch size.
 """
 
 from __future__ import annotations
@@ -18,7 +29,15 @@ from torch import Tensor
 from rowcache.errors import RowCacheError
 from rowcache.types import ExpertWeightResult
 
-__all__ = ["PassPlanned", "run_passes"]
+__all__ = [
+    "PassPlanned",
+    "check_unreduced",
+    "exposed_entries",
+    "merge_pass",
+    "reduce_once",
+    "run_passes",
+    "run_passes_unreduced",
+]
 
 
 @runtime_checkable
@@ -40,7 +59,8 @@ def run_passes(
     topk_ids: Tensor,
     run: Callable[[ExpertWeightResult, slice, bool], Tensor],
 ) -> Tensor:
-    """``run(weights, rows, include_shared)`` once per pass; see the module docstring."""
+    """``run(weights, rows, include_shared)`` once per pass; see the module docstring (a
+    multi-pass step is summed in float32: not bit-identical to one call)."""
     call = run
     rows = slice(0, topk_ids.shape[0])
     total = provider.num_passes(topk_ids)
@@ -62,3 +82,79 @@ def run_passes(
             summed.add_(part)
     assert summed is not None
     return summed.to(dtype)
+
+
+def check_unreduced(part: Tensor, topk_ids: Tensor, rows: slice) -> None:
+    """Raise unless ``part`` is ``[rows, top_k, ...]`` for these rows of ``topk_ids``."""
+    expected = (rows.stop - rows.start, topk_ids.shape[1] if topk_ids.dim() == 2 else -1)
+    if part.dim() < 3 or tuple(part.shape[:2]) != expected:
+        raise RowCacheError(
+            f"run_unreduced_with_expert_cache: run_unreduced returned shape "
+            f"{tuple(part.shape)} for rows {rows.start}:{rows.stop}, expected "
+            f"[{expected[0]}, {expected[1]}, ...] (rows, top_k, hidden)"
+        )
+
+
+def exposed_entries(expert_map: Tensor, topk_ids: Tensor) -> Tensor:
+    """``[M, top_k]`` booleans: the routing entries whose expert ``expert_map`` maps to a slot.
+
+    Padding (-1) and ids outside ``[0, E)`` (which the device planner ignores and counts) are
+    never exposed; they are not used as indices either (index 0 stands in for them), so
+    nothing here reads outside the map or asks the host about a device value.
+    """
+    ids = topk_ids.to(device=expert_map.device, dtype=torch.long)
+    valid = (ids >= 0) & (ids < expert_map.shape[0])
+    slots = expert_map[torch.where(valid, ids, torch.zeros_like(ids))]
+    return valid & (slots >= 0)
+
+
+def merge_pass(step: Tensor, part: Tensor, exposed: Tensor) -> None:
+    """Take into ``step`` the entries of ``part`` that its pass exposed; keep the others.
+
+    A selection, not a sum: each entry of ``step`` ends up holding the bits the pass that
+    exposed it computed, which is what one call with every expert resident computes for it.
+    Adding the passes would also be exact for finite values (an entry is exposed by one pass
+    and every other pass writes zero there), but it loses signed zeros (-0.0 + 0.0 is +0.0)
+    and it depends on the kernel writing zeros, not leaving stale bytes, for the entries a
+    pass does not expose (vLLM 0.33.0's Triton kernel leaves them unwritten under an expert
+    map). ``torch.where`` reads nothing from the unexposed entries and keeps every bit of
+    the exposed ones. Elementwise with ``out=step``: no allocation depending on values.
+    """
+    torch.where(exposed.to(part.device).unsqueeze(-1), part, step, out=step)
+
+
+def run_passes_unreduced(
+    provider: PassPlanned,
+    topk_ids: Tensor,
+    run_unreduced: Callable[[ExpertWeightResult, slice, bool], Tensor],
+    reduce: Callable[[Tensor, Tensor], None],
+) -> Tensor:
+    """The exact route of the module docstring; returns the output ``reduce`` wrote.
+
+    One pass: ``reduce(part, output)`` over that pass's output as it is. More: a zeroed step
+    buffer of the first pass's shape and dtype, each pass's exposed entries merged into it
+    (entries no pass exposes, such as padding, stay +0), then ``reduce(step, output)`` once.
+    ``output`` is allocated here, ``[M, *part.shape[2:]]`` in ``part``'s dtype.
+    """
+    rows = slice(0, topk_ids.shape[0])
+    total = provider.num_passes(topk_ids)
+    step: Tensor | None = None
+    for index in range(total):
+        weights = provider.prepare(topk_ids, pass_index=index, passes=total)
+        part = run_unreduced(weights, rows, index == 0)
+        check_unreduced(part, topk_ids, rows)
+        if total == 1:
+            return reduce_once(reduce, part)
+        if step is None:
+            step = torch.zeros_like(part, memory_format=torch.contiguous_format)
+        # Before the next prepare rewrites the map (stream order on the device).
+        merge_pass(step, part, exposed_entries(weights.expert_map, topk_ids))
+    assert step is not None
+    return reduce_once(reduce, step)
+
+
+def reduce_once(reduce: Callable[[Tensor, Tensor], None], unreduced: Tensor) -> Tensor:
+    """``reduce(unreduced, output)`` into a fresh ``[M, *unreduced.shape[2:]]`` output."""
+    output = unreduced.new_empty((unreduced.shape[0], *unreduced.shape[2:]))
+    reduce(unreduced, output)
+    return output

@@ -21,6 +21,19 @@ piece after the op therefore reads whatever now lives at the capture-time addres
 avoids this by writing into an output buffer allocated inside the previous piece. Here each
 layer instead copies its result into a buffer it owns (one row per captured batch size), so the
 next piece always finds it at the captured address.
+
+Exact steps. A step cut into several kernel calls by experts (every multi-pass step of the
+device planner; the host planner's ``"expert"`` split) goes through
+``run_unreduced_with_expert_cache``, so its output has the bits of one call with every expert
+resident. vLLM 0.25.0's ``TritonExperts.apply`` (``fused_moe/experts/triton_moe.py``) writes
+each token's weighted per-entry outputs into ``intermediate_cache3`` (``[M, top_k, H]``, a view
+of ``workspace2``, the first GEMM's output too) and reduces it once with
+``self.moe_sum(intermediate_cache3, output)``. ``_MoeSumTap`` is installed as the instance
+attribute ``moe_sum`` of the layer kernel's ``TritonExperts`` (``FusedMoEKernel.fused_experts``):
+outside a cut step it calls vLLM's ``moe_sum``; during each call of a cut step it hands the
+unreduced ``intermediate_cache3`` to the library instead of reducing it, and the library, after
+merging every call's exposed entries into its step buffer, reduces that buffer once with
+vLLM's own ``moe_sum``. The kernel's reduced output of those calls is not used.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from torch import Tensor
 from vllm.config.compilation import CUDAGraphMode
 from vllm.config.vllm import get_current_vllm_config
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod,
@@ -43,7 +57,7 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from rowcache.cached import CachedWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
-from rowcache.forward import run_with_expert_cache
+from rowcache.forward import run_unreduced_with_expert_cache, run_with_expert_cache
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 from rowcache.vllm._config import MOE_OPS, RowcacheError, settings_of
@@ -76,6 +90,60 @@ def _host_loader(loader: Callable[..., Any], param: Tensor, host: Tensor) -> Cal
     return load
 
 
+class _MoeSumTap:
+    """Stands in for ``moe_sum`` on one ``TritonExperts`` instance.
+
+    An instance attribute: ``self.moe_sum(...)`` in ``TritonExperts.apply`` finds it before the
+    class's method, so only this layer's kernel object changes, and vLLM's ``moe_sum`` (bound
+    to the instance, taken before the swap) stays the one reduction. Outside ``unreduced`` every
+    call goes to vLLM's ``moe_sum`` with its arguments unchanged.
+    """
+
+    def __init__(self, experts: Any) -> None:
+        self.moe_sum: Callable[..., None] = experts.moe_sum
+        self._take = False
+        self._taken: Tensor | None = None
+        experts.moe_sum = self
+
+    def __call__(self, input: Tensor, output: Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._take:
+            # The unreduced [M, top_k, H] entries: the library reads them before the next
+            # kernel call (stream order), which reuses the workspace they live in.
+            self._taken = input
+            return
+        self.moe_sum(input, output, *args, **kwargs)
+
+    def unreduced(self, call: Callable[[], object]) -> Tensor:
+        """Run ``call`` (one kernel call) and return what it handed to ``moe_sum``."""
+        self._take, self._taken = True, None
+        try:
+            call()
+        finally:
+            self._take = False
+        taken, self._taken = self._taken, None
+        if taken is None:
+            raise RowcacheError(
+                "rowcache: vLLM's TritonExperts.apply returned without calling moe_sum; the "
+                "exact route of a step cut by experts needs its unreduced output"
+            )
+        return taken
+
+    def reduce(self, unreduced: Tensor, output: Tensor) -> None:
+        """vLLM's ``moe_sum`` over a step's merged entries (every entry of the buffer counts:
+        those no call exposed are +0)."""
+        self.moe_sum(unreduced, output)
+
+
+def _moe_sum_tap(kernel: Any) -> _MoeSumTap | None:
+    """The tap on ``kernel``'s ``TritonExperts`` (installed on first use); None when the
+    kernel's experts are not vLLM's ``TritonExperts``."""
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, TritonExperts):
+        return None
+    tap = vars(experts).get("moe_sum")
+    return tap if isinstance(tap, _MoeSumTap) else _MoeSumTap(experts)
+
+
 def _graph_rows(config: Any) -> int:
     cc = config.compilation_config
     if cc.cudagraph_mode == CUDAGraphMode.NONE:
@@ -100,6 +168,7 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
         self._graph_rows = _graph_rows(config) if settings.active else 0
         self._capacity = 0
         self.rowcache_forwards = 0  # cached forwards; prepare_calls above it means chunks
+        self._inexact_said = False
         if settings.cache_on:
             self._capacity = self._check_layer(settings)
 
@@ -285,15 +354,43 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
             )
             return result
 
+        # A step cut by experts is exact through the unreduced route (module docstring); a
+        # token split keeps each row in one call and is exact as it is.
+        tap = _moe_sum_tap(kernel) if device_planned or provider.split == "expert" else None
+        if tap is None and (device_planned or provider.split == "expert"):
+            self._say_inexact(kernel)
+
+        def forward(ids: Tensor) -> Tensor:
+            if tap is None:
+                return run_with_expert_cache(provider, ids, run)
+            taker = tap
+
+            def run_unreduced(weights: ExpertWeightResult, rows: slice, shared: bool) -> Tensor:
+                return taker.unreduced(lambda: run(weights, rows, shared))
+
+            return run_unreduced_with_expert_cache(provider, ids, run_unreduced, taker.reduce)
+
         if device_planned:
             # The router's tensor as it is: the passes are fixed by its shape and planned on
             # the device, so the whole op is captured with the forward (no stable output: the
             # MoE op is no splitting op then).
-            return run_with_expert_cache(provider, topk_ids, run)
+            return forward(topk_ids)
         # Plan on a host copy: one device-to-host transfer per forward, where planning and
         # validation on the device tensor would each synchronize with the GPU.
         host_ids = topk_ids.cpu()
-        return self._stable_output(run_with_expert_cache(provider, host_ids, run))
+        return self._stable_output(forward(host_ids))
+
+    def _say_inexact(self, kernel: Any) -> None:
+        if self._inexact_said:
+            return
+        self._inexact_said = True
+        experts = getattr(kernel, "fused_experts", None)
+        logger.warning(
+            "rowcache: the MoE kernel's experts are %s, not vLLM's TritonExperts: steps cut "
+            "by experts sum their kernel calls' outputs in float32, whose last bits differ "
+            "from one call with every expert resident",
+            type(experts).__name__,
+        )
 
 
 def install() -> bool:

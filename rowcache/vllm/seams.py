@@ -15,6 +15,8 @@ Name forms:
   ``b`` by those names (among others).
 * ``"op:name"``: the module registers a custom op named ``name`` (a call with the keyword
   ``op_name="name"``).
+* ``"Class.method -> attr"``: ``Class`` defines ``method``, and its body calls
+  ``self.attr(...)``, directly or through methods of ``Class`` it calls as ``self.other(...)``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Seam:
 _MOE = "vllm.model_executor.layers.fused_moe"
 _METHOD = f"{_MOE}.unquantized_fused_moe_method"
 _CC = "vllm.config.compilation"
+_TRITON = f"{_MOE}.experts.triton_moe"
 
 SEAMS: tuple[Seam, ...] = (
     Seam(
@@ -121,6 +124,38 @@ SEAMS: tuple[Seam, ...] = (
         "shared_experts_input)",
         "runs one chunk or group of a cached forward over the slot buffers",
         "cached forwards fail with a TypeError",
+    ),
+    Seam(
+        f"{_MOE}.modular_kernel",
+        "FusedMoEKernel.fused_experts",
+        "the kernel's experts object, whose moe_sum the exact route of a cut step taps",
+        "no tap: steps cut by experts fall back to the float32 sum (one warning), whose last "
+        "bits differ from one call",
+    ),
+    Seam(
+        _TRITON,
+        "TritonExperts",
+        "the experts class of the Triton backend: its apply writes each token's weighted "
+        "per-entry outputs into intermediate_cache3 [M, top_k, H] and reduces them with "
+        "moe_sum; the tap is installed only on its instances",
+        "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        _TRITON,
+        "TritonExperts.moe_sum(input, output)",
+        "overridden per instance (an attribute): during a cut step's kernel calls it hands "
+        "the unreduced entries to the library instead of reducing; the library reduces the "
+        "merged step buffer once with the original",
+        "renamed: the tap is never called and a cut step fails (RowcacheError); a new "
+        "signature: the tap forwards extra arguments outside cut steps, but the final "
+        "reduction passes input and output only",
+    ),
+    Seam(
+        _TRITON,
+        "TritonExperts.apply -> moe_sum",
+        "apply reduces through self.moe_sum (in 0.33.0 via self._finalize_expert_output), so "
+        "the tap sees every call's unreduced output",
+        "a cut step fails (RowcacheError: apply returned without calling moe_sum)",
     ),
     Seam(
         f"{_MOE}.config",
@@ -404,6 +439,8 @@ def check_seam(seam: Seam, source: str | None) -> str | None:
                     ):
                         return None
         return f"{where}: no custom op registered as {op!r}"
+    if " -> " in name:
+        return _check_calls(tree, where, name)
     params: list[str] = []
     is_method = name.endswith(")") and "(" in name
     if is_method:
@@ -428,6 +465,44 @@ def check_seam(seam: Seam, source: str | None) -> str | None:
         if missing:
             return f"{where}: {head}.{attr} has no parameter(s) {', '.join(missing)}"
     return None
+
+
+def _self_calls(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names ``m`` of every ``self.m(...)`` call in ``function``'s body."""
+    found: set[str] = set()
+    for node in ast.walk(function):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
+            found.add(node.func.attr)
+    return found
+
+
+def _check_calls(tree: ast.Module, where: str, name: str) -> str | None:
+    """``"Class.method -> attr"``: ``method`` reaches a ``self.attr(...)`` call."""
+    left, _, attr = name.partition(" -> ")
+    head, _, method = left.partition(".")
+    cls = _top_level_names(tree).get(head)
+    if not isinstance(cls, ast.ClassDef):
+        return f"{where}: {head!r} is not a class defined at the top level of the module"
+    functions = _functions(cls)
+    if method not in functions:
+        return f"{where}: {head}.{method} is not a method"
+    seen: set[str] = set()
+    todo = [method]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in functions:
+            continue
+        seen.add(current)
+        calls = _self_calls(functions[current])
+        if attr in calls:
+            return None
+        todo.extend(calls)
+    return f"{where}: {head}.{method} never calls self.{attr}(...)"
 
 
 def module_path(module: str) -> tuple[str, str]:
