@@ -11,11 +11,20 @@ between them, and so do invalidations. After every step: each pass's forward map
 reference's, every slot it maps holds exactly its expert's bytes in every tensor, and the
 device state (resident map, slot owners, stamps, counters) equals the reference's.
 
-The race fixture replays a graph that overwrites slots while a reader of them on another stream
-is still pending. The GPU mutants are seeded bugs of the fused kernels and of the handoff; each
-must be detected.
+The two race fixtures hold the racing work behind a kernel spinning on a flag in pinned host
+memory (``flag_spin``) and release it only after the call under test has returned and the host
+has polled whether the call's racing work ran meanwhile: a replay that would overwrite slots
+while a reader of them on another stream is still pending; an invalidate made while a replay on
+the owner stream is still pending. Each run gives a verdict (``tests/race_verdict.py``: pass,
+fail or inconclusive, with the table of what each observation means for the correct provider
+and for a mutant); inconclusive runs are retried, at most three times. The GPU mutants are
+seeded bugs of the fused kernels, of the handoff and of the invalidate's stream; each must be
+detected. The device's error counts (bad ids once per step, overflow once per step, the first
+bad id named) are checked on the fused planner, eagerly and replayed from graphs
+(``tests/test_device_errors.py``).
 
-``ROWCACHE_CUDA_EXAMPLES`` sets the number of examples (default 200).
+``ROWCACHE_CUDA_EXAMPLES`` sets the number of examples (default 200); ``ROWCACHE_RACE_RUNS``
+the number of runs of every race test (default 5: each must decide as required every time).
 """
 
 from __future__ import annotations
@@ -26,15 +35,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+import test_device_errors as errors
 import torch
-from cuda_support import cycles_for_ms, gpu_sleep
+from cuda_support import sanitizer_enabled
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+from race_verdict import Observation, Outcome, Role, log_outcomes, settle
 from torch import Tensor
 
 from rowcache.device_plan.kernels import TritonKernels
 from rowcache.device_plan.provider import DevicePlannedProvider
+from rowcache.device_plan.state import COUNTERS
 from rowcache.packing import Layout
 
 pytestmark = pytest.mark.cuda
@@ -43,6 +55,7 @@ E, C, K = 8, 3, 2
 SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
 GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4")
+RACE_RUNS = [f"run{n}" for n in range(1, int(os.environ.get("ROWCACHE_RACE_RUNS", "5")) + 1)]
 
 
 def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
@@ -116,6 +129,16 @@ class Captured:
 
 
 @dataclass
+class Issued:
+    """A step enqueued on the GPU: each pass's forward map and slot snapshot, to be checked."""
+
+    rows: list[list[int]]
+    total: int
+    maps: list[Tensor]
+    snaps: list[list[Tensor]]
+
+
+@dataclass
 class Harness:
     """The GPU provider, the CPU reference and the captured graphs of one example."""
 
@@ -169,21 +192,18 @@ class Harness:
         staged = torch.zeros(rows, K, dtype=torch.int32, pin_memory=True)
         return Captured(graph, ids, total, maps, snaps, staged)
 
-    def forward(
-        self,
-        rows: list[list[int]],
-        stream: int,
-        replay: bool,
-        before_sync: Callable[[torch.cuda.Event], str | None] | None = None,
-        event: torch.cuda.Event | None = None,
-    ) -> list[str]:
-        """One step, checked against the reference. ``before_sync(event)``, when given, runs
-        right after the step is issued, before the device is synchronized; its message (if
-        any) is returned first."""
+    def forward(self, rows: list[list[int]], stream: int, replay: bool) -> list[str]:
+        """One step, checked against the reference."""
+        issued = self.issue(rows, stream, replay)
+        torch.cuda.synchronize()
+        reads, maps = self.check(issued)
+        return maps + reads + self.state_mismatches()
+
+    def issue(self, rows: list[list[int]], stream: int, replay: bool) -> Issued:
+        """Enqueue one step on ``streams[stream]`` (a replay of the graph of its size, captured
+        first when there is none, or eager passes); nothing is read back."""
         size = len(rows)
-        early: list[str] = []
         host_ids = torch.tensor(rows, dtype=torch.int32)
-        problems: list[str] = []
         with torch.cuda.stream(self.streams[stream]):
             if replay:
                 captured = self.graphs.get(size)
@@ -198,35 +218,37 @@ class Harness:
                 if not self.skip_handoff:
                     self.gpu.handoff()
                 captured.graph.replay()
-                maps, snaps, total = captured.maps, captured.slots, captured.passes
-            else:
-                ids = host_ids.cuda()
-                total = self.gpu.num_passes(ids)
-                maps, snaps = [], []
-                for index in range(total):
-                    result = self.gpu.prepare(ids, pass_index=index, passes=total)
-                    maps.append(result.expert_map.clone())
-                    snaps.append([t.clone() for t in slot_buffers(self.gpu)])
-        if before_sync is not None and event is not None:
-            message = before_sync(event)
-            if message is not None:
-                early.append(message)
-        torch.cuda.synchronize()
-        for index in range(total):
-            expected = self.ref.prepare(host_ids, pass_index=index, passes=total).expert_map
-            got = maps[index].cpu()
+                return Issued(rows, captured.passes, captured.maps, captured.slots)
+            ids = host_ids.cuda()
+            total = self.gpu.num_passes(ids)
+            maps, snaps = [], []
+            for index in range(total):
+                result = self.gpu.prepare(ids, pass_index=index, passes=total)
+                maps.append(result.expert_map.clone())
+                snaps.append([t.clone() for t in slot_buffers(self.gpu)])
+            return Issued(rows, total, maps, snaps)
+
+    def check(self, issued: Issued) -> tuple[list[str], list[str]]:
+        """Once the device is idle: the reference runs the same step; returns (wrong reads:
+        a slot a pass maps that does not hold its expert's bytes, forward maps that differ)."""
+        host_ids = torch.tensor(issued.rows, dtype=torch.int32)
+        reads: list[str] = []
+        maps: list[str] = []
+        for index in range(issued.total):
+            expected = self.ref.prepare(host_ids, pass_index=index, passes=issued.total).expert_map
+            got = issued.maps[index].cpu()
             if not torch.equal(got, expected):
-                problems.append(f"pass {index}: forward map {got.tolist()} != {expected.tolist()}")
+                maps.append(f"pass {index}: forward map {got.tolist()} != {expected.tolist()}")
                 continue
             for expert, slot in enumerate(got.tolist()):
                 if slot < 0:
                     continue
-                for snap, src in zip(snaps[index], host_rows(self.gpu), strict=True):
+                for snap, src in zip(issued.snaps[index], host_rows(self.gpu), strict=True):
                     if not torch.equal(
                         as_bytes(snap[slot : slot + 1].cpu()), as_bytes(src[expert : expert + 1])
                     ):
-                        problems.append(f"pass {index}: slot {slot} does not hold expert {expert}")
-        return early + problems + self.state_mismatches()
+                        reads.append(f"pass {index}: slot {slot} does not hold expert {expert}")
+        return reads, maps
 
     def invalidate(self, expert: int) -> list[str]:
         self.gpu.invalidate(expert)
@@ -310,92 +332,223 @@ def _kernel_copy(dst: Tensor, src: Tensor) -> None:
     torch.bitwise_or(src.view(torch.int16), 0, out=dst.view(torch.int16))
 
 
-def _still_pending(event: torch.cuda.Event) -> str | None:
-    """None while ``event`` has not completed; otherwise why the fixture proves nothing."""
-    if event.query():
-        return "inconclusive: the spinning work had finished before the call under test"
-    return None
+# ---------------------------------------------------------------- race fixtures
+#
+# Both fixtures hold the racing work with ``flag_spin.FlagHold`` (imported inside them: Triton
+# is there on the GPU machine only) and return an ``Observation`` for ``race_verdict``. What
+# must hold for a run to mean anything, kept from the sleep-based versions:
+# * every graph is captured and replayed once before the race (a graph's first launch uploads
+#   it, which can wait for the device);
+# * the reader copies by a kernel, not a memcpy (``_kernel_copy``);
+# * every buffer (pinned staging included) and event is allocated before the hold, and nothing
+#   is allocated between the two streams' commands (an allocation can serialize them);
+# * every kernel that runs while held has been launched once before (CUDA's lazy loading may
+#   load a kernel's module at its first launch, which can wait for the spin).
 
 
-def _race(skip_handoff: bool) -> tuple[list[str], list[str]]:
-    """A reader on stream 0 is still pending (it spins first) when a replay on stream 1
-    overwrites every slot it reads; with the handoff the replay waits for it.
+class Canary:
+    """Control work for a race: a small kernel enqueued on the racing stream before the call
+    under test, which nothing orders behind the hold; its event completing while held shows
+    that the device ran that stream meanwhile (``Observation.control``). Launched once when
+    built (see above)."""
 
-    Returns (violations, inconclusive). The graph is captured and replayed once before, in
-    lockstep with the reference: a graph's first launch uploads it, which can wait for the
-    device."""
+    def __init__(self) -> None:
+        self.src = torch.arange(64, dtype=torch.int16, device="cuda")
+        self.dst = torch.empty_like(self.src)
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        _kernel_copy(self.dst, self.src)
+
+    def launch(self) -> None:
+        """On the current stream."""
+        _kernel_copy(self.dst, self.src)
+        self.done.record()
+
+    def ran(self) -> bool:
+        return bool(self.done.query())
+
+
+RACE_ROWS = [[3, 4], [5, 3]]  # every slot the reader reads is overwritten (C = 3 new experts)
+REPLAY_ROWS = [[5, 2]]  # 5 is resident (a hit), 2 a miss
+INVALIDATED = 5
+
+
+def _race(skip_handoff: bool) -> Observation:
+    """A reader on stream 0 (the owner) is held behind the spin when a replay on stream 1
+    overwrites every slot it reads; with the handoff the replay waits for it. The racing work
+    is the replay: it has raced when it completed while the reader was held."""
+    from flag_spin import FlagHold
+
     h = Harness("bf16", "separate", skip_handoff=skip_handoff)
-    warm = h.forward([[6, 7], [7, 6]], stream=1, replay=True)
-    first = [[0, 1], [2, 0]]
-    warm += h.forward(first, stream=0, replay=False)  # stream 0 becomes the owner
+    warm = h.forward([[6, 7], [7, 6]], stream=1, replay=True)  # captures size 2, replays once
+    warm += h.forward([[0, 1], [2, 0]], stream=0, replay=False)  # stream 0 becomes the owner
     assert warm == [], warm
+    assert len(RACE_ROWS) in h.graphs, "the race replays a graph captured before the hold"
     # Read before the reader is enqueued: a read-back on the default stream would wait for it.
     expected = {e: s for e, s in enumerate(h.gpu.forward_map()) if s >= 0}
-    sleep = cycles_for_ms(20.0)
-    # Allocated before the spin: an allocation between two commands of different streams
-    # serializes them.
     seen = [torch.empty_like(t) for t in slot_buffers(h.gpu)]
-    read_done = torch.cuda.Event()
+    for snap, buf in zip(seen, slot_buffers(h.gpu), strict=True):
+        _kernel_copy(snap, buf)  # the reader's kernel, launched once before the hold
+    hold = FlagHold()
+    canary = Canary()
+    replay_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize()
-    reader = h.streams[0]
-    with torch.cuda.stream(reader):
-        gpu_sleep(sleep)
-        for snap, buf in zip(seen, slot_buffers(h.gpu), strict=True):
-            _kernel_copy(snap, buf)
-        read_done.record(reader)
-    problems = h.forward(
-        [[3, 4], [5, 3]], stream=1, replay=True, before_sync=_still_pending, event=read_done
-    )
-    inconclusive = [p for p in problems if p.startswith("inconclusive")]
-    problems = [p for p in problems if not p.startswith("inconclusive")]
+    gc.disable()  # no finalizer runs between the two streams' commands
+    try:
+        with torch.cuda.stream(h.streams[0]):
+            hold.launch()
+            for snap, buf in zip(seen, slot_buffers(h.gpu), strict=True):
+                _kernel_copy(snap, buf)
+        with torch.cuda.stream(h.streams[1]):
+            canary.launch()
+        issued = h.issue(RACE_ROWS, stream=1, replay=True)  # the call under test
+        replay_done.record(h.streams[1])
+        raced, control = hold.hold_then_release(replay_done.query, canary.ran)
+    finally:
+        gc.enable()
+    torch.cuda.synchronize()
+    spin = hold.result()
+    reads, maps = h.check(issued)
     src = host_rows(h.gpu)
     for expert, slot in expected.items():
         for snap, rows in zip(seen, src, strict=True):
             if not torch.equal(
                 as_bytes(snap[slot : slot + 1].cpu()), as_bytes(rows[expert : expert + 1])
             ):
-                problems.append(f"pending reader saw slot {slot} overwritten (expert {expert})")
-    return problems, inconclusive
+                reads.append(f"pending reader saw slot {slot} overwritten (expert {expert})")
+    return Observation(
+        released=spin.released,
+        raced=raced,
+        control=control,
+        wrong_reads=tuple(reads),
+        state_mismatches=tuple(maps + h.state_mismatches()),
+        spins=spin.spins,
+        polled_ms=hold.polled_ms,
+    )
 
 
-def test_replay_waits_for_a_pending_reader_on_another_stream() -> None:
-    assert _race(skip_handoff=False) == ([], [])
+def _invalidate_during_replay(on_current_stream: bool) -> Observation:
+    """A replay is held behind the spin on the owner stream (stream 0) when the host, on
+    stream 1, invalidates an expert that replay hits: the invalidation must land after it, so
+    the expert ends up not resident, as in the reference (replay, then invalidate). Landing
+    first, it frees the slot and the replay loads the expert again. The racing work is the
+    invalidation: it has raced when the device's invalidation count moved while the replay was
+    held (read by ``Peek`` on a stream of its own)."""
+    from flag_spin import FlagHold, Peek
 
-
-def _invalidate_during_replay(on_current_stream: bool) -> tuple[list[str], list[str]]:
-    """A replay is still pending on the owner stream (behind a spin) when the host invalidates
-    one of the experts that replay makes resident: the invalidation must land after it, so the
-    expert ends up not resident, as in the reference (replay, then invalidate). Returns
-    (violations, inconclusive); the graph is replayed once before (see ``_race``)."""
     h = Harness("bf16", "separate")
-    assert h.forward([[0, 1]], stream=0, replay=True) == []  # stream 0 becomes the owner
-    assert h.forward([[4, 1]], stream=0, replay=False) == []
-    captured = h.graphs[1]
+    # Captures size 1 and replays it once; stream 0 becomes the owner.
+    assert h.forward([[0, INVALIDATED]], stream=0, replay=True) == []
+    # The invalidate kernel, launched once with the very argument of the race (Triton
+    # specializes integer arguments).
+    assert h.invalidate(INVALIDATED) == []
+    assert h.forward([[4, INVALIDATED]], stream=0, replay=False) == []
+    captured = h.graphs[len(REPLAY_ROWS)]
     owner = h.streams[0]
-    sleep = cycles_for_ms(20.0)
-    captured.staged.copy_(torch.tensor([[2, 3]], dtype=torch.int32))  # before the spin
-    replay_done = torch.cuda.Event()
+    counter = COUNTERS.index("invalidations")
+    hold = FlagHold()
+    canary = Canary()
+    peek = Peek(h.gpu.state.counters)
+    assert peek.stream.cuda_stream not in {s.cuda_stream for s in h.streams}
+    before = peek.read(wait_ms=1000.0)
+    assert before is not None
+    captured.staged.copy_(torch.tensor(REPLAY_ROWS, dtype=torch.int32))  # before the hold
+
+    def invalidated() -> bool:
+        now = peek.read()
+        return now is not None and now[counter] != before[counter]
+
     torch.cuda.synchronize()
-    with torch.cuda.stream(owner):
-        gpu_sleep(sleep)
-        captured.ids.copy_(captured.staged, non_blocking=True)
-        h.gpu.handoff()  # the table's replay: handoff, then the graph (a no-op on the owner)
-        captured.graph.replay()
-        replay_done.record(owner)
-    with torch.cuda.stream(h.streams[1]):
-        if on_current_stream:  # the seeded bug: enqueued on the calling stream
-            h.gpu._kernels.invalidate(h.gpu.state, 2)
-        else:
-            h.gpu.invalidate(2)
-    pending = _still_pending(replay_done)
+    gc.disable()
+    try:
+        with torch.cuda.stream(owner):
+            hold.launch()
+            captured.ids.copy_(captured.staged, non_blocking=True)
+            h.gpu.handoff()  # the table's replay: handoff, then the graph (a no-op on the owner)
+            captured.graph.replay()
+        with torch.cuda.stream(h.streams[1]):  # the call under test
+            canary.launch()
+            if on_current_stream:  # the seeded bug: enqueued on the calling stream
+                h.gpu._kernels.invalidate(h.gpu.state, INVALIDATED)
+            else:
+                h.gpu.invalidate(INVALIDATED)
+        raced, control = hold.hold_then_release(invalidated, canary.ran)
+    finally:
+        gc.enable()
     torch.cuda.synchronize()
-    h.ref.prepare(torch.tensor([[2, 3]]))
-    h.ref.invalidate(2)
-    return h.state_mismatches(), [] if pending is None else [pending]
+    spin = hold.result()
+    reads, maps = h.check(Issued(REPLAY_ROWS, captured.passes, captured.maps, captured.slots))
+    h.ref.invalidate(INVALIDATED)
+    return Observation(
+        released=spin.released,
+        raced=raced,
+        control=control,
+        wrong_reads=tuple(reads),
+        state_mismatches=tuple(maps + h.state_mismatches()),
+        spins=spin.spins,
+        polled_ms=hold.polled_ms,
+    )
 
 
-def test_invalidate_lands_after_a_pending_replay() -> None:
-    assert _invalidate_during_replay(on_current_stream=False) == ([], [])
+def _settle(fixture: str, provider: str, observe: Callable[[], Observation], role: Role) -> None:
+    """Run a race fixture until it decides (``race_verdict.settle``), logging every run."""
+    label = f"device: {provider}" + (" (sanitizer pass)" if sanitizer_enabled() else "")
+
+    def record(outcome: Outcome, attempt: int) -> None:
+        o = outcome.observation
+        print(
+            f"{fixture} [{provider}] run {attempt}: {outcome.verdict.value}: {outcome.reason} "
+            f"(released {o.released}, raced {o.raced}, control {o.control}, {o.spins} spins, "
+            f"{o.polled_ms:.1f} ms polled)"
+        )
+        log_outcomes(label, fixture, outcome, attempt)
+
+    settle(f"{fixture} ({provider})", observe, role, record=record)
+
+
+def test_flag_hold_holds_until_released_and_ends_at_its_limit() -> None:
+    """The spin holds work queued behind it until the host writes the flag, a peek on another
+    stream meanwhile reads the held stream's target as it was, and without a release the spin
+    ends at its iteration limit."""
+    from flag_spin import FlagHold, Peek
+
+    value = torch.arange(4, dtype=torch.int64, device="cuda")
+    value.add_(0)  # the kernel held below, launched once before
+    peek = Peek(value)
+    hold = FlagHold()
+    behind = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    torch.cuda.synchronize()
+    hold.launch()
+    value.add_(10)
+    behind.record()
+    during = peek.read(wait_ms=1000.0)
+    raced, control = hold.hold_then_release(behind.query, lambda: during is not None, 100.0)
+    torch.cuda.synchronize()
+    spin = hold.result()
+    assert spin.released and spin.spins > 0, spin
+    assert not raced and control and hold.polled_ms >= 100.0
+    assert during == [0, 1, 2, 3]
+    assert peek.read(wait_ms=1000.0) == [10, 11, 12, 13]
+
+    short = FlagHold(limit_ms=20.0)
+    short.launch()
+    torch.cuda.synchronize()  # never released: the limit ends it
+    ended = short.result()
+    assert not ended.released and ended.spins == short.limit, (ended, short.limit)
+
+
+@pytest.mark.parametrize("run", RACE_RUNS)
+def test_replay_waits_for_a_pending_reader_on_another_stream(run: str) -> None:
+    _settle("device_replay_after_pending_reader", "real", lambda: _race(False), "correct")
+
+
+@pytest.mark.parametrize("run", RACE_RUNS)
+def test_invalidate_lands_after_a_pending_replay(run: str) -> None:
+    _settle(
+        "device_invalidate_during_replay",
+        "real",
+        lambda: _invalidate_during_replay(False),
+        "correct",
+    )
 
 
 MUTANTS = {
@@ -414,12 +567,89 @@ def test_device_mutant_is_detected(name: str) -> None:
 
 
 @pytest.mark.gpu_mutant
-def test_device_mutant_invalidate_on_the_calling_stream_is_detected() -> None:
-    problems, inconclusive = _invalidate_during_replay(on_current_stream=True)
-    assert inconclusive == [] and problems != []
+@pytest.mark.parametrize("run", RACE_RUNS)
+def test_device_mutant_invalidate_on_the_calling_stream_is_detected(run: str) -> None:
+    _settle(
+        "device_invalidate_during_replay",
+        "invalidate_on_the_calling_stream",
+        lambda: _invalidate_during_replay(True),
+        "mutant",
+    )
 
 
 @pytest.mark.gpu_mutant
-def test_device_mutant_replay_without_handoff_is_detected() -> None:
-    problems, inconclusive = _race(skip_handoff=True)
-    assert inconclusive == [] and problems != []
+@pytest.mark.parametrize("run", RACE_RUNS)
+def test_device_mutant_replay_without_handoff_is_detected(run: str) -> None:
+    _settle(
+        "device_replay_after_pending_reader",
+        "replay_without_handoff",
+        lambda: _race(True),
+        "mutant",
+    )
+
+
+# ---------------------------------------------------------------- device error counts
+
+
+def _error_provider(seeded: str | None) -> DevicePlannedProvider:
+    w = errors.weights()
+    p = DevicePlannedProvider(
+        **{k: v.pin_memory() for k, v in w.items()},  # type: ignore[arg-type]
+        capacity=errors.C,
+        device="cuda",
+        kernels="triton",
+    )
+    if seeded is not None:
+        p._kernels = errors.EveryPassCounts(p._kernels, **errors.SEEDED[seeded])
+    return p
+
+
+def _error_step(p: DevicePlannedProvider, mode: str, seeded: str | None) -> errors.Step:
+    """Eager passes, or the replay of a graph captured per step shape (``errors.SHAPES``)."""
+    if mode == "eager":
+        return errors.eager_step(p, "cuda")
+    # Compile every kernel specialization the captures use on a throwaway cache first.
+    scratch = _error_provider(seeded)
+    warm = errors.eager_step(scratch, "cuda")
+    for (rows, k), passes in errors.SHAPES.items():
+        warm([[0] * k for _ in range(rows)], passes)
+    torch.cuda.synchronize()
+    graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, int]] = {}
+    for shape, passes in errors.SHAPES.items():
+        ids = torch.zeros(shape, dtype=torch.int32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        gc.collect()
+        gc.disable()  # see Harness._capture
+        try:
+            with torch.cuda.graph(graph):
+                for index in range(passes):
+                    p.prepare(ids, pass_index=index, passes=passes)
+        finally:
+            gc.enable()
+        graphs[shape] = (graph, ids, passes)
+
+    def step(rows: list[list[int]], passes: int) -> None:
+        graph, ids, captured = graphs[(len(rows), len(rows[0]))]
+        assert passes == captured, f"the graph of this shape runs {captured} passes"
+        ids.copy_(torch.tensor(rows, dtype=torch.int32))
+        p.handoff()
+        graph.replay()
+
+    return step
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_device_errors_counted_once_per_step(mode: str) -> None:
+    """Bad ids of a 4-pass step counted once, overflow once per step, the first bad id named:
+    the fused planner, eagerly and replayed from graphs."""
+    p = _error_provider(None)
+    assert p.kernels == "triton"
+    assert errors.error_count_problems(p, _error_step(p, mode, None)) == []
+
+
+@pytest.mark.gpu_mutant
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("seeded", sorted(errors.SEEDED))
+def test_device_mutant_errors_counted_on_every_pass_is_detected(seeded: str, mode: str) -> None:
+    p = _error_provider(seeded)
+    assert errors.error_count_problems(p, _error_step(p, mode, seeded)) != []
