@@ -40,7 +40,7 @@ from rowcache.packing import Layout, check_layout
 from rowcache.schedules import run_invalidate, run_prepare
 from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
-from rowcache.validation import requested_experts
+from rowcache.validation import requested_and_routed
 
 __all__ = ["PLANNERS", "Planner", "RowCacheWeightProvider", "default_backend"]
 
@@ -177,13 +177,13 @@ class RowCacheWeightProvider(SlotSurface):
         must be enqueued on the current stream before the next ``prepare``.
         """
         with self._guard("prepare"):
-            requested = requested_experts(
+            requested, routed = requested_and_routed(
                 topk_ids, unique_ids, self._num_experts, self._capacity, device=self._device
             )
             backend = self._backend
             current = backend.current_stream()
             owner = self._owner
-            plan = self._plan_prepare(requested)
+            plan = self._plan_prepare(requested, routed)
             if owner is not None and owner != current:
                 self._owner_changes += 1
             roles = Roles(current, current if owner is None else owner, backend.copy_stream)
@@ -268,14 +268,35 @@ class RowCacheWeightProvider(SlotSurface):
 
     # -- host bookkeeping ------------------------------------------------------
 
-    def _victims(self, count: int, requested: set[int]) -> list[int]:
-        """The ``count`` least recently used residents that this call does not request."""
+    def step_groups(self, topk_ids: Tensor) -> list[list[int]]:
+        """The expert groups of a step, one ``prepare(topk_ids, unique_ids=group)`` each, in
+        order: the routed experts resident now (the step's hits) first, then the others, each
+        in ascending id order, cut into groups of ``capacity`` (each group ascending). The first
+        group serves every hit before any copy can evict it; later groups only copy
+        (``model_check.table.reference.step_order``). ``[]`` for a routing of only padding."""
+        routed = requested_and_routed(
+            topk_ids,
+            None,
+            self._num_experts,
+            self._num_experts,
+            device=self._device,
+            op="step_groups",
+        )[1]
+        slot_of = self._slot_of
+        order = [e for e in routed if slot_of[e] >= 0] + [e for e in routed if slot_of[e] < 0]
+        cap = self._capacity
+        return [sorted(order[i : i + cap]) for i in range(0, len(order), cap)]
+
+    def _victims(self, count: int, requested: set[int], step: set[int]) -> list[int]:
+        """The ``count`` least recently used residents that this call does not request:
+        those outside its step first, then the step's experts that other calls expose."""
         victims: list[int] = []
-        for expert in self._lru:
-            if expert not in requested:
-                victims.append(expert)
-                if len(victims) == count:
-                    break
+        for outside in (True, False):
+            for expert in self._lru:
+                if expert not in requested and (expert not in step) == outside:
+                    victims.append(expert)
+                    if len(victims) == count:
+                        return victims
         return victims
 
     def _forward_pairs(self, requested: list[int]) -> tuple[tuple[int, int], ...]:
@@ -283,14 +304,15 @@ class RowCacheWeightProvider(SlotSurface):
         slot_of = self._slot_of
         return tuple((e, slot_of[e]) for e in requested)
 
-    def _plan_prepare(self, requested: list[int]) -> Plan:
-        """Commit the host side of an accepted ``prepare`` and return its plan."""
+    def _plan_prepare(self, requested: list[int], step: list[int]) -> Plan:
+        """Commit the host side of an accepted ``prepare`` and return its plan. ``step``: every
+        expert of the step this call is a group of (victims are taken outside it first)."""
         slot_of, lru, free = self._slot_of, self._lru, self._free
         misses = [e for e in requested if slot_of[e] < 0]
         copies: list[tuple[int, int]] = []
         if misses:
             shortfall = len(misses) - len(free)
-            victims = self._victims(shortfall, set(requested)) if shortfall > 0 else []
+            victims = self._victims(shortfall, set(requested), set(step)) if shortfall > 0 else []
             self._evictions += len(victims)
             next_victim = iter(victims)
             for expert in misses:

@@ -168,6 +168,29 @@ def requested_experts(
     of its result (a Python set for a small CPU ``topk_ids``); nothing loops over all E
     experts.
     """
+    return requested_and_routed(topk_ids, unique_ids, num_experts, capacity, device=device, op=op)[
+        0
+    ]
+
+
+def requested_and_routed(
+    topk_ids: Tensor,
+    unique_ids: UniqueIds | None,
+    num_experts: int,
+    capacity: int,
+    *,
+    device: torch.device | None = None,
+    op: str = "prepare",
+) -> tuple[list[int], list[int]]:
+    """Validate a request; return its experts and every expert ``topk_ids`` routes to (the
+    step's), each sorted and unique.
+
+    Raises ``InvalidInputError`` (naming the offending value and the limit) and
+    has no side effect, so a provider that calls it first stays unchanged on
+    rejection. Costs one ``torch.unique`` of ``topk_ids`` and one host transfer
+    of its result (a Python set for a small CPU ``topk_ids``); nothing loops over all E
+    experts.
+    """
     check_topk_ids(topk_ids, op, device)
     routed = _routed_experts(topk_ids)
     value = _out_of_range(routed, num_experts)
@@ -202,4 +225,4 @@ def requested_experts(
         raise InvalidInputError(
             f"{op}: {len(requested)} unique experts requested but capacity is {capacity}"
         )
-    return requested
+    return requested, routed

@@ -158,7 +158,7 @@ class Conformance(RuleBasedStateMachine):
         elif form == 1:
             topk = torch.tensor([ids], dtype=torch.int64).view(1 if ids else 0, len(ids))
         elif form == 2:
-            extra = data.draw(st.lists(st.integers(-1, E - 1), max_size=3), label="extra")
+            extra = data.draw(st.lists(st.integers(-1, E - 1), max_size=E), label="extra")
             topk = torch.tensor([ids + extra or [0]], dtype=torch.int64)
             padded = data.draw(st.lists(st.just(-1), max_size=2), label="padding") + ids
             unique = data.draw(st.permutations(padded), label="unique order")
@@ -166,7 +166,9 @@ class Conformance(RuleBasedStateMachine):
             topk = torch.tensor([*([e, -1] for e in ids), [-1, -1]], dtype=torch.int64)
         self.backend.current = stream
         result = self.provider.prepare(topk, unique)
-        expected = self.model("prepare", (tuple(sorted(ids)),), stream)
+        # The step: every expert topk_ids routes to (victims are taken outside it first).
+        step = tuple(sorted({e for e in topk.reshape(-1).tolist() if e >= 0}))
+        expected = self.model("prepare", (tuple(sorted(ids)), step), stream)
         self.same_trace(expected)
         assert result.expert_map is self.backend.forward_map
 
@@ -310,8 +312,17 @@ def no_release_wait(table: Table) -> Table:
     )
 
 
-def unprotected_victims(self: RowCacheWeightProvider, count: int, requested: set[int]) -> list[int]:
+def unprotected_victims(
+    self: RowCacheWeightProvider, count: int, requested: set[int], step: set[int]
+) -> list[int]:
     return list(self.lru_order()[:count])
+
+
+def call_only_victims(
+    self: RowCacheWeightProvider, count: int, requested: set[int], step: set[int]
+) -> list[int]:
+    """Protection limited to the call: the step's other experts are taken like any other."""
+    return [e for e in self.lru_order() if e not in requested][:count]
 
 
 def forward_from_resident(
@@ -325,6 +336,8 @@ def mutant(name: str) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         if name == "victim_not_protected":
             patch.setattr(RowCacheWeightProvider, "_victims", unprotected_victims)
+        elif name == "protection_limited_to_the_call":
+            patch.setattr(RowCacheWeightProvider, "_victims", call_only_victims)
         elif name == "forward_from_resident":
             patch.setattr(RowCacheWeightProvider, "_forward_pairs", forward_from_resident)
         elif name == "ready_before_copies":
@@ -340,12 +353,14 @@ def mutant(name: str) -> Iterator[None]:
 
 MUTANTS = [
     "victim_not_protected",
+    "protection_limited_to_the_call",
     "forward_from_resident",
     "ready_before_copies",
     "no_release_wait",
 ]
 CAUGHT_BY = {
     "victim_not_protected": "trace: provider",  # its copies go to other slots than the model's
+    "protection_limited_to_the_call": "trace: provider",
     "forward_from_resident": "forward",
     "ready_before_copies": "trace: provider",
     "no_release_wait": "trace: provider",
@@ -355,6 +370,12 @@ CAUGHT_BY = {
 COUNTEREXAMPLES: dict[str, tuple[int, list[tuple[str, Any, int]]]] = {
     # 0 is least recently used but requested again with a miss: the mutant evicts it.
     "victim_not_protected": (2, [("prepare", [0], 0), ("prepare", [1], 0), ("prepare", [0, 2], 0)]),
+    # 0 is least recently used, 1 not: the group [2] of a step that also routes to 0 must
+    # evict 1, outside the step; the mutant evicts 0.
+    "protection_limited_to_the_call": (
+        2,
+        [("prepare", [0], 0), ("prepare", [1], 0), ("group", ([2], [0]), 0)],
+    ),
     # 0 stays resident; the second forward must expose only 1.
     "forward_from_resident": (2, [("prepare", [0], 0), ("prepare", [1], 0)]),
     "ready_before_copies": (1, [("prepare", [0], 0)]),
@@ -362,11 +383,24 @@ COUNTEREXAMPLES: dict[str, tuple[int, list[tuple[str, Any, int]]]] = {
 }
 
 
+class Fixed:
+    """Stands in for hypothesis's data object in a replay: the draws of form 2."""
+
+    def __init__(self, extra: list[int], unique: list[int]) -> None:
+        self.values = {"extra": extra, "padding": [], "unique order": unique}
+
+    def draw(self, strategy: object, label: str) -> object:
+        return self.values[label]
+
+
 def replay(machine: Conformance, capacity: int, calls: list[tuple[str, Any, int]]) -> None:
     machine.setup(capacity=capacity)
     for op, arg, stream in calls:
         if op == "prepare":
             machine.prepare(ids=arg, stream=stream, form=1, data=None)
+        elif op == "group":  # unique_ids=ids of a step that also routes to `extra`
+            ids, extra = arg
+            machine.prepare(ids=ids, stream=stream, form=2, data=Fixed(extra, ids))
         machine.same_host_state()
     machine.teardown()
 

@@ -89,12 +89,26 @@ def test_step_describe_is_readable() -> None:
 
 
 def test_pass_selection_is_the_host_paths_groups() -> None:
-    assert select((2, 0, 1, 0, -1), 0, 2, B32).group == (0, 1)
-    assert select((2, 0, 1, 0, -1), 1, 2, B32).group == (2,)
-    assert not select((2, 0, -1), 0, 1, B32).error  # -1 is padding, not an error
-    bad = select((0, 3), 0, 1, B32)
+    empty = initial_dev(B32).cache
+    first = select((2, 0, 1, 0, -1), 0, 2, B32, empty)
+    assert first.group == (0, 1) and first.order == (0, 1, 2)
+    assert select((2, 0, 1, 0, -1), 1, 2, B32, empty._replace(step=first.order)).group == (2,)
+    assert not select((2, 0, -1), 0, 1, B32, empty).error  # -1 is padding, not an error
+    bad = select((0, 3), 0, 1, B32, empty)
     assert bad.group == (0,) and bad.error  # an id outside [-1, E) is ignored and counted
-    assert not select((0, 3), 1, 2, B32).error  # counted on the first pass only
+    assert not select((0, 3), 1, 2, B32, empty).error  # counted on the first pass only
+
+
+def test_a_step_exposes_its_hits_first_and_protects_every_expert_it_requests() -> None:
+    # Expert 2 resident (slot 0) and 1 resident (slot 1, most recent): the step (0, 1, 2)
+    # exposes its hits 1 and 2 first, then copies 0 into the slot of the earlier pass's 2.
+    cache = initial_dev(B32).cache._replace(lru=(2, 1), slot_of=(-1, 1, 0))
+    first = select((0, 1, 2), 0, 2, B32, cache)
+    assert first.group == (1, 2) and first.order == (1, 2, 0) and first.step == (1, 2, 0)
+    second = select((0, 1, 2), 1, 2, B32, cache._replace(step=first.order))
+    assert second.group == (0,)
+    # A step that fits one pass stores no order: a later pass of it exposes nothing.
+    assert select((0, 1), 0, 1, B32, cache).order == ()
 
 
 def test_plan_uses_free_slots_then_lru_victims_never_one_it_exposes() -> None:

@@ -30,7 +30,8 @@ from model_check.table.reference import (
     Counters,
     initial_host,
     plan_invalidate,
-    plan_prepare,
+    plan_step_pass,
+    step_order,
 )
 from rowcache import RowCacheWeightProvider
 from rowcache.device_plan.forward import run_passes
@@ -64,9 +65,10 @@ def weights(seed: int = 0) -> dict[str, Tensor]:
     }
 
 
-def groups_of(rows: list[list[int]]) -> list[list[int]]:
-    experts = sorted({e for row in rows for e in row if e >= 0})
-    return [experts[i : i + C] for i in range(0, len(experts), C)]
+def groups_of(rows: list[list[int]], slot_of: tuple[int, ...]) -> list[list[int]]:
+    """The reference's groups of a step: its order (hits first) cut into groups of C."""
+    order = step_order(slot_of, [e for row in rows for e in row if e >= 0])
+    return [sorted(order[i : i + C]) for i in range(0, len(order), C)]
 
 
 class Lockstep(RuleBasedStateMachine):
@@ -89,7 +91,9 @@ class Lockstep(RuleBasedStateMachine):
         ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), K)
         total = self.device.num_passes(ids)
         assert total == num_passes(len(rows) * K, E, C)
-        groups = groups_of(rows)
+        groups = groups_of(rows, self.model.slot_of)
+        assert self.host.step_groups(ids) == groups
+        step = [e for group in groups for e in group]
         assert len(groups) <= total
         for index in range(total):
             result = self.device.prepare(ids, pass_index=index, passes=total)
@@ -99,9 +103,11 @@ class Lockstep(RuleBasedStateMachine):
                 continue
             # A step of padding only is one host prepare that requests nothing.
             group = groups[index] if groups else []
-            host_ids = torch.tensor([group if group else [-1]])
-            host_map = self.host.prepare(host_ids).expert_map.tolist()
-            effect = plan_prepare(self.model, self.counters, self.bounds, (tuple(group),), 0)
+            if group:
+                host_map = self.host.prepare(ids, unique_ids=group).expert_map.tolist()
+            else:
+                host_map = self.host.prepare(torch.tensor([[-1]])).expert_map.tolist()
+            effect = plan_step_pass(self.model, self.counters, self.bounds, group, step, 0)
             self.model, self.counters = effect.host, effect.counters
             model_map = [-1] * E
             for expert, slot in effect.host.forward or ():

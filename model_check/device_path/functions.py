@@ -69,21 +69,56 @@ def num_passes(ids: tuple[int, ...], bounds: Bounds) -> int:
 class Selection(NamedTuple):
     group: tuple[int, ...]  # the experts this pass exposes, ascending
     error: bool  # the pass counts an error (a bad id on the first pass, overflow on the last)
+    order: tuple[int, ...]  # the step's order in force after this pass (HostState.step)
+    step: tuple[int, ...]  # the step's experts this call requests: protected from eviction
+
+
+def _requested(ids: tuple[int, ...], bounds: Bounds, checked: bool) -> list[int]:
+    n = bounds.num_experts
+    return sorted({e for e in ids if (0 <= e < n if checked else e != -1)})
 
 
 @cache
 def select(
-    ids: tuple[int, ...], p: int, passes: int, bounds: Bounds, *, checked: bool = True
+    ids: tuple[int, ...],
+    p: int,
+    passes: int,
+    bounds: Bounds,
+    cache: HostState,
+    *,
+    checked: bool = True,
+    hits_first: bool = True,
 ) -> Selection:
-    """Pass `p` of `passes` selects the requested experts of ascending rank [p*C, (p+1)*C);
-    -1 is padding; other ids outside [0, E) are ignored and counted (first pass only);
-    requested experts no pass exposes are counted on the last pass."""
-    n, cap = bounds.num_experts, bounds.capacity
-    valid = sorted({e for e in ids if 0 <= e < n})
-    requested = valid if checked else sorted({e for e in ids if e != -1})
-    bad = any(e != -1 and not 0 <= e < n for e in ids)
+    """Pass `p` of `passes`, planned on the device state `cache`, exposes the positions
+    [p*C, (p+1)*C) of the step's order that `ids` requests. The first pass fixes the order
+    (`step_order`: the step's hits first, then its misses, each in ascending id order) from
+    the state it finds; later passes read it from `cache.step`. -1 is padding; other ids
+    outside [0, E) are ignored and counted (first pass only); more distinct experts than the
+    passes expose are counted on the last pass. The passes of one step are called in order
+    with the same ids (`run_with_expert_cache` does): a later pass exposes only what the
+    first one ordered.
+
+    The order is stored only when it reaches past the first pass: a shorter one gives a later
+    pass nothing to expose and nothing to protect, so every short order behaves as () does."""
+    cap = bounds.capacity
+    requested = _requested(ids, bounds, checked)
+    valid = _requested(ids, bounds, True)
+    bad = any(e != -1 and not 0 <= e < bounds.num_experts for e in ids)
+    if p == 0:
+        if hits_first:
+            slot_of = cache.slot_of
+            hit = [e for e in requested if 0 <= e < len(slot_of) and slot_of[e] != NO_SLOT]
+            order = tuple(hit + [e for e in requested if e not in hit])
+        else:
+            order = tuple(requested)
+    else:
+        order = cache.step
+    wanted = set(requested)
+    group = tuple(sorted(e for e in order[p * cap : (p + 1) * cap] if e in wanted))
     overflow = p == passes - 1 and len(valid) > passes * cap
-    return Selection(tuple(requested[p * cap : (p + 1) * cap]), (bad and p == 0) or overflow)
+    stored = order if len(order) > cap else ()
+    step = tuple(e for e in stored if e in wanted) if stored else group
+    return Selection(group, (bad and p == 0) or overflow, stored, step)
 
 
 class PlanOut(NamedTuple):
@@ -91,6 +126,8 @@ class PlanOut(NamedTuple):
     group: tuple[int, ...]  # what the pass had to expose (the reference's group)
     victims: tuple[int, ...]
     out_of_bounds: tuple[int, ...]  # ids the planner used as an index outside [0, E)
+    step: tuple[int, ...]  # the step's experts the reference protects (P5)
+    spared: tuple[int, ...]  # residents outside the step that the pass left resident
 
 
 @cache
@@ -102,15 +139,20 @@ def _plan(
     bounds: Bounds,
     *,
     protect: bool = True,
+    protect_step: bool = True,
+    hits_first: bool = True,
     keep_forward: bool = False,
     accumulate_errors: bool = True,
     checked: bool = True,
 ) -> PlanOut:
-    sel = select(ids, p, passes, bounds, checked=checked)
+    sel = select(ids, p, passes, bounds, dev.cache, checked=checked, hits_first=hits_first)
     oob = tuple(e for e in sel.group if not 0 <= e < bounds.num_experts)
     group = tuple(e for e in sel.group if 0 <= e < bounds.num_experts)
-    eff = _plan_prepare(dev.cache, Counters(), bounds, group, NO_STREAM, protect_requested=protect)
-    cache = HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None)
+    step = sel.step if protect_step else ()
+    eff = _plan_prepare(
+        dev.cache, Counters(), bounds, group, NO_STREAM, step=step, protect_requested=protect
+    )
+    cache = HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None, sel.order)
     assert eff.host.forward is not None
     fwd = eff.host.forward
     if keep_forward:
@@ -118,12 +160,15 @@ def _plan(
     copies = eff.copies
     misses = copies + dev.misses[len(copies) :]
     err = (dev.err or sel.error) if accumulate_errors else sel.error
-    reference = select(ids, p, passes, bounds).group
+    reference = select(ids, p, passes, bounds, dev.cache)
+    spared = tuple(e for e in cache.lru if e not in reference.step)
     return PlanOut(
         dev._replace(cache=cache, fwd=fwd, misses=misses, n_miss=len(copies), err=err),
-        reference,
+        reference.group,
         eff.victims,
         oob,
+        reference.step,
+        spared,
     )
 
 
@@ -131,10 +176,23 @@ PlanFn = Callable[[Dev, tuple[int, ...], int, int, Bounds], PlanOut]
 
 
 def plan_pass(dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds) -> PlanOut:
-    """The planner: the host path's plan_prepare on the pass's group (LRU, in-call victim
-    protection, free slots first); the forward map exposes exactly the group; the miss list's
-    first `count` entries are the copies; errors accumulate until reset."""
+    """The planner: the host path's plan_prepare on the pass's group (LRU, free slots first,
+    victims outside the step first, never one the pass exposes); the forward map exposes
+    exactly the group; the miss list's first `count` entries are the copies; errors accumulate
+    until reset."""
     return _plan(dev, ids, p, passes, bounds)
+
+
+def plan_pass_protects_pass_only(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    return _plan(dev, ids, p, passes, bounds, protect_step=False)
+
+
+def plan_pass_hits_not_first(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    return _plan(dev, ids, p, passes, bounds, hits_first=False)
 
 
 def plan_pass_unprotected_victim(
@@ -194,6 +252,8 @@ FUNCTIONS: dict[str, dict[str, object]] = {
     "plan": {
         "plan_pass": plan_pass,
         "plan_pass_unprotected_victim": plan_pass_unprotected_victim,
+        "plan_pass_protects_pass_only": plan_pass_protects_pass_only,
+        "plan_pass_hits_not_first": plan_pass_hits_not_first,
         "plan_pass_stale_forward": plan_pass_stale_forward,
         "plan_pass_resets_errors": plan_pass_resets_errors,
         "plan_pass_unchecked_ids": plan_pass_unchecked_ids,
@@ -240,10 +300,11 @@ def reference_pass(
     ghost: HostState, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
 ) -> tuple[HostState, Pairs, bool]:
     """The reference of one pass: (state, forward map, error counted)."""
-    sel = select(ids, p, passes, bounds)
-    eff = _plan_prepare(ghost, Counters(), bounds, sel.group, NO_STREAM)
+    sel = select(ids, p, passes, bounds, ghost)
+    eff = _plan_prepare(ghost, Counters(), bounds, sel.group, NO_STREAM, step=sel.step)
     assert eff.host.forward is not None
-    return HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None), eff.host.forward, sel.error
+    state = HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None, sel.order)
+    return state, eff.host.forward, sel.error
 
 
 @cache
@@ -305,6 +366,13 @@ def plan_verdict(out: PlanOut, ids: tuple[int, ...]) -> tuple[str, str] | None:
         return (
             "P5_victim_protection",
             f"the plan of {ids} evicted expert(s) {sorted(evicted)} its pass exposes",
+        )
+    from_step = set(out.victims) & set(out.step)
+    if from_step and out.spared:
+        return (
+            "P5_victim_protection",
+            f"the plan of {ids} evicted expert(s) {sorted(from_step)} its step requests while "
+            f"expert(s) {list(out.spared)} outside the step stayed resident",
         )
     fwd = out.dev.fwd
     experts = sorted(e for e, _ in fwd)

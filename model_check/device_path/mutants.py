@@ -96,6 +96,27 @@ DEVICE_MUTANTS: tuple[DeviceMutant, ...] = (
         _steps(FORWARDS, _fn("plan", "plan_pass_unprotected_victim")),
     ),
     DeviceMutant(
+        "dp_protects_pass_only",
+        "P5_victim_protection",
+        "the planner protects only the experts its pass exposes, so a pass may evict a resident "
+        "that another pass of the same step requests while a victim outside the step exists",
+        _steps(FORWARDS, _fn("plan", "plan_pass_protects_pass_only")),
+    ),
+    DeviceMutant(
+        "dp_hits_not_first",
+        "P3_forward_map_exact",
+        "the step's passes expose its experts in id order instead of its hits first, so a pass "
+        "may copy into the slot of a hit that a later pass then copies back",
+        _steps(FORWARDS, _fn("plan", "plan_pass_hits_not_first")),
+    ),
+    DeviceMutant(
+        "dp_next_pass_gather_unordered",
+        "P1_no_overwrite_under_reader",
+        "the captured forward gathers on the capture stream, so a later pass of a step may copy "
+        "into a slot an earlier pass exposed before that pass's reader has used it",
+        _steps(("replay",), _restream("gather", "capture", graph=True)),
+    ),
+    DeviceMutant(
         "dp_stale_forward_entry",
         "P3_forward_map_exact",
         "the planner writes the pass's entries into the forward map without clearing the "

@@ -110,6 +110,10 @@ class Data(NamedTuple):
     err: Bool
     slots: tuple[Int, ...]
     unread: Bool
+    # The step's order as stored by its first pass (functions.select): each expert's position,
+    # -1 when not stored; the ghost's, and the shadow's (() while tied).
+    gstep: tuple[Int, ...]
+    cstep: Any
 
 
 class SymState(NamedTuple):
@@ -146,6 +150,8 @@ def initial_data(bounds: Bounds, table: DeviceTable) -> Data:
         False,
         (NO_SLOT,) * cap,
         False,
+        (NO_SLOT,) * bounds.num_experts,
+        () if tied else (NO_SLOT,) * bounds.num_experts,
     )
 
 
@@ -297,25 +303,52 @@ class DataRun:
         """The shadow's cache state and forward map (the ghost's while they are tied)."""
         return self.d.ghost if self.tied else self.d.cache
 
+    def order(
+        self, h: SymHost, stored: tuple[Int, ...], p: Int, hits_first: bool
+    ) -> tuple[tuple[Bool, ...], tuple[Bool, ...], tuple[Int, ...]]:
+        """functions.select on the state `h` with the stored order `stored`: (the experts the
+        pass exposes, the step's experts it protects, the order stored after it)."""
+        n, cap, req = self.bounds.num_experts, self.bounds.capacity, self.args.req
+        first = p == 0
+        hit = [conj(req[e], h.slot[e] != NO_SLOT) if hits_first else False for e in range(n)]
+        rest = [conj(req[e], neg(hit[e])) for e in range(n)]
+        n_hit = count(hit)
+        fresh = [ite(hit[e], count(hit[:e]), n_hit + count(rest[:e])) for e in range(n)]
+        used = [ite(first, ite(req[e], fresh[e], NO_SLOT), stored[e]) for e in range(n)]
+        long = count(req) > cap
+        new = tuple(
+            ite(first, ite(conj(long, req[e]), fresh[e], NO_SLOT), stored[e]) for e in range(n)
+        )
+        sel = tuple(conj(req[e], used[e] >= p * cap, used[e] < (p + 1) * cap) for e in range(n))
+        kept = disj(*(x >= 0 for x in new))
+        step = tuple(ite(kept, conj(new[e] >= 0, req[e]), sel[e]) for e in range(n))
+        return sel, step, new
+
     def plan(self, fn: str, p: Int, cond: Bool) -> None:
         bounds, args, d = self.bounds, self.args, self.d
         n, cap = bounds.num_experts, bounds.capacity
-        rank = [count(args.req[:e]) for e in range(n)]
-        sel = tuple(
-            conj(args.req[e], rank[e] >= p * cap, rank[e] < (p + 1) * cap) for e in range(n)
-        )
+        sel, gstep, gnew = self.order(d.ghost, d.gstep, p, True)
         error = conj(args.bad, p == 0)
         top = self.top + p * n  # above every rank given before this pass
-        sargs = SymArgs(sel, False, 0)
-        ghost = _sym_plan_prepare(d.ghost, sargs, bounds, top)
+        ghost = _sym_plan_prepare(d.ghost, SymArgs(sel, False, 0), bounds, top, step=gstep)
         self.crash.append(conj(cond, ghost.crash))
         self.sight("eviction", conj(cond, disj(*ghost.victim)))
         self.sight("error_counted", conj(cond, error))
+        cnew: Any = d.cstep
         if self.tied:
             eff = ghost
+            step = gstep
         else:
+            # The reference's choice on the shadow's state (P3 and P5 below), and the shadow's.
+            sel, step, _ = self.order(d.cache, d.cstep, p, True)
+            csel, cstep, cnew = self.order(d.cache, d.cstep, p, fn != "plan_pass_hits_not_first")
             eff = _sym_plan_prepare(
-                d.cache, sargs, bounds, top, protect_requested=fn != "plan_pass_unprotected_victim"
+                d.cache,
+                SymArgs(csel, False, 0),
+                bounds,
+                top,
+                protect_requested=fn != "plan_pass_unprotected_victim",
+                step=None if fn == "plan_pass_protects_pass_only" else cstep,
             )
             self.crash.append(conj(cond, eff.crash))
         new = eff.host
@@ -338,6 +371,15 @@ class DataRun:
             "P5_victim_protection",
             "a pass evicts an expert it exposes",
             conj(cond, disj(*(conj(eff.victim[e], sel[e]) for e in range(n)))),
+        )
+        self.flag(
+            "P5_victim_protection",
+            "a pass evicts an expert its step requests while one outside the step stays",
+            conj(
+                cond,
+                disj(*(conj(eff.victim[e], step[e]) for e in range(n))),
+                disj(*(conj(new.inlru[e], neg(step[e])) for e in range(n))),
+            ),
         )
         self.flag(
             "P3_forward_map_exact",
@@ -379,6 +421,10 @@ class DataRun:
             ghost=_mh(cond, ghost.host, d.ghost),
             gerr=ite(cond, disj(d.gerr, error), d.gerr),
             cache=d.cache if self.tied else _mh(cond, new, d.cache),
+            gstep=tuple(merge(cond, x, y) for x, y in zip(gnew, d.gstep, strict=True)),
+            cstep=d.cstep
+            if self.tied
+            else tuple(merge(cond, x, y) for x, y in zip(cnew, d.cstep, strict=True)),
             me=me,
             ms=ms,
             n_miss=cnt,
@@ -484,6 +530,11 @@ def wellformed(d: Data, bounds: Bounds, top: int) -> Bool:
             for f in range(e + 1, n):
                 parts.append(implies(h.slot[e] != NO_SLOT, h.slot[e] != h.slot[f]))
                 parts.append(implies(conj(h.inlru[e], h.inlru[f]), h.rank[e] != h.rank[f]))
+    for order in [d.gstep] if d.cstep == () else [d.gstep, d.cstep]:
+        for e in range(n):
+            parts.append(conj(order[e] >= NO_SLOT, order[e] < n))
+            for f in range(e + 1, n):
+                parts.append(implies(order[e] >= 0, order[e] != order[f]))
     c = d.ghost if d.cache == () else d.cache
     for e in range(n):
         parts.append(implies(c.slot[e] != NO_SLOT, select(c.slot[e], d.slots, NO_SLOT) == e))

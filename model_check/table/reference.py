@@ -11,7 +11,7 @@ that a mutant is a change of a name in the table and nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,6 +42,9 @@ class HostState(NamedTuple):
     slot_of: tuple[int, ...]  # resident-map mirror: slot of each expert, NO_SLOT if absent
     owner: int  # stream of the previous accepted prepare, NO_STREAM before the first
     forward: tuple[tuple[int, int], ...] | None  # (expert, slot) exposed by the last prepare
+    # The order in which the passes of the current step expose its experts (`step_order`),
+    # fixed by the step's first pass; () on the host path, whose calls are one pass each.
+    step: tuple[int, ...] = ()
 
 
 class Counters(NamedTuple):
@@ -124,10 +127,15 @@ def _plan_prepare(
     ids: Sequence[int],
     stream: int,
     *,
+    step: Collection[int] = (),
     protect_requested: bool = True,
     forward_from_resident: bool = False,
     clear_victim_entry: bool = True,
 ) -> Effect:
+    """One pass: expose `ids` (the pass's group). `step` is every expert the step that this pass
+    belongs to requests (its other passes' groups too; the group alone when empty): victims are
+    taken from the residents outside the step first, least recently used first, and from the
+    step's experts that other passes expose only when none is left (P5 for the whole step)."""
     ids = sorted(ids)
     requested = set(ids)
     slot_of = list(host.slot_of)
@@ -138,8 +146,12 @@ def _plan_prepare(
     # Slots are looked up for hits before misses are placed, as an implementation would.
     placed = {e: slot_of[e] for e in hits}
     misses = [e for e in ids if slot_of[e] == NO_SLOT]
-    # Victims: least recently used first, never one this call asks for.
+    # Victims: least recently used first, never one this call asks for; outside the step first.
+    in_step = set(step)
     candidates = [e for e in lru if e not in requested] if protect_requested else list(lru)
+    candidates = [e for e in candidates if e not in in_step] + [
+        e for e in candidates if e in in_step
+    ]
     copies: list[tuple[int, int]] = []
     victims: list[int] = []
     for e in misses:
@@ -164,7 +176,13 @@ def _plan_prepare(
     changed = tuple(slot_of) != host.slot_of
     owner_change = host.owner not in (NO_STREAM, stream)
     return Effect(
-        host=HostState(lru=tuple(lru), slot_of=tuple(slot_of), owner=host.owner, forward=forward),
+        host=HostState(
+            lru=tuple(lru),
+            slot_of=tuple(slot_of),
+            owner=host.owner,
+            forward=forward,
+            step=host.step,
+        ),
         copies=tuple(copies),
         victims=tuple(victims),
         hits=hits,
@@ -179,12 +197,42 @@ def _plan_prepare(
     )
 
 
+def step_order(slot_of: Sequence[int], ids: Collection[int]) -> tuple[int, ...]:
+    """The order in which a step's passes expose its experts (pass p: positions [p*C, (p+1)*C)):
+    the requested experts resident when the step starts (its hits) first, then the others,
+    each in ascending id order. Every hit is then served by the first pass, before any copy can
+    evict it, and later passes only copy."""
+    requested = sorted(set(ids))
+    hits = [e for e in requested if slot_of[e] != NO_SLOT]
+    return tuple(hits + [e for e in requested if slot_of[e] == NO_SLOT])
+
+
 def plan_prepare(
     host: HostState, counters: Counters, bounds: Bounds, args: Args, stream: int
 ) -> Effect:
+    """`args`: (ids,) or (ids, step). `step`, every expert of the step whose group `ids` is
+    (a provider's `prepare(topk_ids, unique_ids=group)`: topk_ids' experts), is protected
+    after `ids` (`_plan_prepare`). The searches explore (ids,), a call that is its own step:
+    which slot a miss takes does not change the ordering they check; the step-wide choice is
+    checked by the device path's model, whose passes are steps, and by the conformance tests."""
     ids = args[0]
     assert isinstance(ids, tuple)
-    return _plan_prepare(host, counters, bounds, ids, stream)
+    step = args[1] if len(args) > 1 else ()
+    assert isinstance(step, tuple)
+    return _plan_prepare(host, counters, bounds, ids, stream, step=step)
+
+
+def plan_step_pass(
+    host: HostState,
+    counters: Counters,
+    bounds: Bounds,
+    group: Sequence[int],
+    step: Collection[int],
+    stream: int,
+) -> Effect:
+    """One pass of a step: expose `group`, protecting every expert of `step` (the step's
+    groups are `step_order` cut into `capacity`)."""
+    return _plan_prepare(host, counters, bounds, group, stream, step=step)
 
 
 def plan_invalidate(

@@ -214,9 +214,11 @@ def _sym_plan_prepare(
     protect_requested: bool = True,
     forward_from_resident: bool = False,
     clear_victim_entry: bool = True,
+    step: tuple[Bool, ...] | None = None,
 ) -> SymEffect:
     """reference._plan_prepare: misses take free slots lowest first (in id order), then the
-    slots of victims, least recently used first among the candidates."""
+    slots of victims, least recently used first among the candidates; with `step` (the experts
+    the pass's step requests), candidates outside the step first."""
     n, cap = bounds.num_experts, bounds.capacity
     req, slot, inlru, rank = args.req, host.slot, host.inlru, host.rank
     miss = tuple(conj(req[e], slot[e] == NO_SLOT) for e in range(n))
@@ -225,7 +227,25 @@ def _sym_plan_prepare(
     free_before = [count(free[:s]) for s in range(cap)]
     cand = tuple(conj(inlru[x], neg(req[x])) if protect_requested else inlru[x] for x in range(n))
     # Position of each candidate in LRU order (ranks of LRU members are distinct).
-    cpos = [count([conj(cand[y], rank[y] < rank[x]) for y in range(n) if y != x]) for x in range(n)]
+    if step is None:
+        cpos = [
+            count([conj(cand[y], rank[y] < rank[x]) for y in range(n) if y != x]) for x in range(n)
+        ]
+    else:
+        st = step
+        cpos = [
+            count(
+                [
+                    conj(
+                        cand[y],
+                        disj(conj(neg(st[y]), st[x]), conj(st[y] == st[x], rank[y] < rank[x])),
+                    )
+                    for y in range(n)
+                    if y != x
+                ]
+            )
+            for x in range(n)
+        ]
     n_miss = count(miss)
     victim = tuple(conj(cand[x], cpos[x] + n_free < n_miss) for x in range(n))
     crash = n_miss - n_free > count(cand)

@@ -144,6 +144,7 @@ class TritonKernels:
             state.first_bad,
             state.marks,
             state.order,
+            state.step_rank,
             pass_index,
             num_passes,
             state.num_experts,

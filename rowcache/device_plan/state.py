@@ -15,6 +15,9 @@ the cache's lifetime (a captured graph holds these addresses):
   the last pass needs, in ascending expert order (entries past ``miss_count`` are stale);
 * ``counters`` ``[len(COUNTERS)]`` int64 and ``first_bad`` ``[1]`` int64: what ``stats()``
   reports, and the first id outside ``[-1, E)`` seen;
+* ``step_rank`` ``[E]`` int32: the step's order, written by its first pass when the step
+  needs more than one pass (else all -1): every requested expert's position, its hits first
+  (``rowcache.device_plan.torch_planner``); later passes of the step read it;
 * ``marks`` ``[E]`` int32 and ``order`` ``[C]`` int32: scratch of the fused planner.
 
 The host never reads these on the hot path; ``read_counters`` copies them back on demand.
@@ -87,6 +90,7 @@ class DeviceCacheState:
     first_bad: Tensor
     marks: Tensor
     order: Tensor
+    step_rank: Tensor
 
 
 def new_state(num_experts: int, capacity: int, device: torch.device) -> DeviceCacheState:
@@ -110,6 +114,7 @@ def new_state(num_experts: int, capacity: int, device: torch.device) -> DeviceCa
         first_bad=full(1, 0, torch.int64),
         marks=full(num_experts, 0, torch.int32),
         order=full(capacity, 0, torch.int32),
+        step_rank=full(num_experts, -1, torch.int32),
     )
 
 

@@ -5,11 +5,15 @@ it is also capturable on CUDA. One call plans one pass of one step:
 
 1. mark the requested experts: ids in ``[0, E)``; ``-1`` is padding; anything else is counted
    as a bad id (first pass only, so each entry counts once) and otherwise ignored;
-2. the pass selects the requested experts of ascending rank ``[p*C, (p+1)*C)``: the host
-   path's expert groups (``rowcache.planning.plan_expert_groups``);
+2. the step's order: its first pass ranks the requested experts, those resident then (its
+   hits) first, then the others, each in ascending id order, and stores the ranks in
+   ``step_rank`` when the step needs more than one pass; pass ``p`` selects the requested
+   experts of rank ``[p*C, (p+1)*C)`` (``model_check.table.reference.step_order``); so the
+   first pass serves every hit before any copy can evict it, and later passes only copy;
 3. hits keep their slots; misses, in ascending id order, take the free slots in ascending slot
-   order, then the slots of the least recently used residents this pass does not select (the
-   host path's ``_plan_prepare``: in-call victim protection, same victim choice);
+   order, then the slots of the least recently used residents outside the step, then those of
+   the step's experts that other passes expose, never one this pass selects (the model's
+   ``_plan_prepare`` with the step: victim protection over the whole step);
 4. the selected experts become the most recently used, in ascending id order (stamps
    ``clock + rank``);
 5. the forward map exposes exactly the selected experts; the miss list names the copies.
@@ -37,6 +41,7 @@ from rowcache.device_plan.state import (
 __all__ = ["invalidate_expert", "plan_pass"]
 
 _NEVER = 1 << 62  # sort key of a slot that must not be taken (its expert is selected)
+_STEP_TIER = 1 << 50  # added to the key of a slot whose expert the step requests: taken last
 
 
 def _exclusive_rank(mask: Tensor) -> Tensor:
@@ -72,11 +77,26 @@ def plan_pass(state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_pa
     requested = torch.zeros(num_experts + 1, dtype=torch.bool, device=device)
     requested.scatter_(0, torch.where(valid, ids, num_experts), True)
     requested = requested[:num_experts]
-    rank = _exclusive_rank(requested)
+    if pass_index == 0:
+        # The step's order: hits first, then misses, each in ascending id order; stored for
+        # the later passes only when there are any (a short order would give them nothing).
+        hit = requested & (state.resident >= 0)
+        rest = requested & ~hit
+        fresh = torch.where(hit, _exclusive_rank(hit), hit.sum() + _exclusive_rank(rest))
+        rank = torch.where(requested, fresh, -1)
+        long = requested.sum() > capacity
+        state.step_rank.copy_(torch.where(long & requested, fresh, -1))
+    else:
+        rank = state.step_rank.to(torch.int64)
     low = pass_index * capacity
     selected = requested & (rank >= low) & (rank < low + capacity)
+    # The step's experts this pass protects: the stored order's that these ids request (the
+    # pass's own when none is stored).
+    stored = state.step_rank >= 0
+    in_step = torch.where(stored.any(), stored & requested, selected)
     if pass_index == num_passes - 1:
-        counters[OVERFLOW] += (requested & (rank >= num_passes * capacity)).sum()
+        over = requested.sum() - num_passes * capacity
+        counters[OVERFLOW] += over.clamp(min=0)
 
     experts = torch.arange(num_experts, device=device)
     slots = torch.arange(capacity, device=device)
@@ -86,12 +106,16 @@ def plan_pass(state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_pa
     n_selected = selected.sum()
     n_miss = miss.sum()
 
-    # Victim order: free slots by slot number, then unselected residents by stamp (oldest
-    # first); slots of selected experts never.
+    # Victim order: free slots by slot number, then residents outside the step by stamp
+    # (oldest first), then the step's other experts by stamp; slots of selected experts never.
     owners = state.owners.to(torch.int64)
     free = owners < 0
-    owner_selected = selected[owners.clamp(min=0)] & ~free
-    key = torch.where(free, slots, torch.where(owner_selected, _NEVER, capacity + state.stamps))
+    owned = owners.clamp(min=0)
+    owner_selected = selected[owned] & ~free
+    tier = torch.where(in_step[owned], _STEP_TIER, 0)
+    key = torch.where(
+        free, slots, torch.where(owner_selected, _NEVER, capacity + tier + state.stamps)
+    )
     order = torch.argsort(key, stable=True)
     assigned = order[miss_rank.clamp(max=capacity - 1)]
     evicted = owners[assigned]
@@ -102,7 +126,8 @@ def plan_pass(state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_pa
     _scatter(state.owners, assigned, experts, miss)
     slot_now = torch.where(miss, assigned, slot_of)
     clock = state.clock[0]
-    _scatter(state.stamps, slot_now, clock + rank - low, selected)
+    # Selected experts become the most recently used in ascending id order.
+    _scatter(state.stamps, slot_now, clock + _exclusive_rank(selected), selected)
     state.clock.add_(n_selected)
 
     state.forward.copy_(torch.where(selected, slot_now, -1))

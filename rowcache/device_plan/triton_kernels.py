@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 NEVER = tl.constexpr(1 << 52)  # sort key of a slot that must not be taken; stamps stay far below it
+STEP_TIER = tl.constexpr(1 << 44)  # added to the key of a slot whose expert the step requests
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def plan_kernel(
     first_bad_ptr,
     marks_ptr,
     order_ptr,
+    step_rank_ptr,
     pass_index,
     num_passes,
     E,
@@ -72,32 +74,64 @@ def plan_kernel(
             first_k = tl.minimum(first_k, tl.min(tl.where(bad, k.to(tl.int64), n_ids), axis=0))
     tl.debug_barrier()
 
-    # 2. This pass selects the requested experts of rank [pass*C, (pass+1)*C).
+    # 2. The step's order (hits first, then misses, each in ascending id order), fixed by its
+    #    first pass and stored for the later ones when there are any; this pass selects the
+    #    requested experts of rank [pass*C, (pass+1)*C).
     requested = (tl.load(marks_ptr + e, mask=e_in, other=0) > 0) & e_in
     req_i = requested.to(tl.int32)
-    rank = tl.cumsum(req_i, axis=0) - req_i
+    slot_of = tl.load(resident_ptr + e, mask=e_in, other=0)
+    if FIRST_PASS:
+        if MUTANT == 5:  # noqa: SIM108 (constexpr branch) seeded bug: the step in id order
+            hit = requested & (slot_of < -1)
+        else:
+            hit = requested & (slot_of >= 0)
+        hit_i = hit.to(tl.int32)
+        rest_i = (requested & ~hit).to(tl.int32)
+        fresh = tl.where(
+            hit,
+            tl.cumsum(hit_i, axis=0) - hit_i,
+            tl.sum(hit_i, axis=0) + tl.cumsum(rest_i, axis=0) - rest_i,
+        )
+        rank = tl.where(requested, fresh, -1)
+        long = tl.sum(req_i, axis=0) > C
+        tl.store(step_rank_ptr + e, tl.where(requested & long, fresh, -1), mask=e_in)
+        stored = requested & long
+    else:
+        rank = tl.load(step_rank_ptr + e, mask=e_in, other=-1)
+        stored = (rank >= 0) & e_in
     low = pass_index * C
     selected = requested & (rank >= low) & (rank < low + C)
-    slot_of = tl.load(resident_ptr + e, mask=e_in, other=0)
+    # The step's experts this pass protects: the stored order's that these ids request.
+    any_stored = tl.sum(stored.to(tl.int32), axis=0) > 0
+    if MUTANT == 6:  # noqa: SIM108 (constexpr branch) seeded bug: only the pass's own experts are protected
+        in_step = selected
+    else:
+        in_step = tl.where(any_stored, stored & requested, selected)
     miss = selected & (slot_of < 0)
     miss_i = miss.to(tl.int32)
     miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+    sel_i = selected.to(tl.int32)
+    sel_rank = tl.cumsum(sel_i, axis=0) - sel_i
     n_selected = tl.sum(selected.to(tl.int64), axis=0)
     n_miss = tl.sum(miss_i, axis=0)
 
-    # 3. Victim order: free slots by number, then unselected residents oldest first.
+    # 3. Victim order: free slots by number, then residents outside the step oldest first,
+    #    then the step's other experts oldest first; never a selected expert's slot. The
+    #    marks now hold 2 for a selected expert, 1 for another of the step's, 0 elsewhere.
     tl.debug_barrier()
-    tl.store(marks_ptr + e, selected.to(tl.int32), mask=e_in)
+    tl.store(marks_ptr + e, selected.to(tl.int32) + in_step.to(tl.int32), mask=e_in)
     tl.debug_barrier()
     owners = tl.load(owners_ptr + s, mask=s_in, other=-1)
     free = owners < 0
-    owner_selected = tl.load(marks_ptr + owners, mask=s_in & ~free, other=0) > 0
+    owner_mark = tl.load(marks_ptr + owners, mask=s_in & ~free, other=0)
+    owner_selected = owner_mark > 1
+    tier = tl.where(owner_mark > 0, STEP_TIER, 0).to(tl.int64)
     stamps = tl.load(stamps_ptr + s, mask=s_in, other=0)
     s64 = s.to(tl.int64)
     if MUTANT == 1:  # seeded bug: a selected expert's slot may be taken
-        key = tl.where(free, s64, C + stamps)
+        key = tl.where(free, s64, C + tier + stamps)
     else:
-        key = tl.where(free, s64, tl.where(owner_selected, NEVER, C + stamps))
+        key = tl.where(free, s64, tl.where(owner_selected, NEVER, C + tier + stamps))
     key = tl.where(s_in, key, NEVER)
     ordered = tl.sort(key * BLOCK_C + s64)
     tl.store(order_ptr + s, (ordered % BLOCK_C).to(tl.int32), mask=s_in)
@@ -117,9 +151,9 @@ def plan_kernel(
     slot_now = tl.where(miss, assigned, slot_of)
     clock = tl.load(clock_ptr)
     if MUTANT == 4:  # seeded bug: hits keep their old stamps
-        tl.store(stamps_ptr + slot_now, clock + (rank - low).to(tl.int64), mask=miss)
+        tl.store(stamps_ptr + slot_now, clock + sel_rank.to(tl.int64), mask=miss)
     else:
-        tl.store(stamps_ptr + slot_now, clock + (rank - low).to(tl.int64), mask=selected)
+        tl.store(stamps_ptr + slot_now, clock + sel_rank.to(tl.int64), mask=selected)
     if MUTANT == 2:  # seeded bug: entries of the previous pass stay in the forward map
         tl.store(forward_ptr + e, slot_now, mask=selected)
     else:
@@ -149,8 +183,8 @@ def plan_kernel(
         tl.store(first_bad_ptr, tl.where((bad_before == 0) & (n_bad > 0), first_id, old_first))
         tl.store(counters_ptr + 5, bad_before + n_bad)
     if LAST_PASS:
-        over = requested & (rank >= num_passes * C)
-        tl.store(counters_ptr + 6, tl.load(counters_ptr + 6) + tl.sum(over.to(tl.int64), axis=0))
+        over = tl.maximum(tl.sum(req_i.to(tl.int64), axis=0) - num_passes * C, 0)
+        tl.store(counters_ptr + 6, tl.load(counters_ptr + 6) + over)
 
 
 @triton.jit

@@ -556,6 +556,8 @@ MUTANTS = {
     "forward_entry_left_from_previous_pass": 2,
     "gather_past_miss_count": 3,
     "hits_keep_old_stamps": 4,
+    "step_exposed_in_id_order": 5,
+    "protection_limited_to_the_pass": 6,
 }
 
 
