@@ -186,6 +186,16 @@ def plan_pass(dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bound
 def plan_pass_protects_pass_only(
     dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
 ) -> PlanOut:
+    """Protection limited to the pass, the passes in id order. With the hits first, limiting
+    the protection to the pass changes nothing: the first pass exposes every requested
+    resident and fills the slots it does not keep, so no later pass finds a resident outside
+    the step (`plan_pass_protects_pass_only_hits_first`, equivalent to `plan_pass`)."""
+    return _plan(dev, ids, p, passes, bounds, protect_step=False, hits_first=False)
+
+
+def plan_pass_protects_pass_only_hits_first(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
     return _plan(dev, ids, p, passes, bounds, protect_step=False)
 
 
@@ -253,6 +263,7 @@ FUNCTIONS: dict[str, dict[str, object]] = {
         "plan_pass": plan_pass,
         "plan_pass_unprotected_victim": plan_pass_unprotected_victim,
         "plan_pass_protects_pass_only": plan_pass_protects_pass_only,
+        "plan_pass_protects_pass_only_hits_first": plan_pass_protects_pass_only_hits_first,
         "plan_pass_hits_not_first": plan_pass_hits_not_first,
         "plan_pass_stale_forward": plan_pass_stale_forward,
         "plan_pass_resets_errors": plan_pass_resets_errors,

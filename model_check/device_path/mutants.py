@@ -98,8 +98,9 @@ DEVICE_MUTANTS: tuple[DeviceMutant, ...] = (
     DeviceMutant(
         "dp_protects_pass_only",
         "P5_victim_protection",
-        "the planner protects only the experts its pass exposes, so a pass may evict a resident "
-        "that another pass of the same step requests while a victim outside the step exists",
+        "the planner protects only the experts its pass exposes and orders the step by id, so "
+        "a pass may evict a resident that another pass of the same step requests while a "
+        "victim outside the step exists",
         _steps(FORWARDS, _fn("plan", "plan_pass_protects_pass_only")),
     ),
     DeviceMutant(

@@ -341,14 +341,15 @@ class DataRun:
         else:
             # The reference's choice on the shadow's state (P3 and P5 below), and the shadow's.
             sel, step, _ = self.order(d.cache, d.cstep, p, True)
-            csel, cstep, cnew = self.order(d.cache, d.cstep, p, fn != "plan_pass_hits_not_first")
+            by_id = ("plan_pass_hits_not_first", "plan_pass_protects_pass_only")
+            csel, cstep, cnew = self.order(d.cache, d.cstep, p, fn not in by_id)
             eff = _sym_plan_prepare(
                 d.cache,
                 SymArgs(csel, False, 0),
                 bounds,
                 top,
                 protect_requested=fn != "plan_pass_unprotected_victim",
-                step=None if fn == "plan_pass_protects_pass_only" else cstep,
+                step=None if fn.startswith("plan_pass_protects_pass_only") else cstep,
             )
             self.crash.append(conj(cond, eff.crash))
         new = eff.host

@@ -81,7 +81,7 @@ def plan_kernel(
     req_i = requested.to(tl.int32)
     slot_of = tl.load(resident_ptr + e, mask=e_in, other=0)
     if FIRST_PASS:
-        if MUTANT == 5:  # noqa: SIM108 (constexpr branch) seeded bug: the step in id order
+        if MUTANT >= 5:  # noqa: SIM108 (constexpr branch) seeded bugs 5 and 6: id order
             hit = requested & (slot_of < -1)
         else:
             hit = requested & (slot_of >= 0)
@@ -103,7 +103,10 @@ def plan_kernel(
     selected = requested & (rank >= low) & (rank < low + C)
     # The step's experts this pass protects: the stored order's that these ids request.
     any_stored = tl.sum(stored.to(tl.int32), axis=0) > 0
-    if MUTANT == 6:  # noqa: SIM108 (constexpr branch) seeded bug: only the pass's own experts are protected
+    # Seeded bug 6: only the pass's own experts are protected, and (5's) the passes follow
+    # id order; with the hits first, pass-only protection alone spares the step's experts
+    # anyway (tests/test_device_path_model.py shows the two equivalent).
+    if MUTANT == 6:  # noqa: SIM108 (a branch on a constexpr)
         in_step = selected
     else:
         in_step = tl.where(any_stored, stored & requested, selected)
@@ -128,8 +131,8 @@ def plan_kernel(
     tier = tl.where(owner_mark > 0, STEP_TIER, 0).to(tl.int64)
     stamps = tl.load(stamps_ptr + s, mask=s_in, other=0)
     s64 = s.to(tl.int64)
-    if MUTANT == 1:  # seeded bug: a selected expert's slot may be taken
-        key = tl.where(free, s64, C + tier + stamps)
+    if MUTANT == 1:  # seeded bug: any resident's slot may be taken, oldest first
+        key = tl.where(free, s64, C + stamps)
     else:
         key = tl.where(free, s64, tl.where(owner_selected, NEVER, C + tier + stamps))
     key = tl.where(s_in, key, NEVER)
