@@ -105,7 +105,9 @@ DEVICE_MUTANTS: tuple[DeviceMutant, ...] = (
     ),
     DeviceMutant(
         "dp_hits_not_first",
-        "P3_forward_map_exact",
+        # Its first pass evicts a resident that a later pass of the step requests while it
+        # could have exposed it (P5); z3's first counterexample is the exposure itself (P3).
+        "P5_victim_protection",
         "the step's passes expose its experts in id order instead of its hits first, so a pass "
         "may copy into the slot of a hit that a later pass then copies back",
         _steps(FORWARDS, _fn("plan", "plan_pass_hits_not_first")),
