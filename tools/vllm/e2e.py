@@ -1,8 +1,8 @@
 """End-to-end run of the rowcache vLLM plugin on a GPU machine (issue 5, section 5).
 
     python3 tools/vllm/e2e.py run --out OUTDIR [--phases tiny,mp,qwen8,story] [--profile]
-        [--deadline S] [--work DIR]
-    python3 tools/vllm/e2e.py merge --out OUTDIR A/results.json B/results.json ...
+        [--deadline S] [--work DIR] [--only LABEL,...] [--resume]
+    python3 tools/vllm/e2e.py merge --out OUTDIR A/results.json B/records.jsonl ...
 
 (or ``python3 -m tools.vllm.e2e ...`` from the repository root). One device call is limited to
 about 9.5 minutes, so the phases run in several calls (each after the bundle's assemble step
@@ -48,6 +48,16 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
 * ``rerun``: the 2026-11-29 second run: ``tiny.piecewise.eager_moe`` with and without an identity
   ``expert_map``, and the ``qwen8`` engines (b) (also with an identity ``expert_map``), (c)
   ``row`` and (d) in one phase.
+* ``steps``, ``steps_skew``: the steps comparison (issue 18, item 4) on the 8-layer
+  checkpoint, plain and built with ``--router-skew 1.0``: one engine at a time, each measuring
+  b1, b8 and b32 decode of 256 greedy tokens (medians of three) and the time to first token of
+  three distinct 2,048-token prompts (``harness/measure.py``) before a deadline of its own
+  (``orchestrate.engine_deadline``); engines ``none.full``, ``uva675.full``,
+  ``prefetch.full``, ``row32dev.full``, ``none.eager``, ``row32dev.eager``
+  (``engines.steps``; ``--only`` picks some, ``--resume`` skips those an earlier call on the
+  same machine completed). Each engine's record goes to OUTDIR/records.jsonl as it ends; the
+  summary compares tokens sequence by sequence and marks issue 18's targets
+  (``harness/steps_report.py``).
 * ``story``: 24 layers of those shapes (about 30 GB of weights) under a GPU budget of
   ``gpu_memory_utilization`` 0.10: no cache (expected not to start), then ``row`` with 32 slots.
 
@@ -112,13 +122,36 @@ def main(argv: list[str] | None = None) -> int:
         help=f"qwen8: profile {', '.join(profiled)} after their timed runs",
     )
     ap.add_argument("--deadline", type=float, default=540.0)
+    ap.add_argument(
+        "--only",
+        default="",
+        help="steps, steps_skew: these engines only, by label ("
+        + ", ".join(engines.STEPS_LABELS)
+        + ")",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="steps, steps_skew: skip the engines whose complete records an earlier call on "
+        "this machine left in WORK/records.jsonl (and include them)",
+    )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
         if not ns.inputs:
-            ap.error("merge needs one or more results.json files")
+            ap.error("merge needs one or more results.json or records.jsonl files")
         return orchestrate.merge(ns.inputs, ns.out)
+    only = tuple(label for label in ns.only.split(",") if label)
+    unknown = sorted(set(only) - set(engines.STEPS_LABELS))
+    if unknown:
+        ap.error(f"--only: unknown engines {unknown}; known: {', '.join(engines.STEPS_LABELS)}")
     return orchestrate.run(
-        Path(ns.out), Path(ns.work), ns.phases.split(","), ns.profile, ns.deadline
+        Path(ns.out),
+        Path(ns.work),
+        ns.phases.split(","),
+        ns.profile,
+        ns.deadline,
+        only,
+        ns.resume,
     )
 
 

@@ -4,9 +4,11 @@
 * ``engines``, ``reruns``: the engines of each phase; ``phases``: the phases, in run order.
 * ``checkpoints``: building the random-weight checkpoints.
 * ``orchestrate``: ``run`` (engines as child processes, phase by phase) and ``merge``.
-* ``child``: what runs inside one engine's process; ``probes``: what it runs where the model is.
+* ``child``: what runs inside one engine's process; ``probes``: what it runs where the model is;
+  ``measure``: what an engine with a workload measures, in turn, before its deadline.
 * ``profiling``: the MoE forward's profile (``run --profile``).
-* ``summary``: the printed summary; ``records``: references of results recorded before specs
+* ``summary``: the printed summary (``steps_report``: the steps comparison's tables, token
+  comparisons and targets); ``records``: references of results recorded before specs
   carried their own.
 * ``register_probe``: the plugin's registration cost in a fresh process.
 

@@ -18,19 +18,40 @@ from pathlib import Path
 from typing import IO, Any
 
 from tools.vllm.harness import probes
+from tools.vllm.harness.measure import Completion, run_workload
+from tools.vllm.harness.measure import totals as measure_totals
 from tools.vllm.harness.profiling import profile
-from tools.vllm.harness.specs import EngineSpec, Job, Mode
+from tools.vllm.harness.specs import OFFLOAD_SET_ARGS, EngineSpec, Job, Mode
 
 JOB_SUFFIX = ".job.json"
 RESULT_SUFFIX = ".result.json"
 
 
+DEADLINE_MARGIN_S = 15.0
+"""A workload's measurements end this long before the job's deadline (writing the result and
+leaving take the rest; the orchestrator stops the process after the deadline)."""
+
+
 def main(job_path: str) -> None:
     job = Job.from_json(json.loads(Path(job_path).read_text()))
-    res = run(job)
-    Path(job_path.replace(JOB_SUFFIX, RESULT_SUFFIX)).write_text(json.dumps(res))
+    out = Path(job_path.replace(JOB_SUFFIX, RESULT_SUFFIX))
+    res = run(job, lambda partial: write_atomic(out, partial))
+    write_atomic(out, res)
     print("CHILD_DONE", res["name"], res["ok"], res.get("error", ""), flush=True)
     os._exit(0)  # skip vLLM's shutdown path; the process holds nothing to flush
+
+
+def write_atomic(path: Path, data: dict[str, Any]) -> None:
+    """``data`` as JSON at ``path``, never half written (a process stopped from outside leaves
+    the previous version)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def llm_arguments(kw: dict[str, Any]) -> dict[str, Any]:
+    """``engine_kwargs`` as ``vllm.LLM`` takes them: vLLM's set-typed arguments as sets."""
+    return {k: set(v) if k in OFFLOAD_SET_ARGS else v for k, v in kw.items()}
 
 
 def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
@@ -72,6 +93,12 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
         kw["compilation_config"] = cc
     if spec.knob is not None:
         kw["additional_config"] = {"rowcache": spec.knob.config()}
+    if spec.offload is not None:
+        kw.update(spec.offload.engine_args())
+    if spec.max_position_embeddings is not None:
+        kw["hf_overrides"] = {"max_position_embeddings": spec.max_position_embeddings}
+    if spec.prefix_caching is not None:
+        kw["enable_prefix_caching"] = spec.prefix_caching
     return kw
 
 
@@ -92,7 +119,103 @@ def totals(per_layer: list[dict[str, Any]]) -> dict[str, int]:
     return {k: sum(int(s.get(k, 0)) for s in per_layer) for k in keys}
 
 
-def run(job: Job) -> dict[str, Any]:
+def completions(outs: list[Any]) -> list[Completion]:
+    """vLLM's ``RequestOutput``s as :class:`Completion`s (vLLM's own time to first token
+    where it reports one: ``metrics.first_token_latency``, kept only with stats logging)."""
+    found = []
+    for o in outs:
+        latency = getattr(getattr(o, "metrics", None), "first_token_latency", None)
+        first = float(latency) if isinstance(latency, int | float) and latency > 0 else None
+        found.append(Completion(list(o.outputs[0].token_ids), first))
+    return found
+
+
+def workload(
+    job: Job, llm: Any, rpc: Any, result: dict[str, Any], save: Any, sampling: Any
+) -> None:
+    """The spec's workload (``harness/measure.py``) and the route the MoE op took."""
+    spec = job.spec
+    assert spec.workload is not None
+    deadline = (job.deadline or time.time() + 3600.0) - DEADLINE_MARGIN_S
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        sp = sampling(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        return completions(llm.generate(batch, sp, use_tqdm=False))
+
+    def stats() -> list[dict[str, Any]] | None:
+        found: list[dict[str, Any]] | None = rpc(probes.stats, None) if spec.caches else None
+        return found
+
+    def keep(partial: dict[str, Any]) -> None:
+        result["steps"] = partial
+        save({**result, "partial": True})
+
+    result["steps"] = run_workload(spec.workload, generate, deadline, time.time, stats, keep)
+    if spec.caches:
+        result["route"] = rpc(probes.routes, None)
+        after = stats()
+        if after:
+            result["cache"] = {
+                "since_start": measure_totals(after),
+                "layers": len(after),
+                "capacity": after[0].get("capacity"),
+                "provider": after[0].get("provider"),
+                "split": after[0].get("split"),
+            }
+
+
+def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) -> None:
+    """One timed generation of the spec's prompts, ``repeats`` times (and the profile)."""
+    spec = job.spec
+    if spec.identity_expert_map:
+        result["identity_expert_map_layers"] = llm.apply_model(probes.identity_expert_map)[0]
+
+    prompts = [{"prompt_token_ids": list(p)} for p in spec.prompts]
+    sp = sampling(max_tokens=spec.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up (first Triton compiles)
+    lock = wait_turn(job)
+    try:
+        before_layers = rpc(probes.stats, None)
+        times: list[float] = []
+        runs: list[list[list[int]]] = []
+        for _ in range(spec.repeats):
+            t = time.time()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            times.append(time.time() - t)
+            runs.append([list(o.outputs[0].token_ids) for o in outs])
+        after_layers = rpc(probes.stats, None)
+        if job.profile_out is not None:
+            try:
+                result["profile"] = profile(llm, spec.name, Path(job.profile_out), prompts)
+            except Exception as exc:  # the timed results stand without the profile
+                result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
+                result["profile_traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+    assert runs
+    generated = spec.max_tokens * len(prompts)
+    result["tokens"] = runs[-1]
+    result["repeats_identical"] = all(r == runs[0] for r in runs)
+    result["tok_s_runs"] = [round(generated / t, 1) for t in times]
+    result["tok_s"] = round(generated / statistics.median(times), 1)
+    if after_layers and before_layers is not None:
+        before, after = totals(before_layers), totals(after_layers)
+        delta = {k: after[k] - before[k] for k in after}
+        requests = delta["hits"] + delta["misses"]
+        result["cache"] = {
+            "timed": delta,
+            "hit_rate": round(delta["hits"] / requests, 4) if requests else None,
+            "layers": len(after_layers),
+            "capacity": after_layers[0]["capacity"],
+            "provider": after_layers[0]["provider"],
+            "split": after_layers[0]["split"],
+            "since_start": after,
+        }
+
+
+def run(job: Job, save: Any = None) -> dict[str, Any]:
     spec = job.spec
     result: dict[str, Any] = {"name": spec.name, "spec": spec.to_json(), "ok": False}
     result["job"] = {k: v for k, v in job.to_json().items() if k != "spec"}
@@ -110,7 +233,7 @@ def run(job: Job) -> dict[str, Any]:
         kw = engine_kwargs(spec, job.model)
         result["llm_kwargs"] = kw
         t1 = time.time()
-        llm = LLM(**kw)
+        llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)
         result["multiprocess"] = multiprocess
         result["client_pid"] = os.getpid()
@@ -130,53 +253,17 @@ def run(job: Job) -> dict[str, Any]:
         result["cudagraph_mode"] = str(cc_final.cudagraph_mode.name)
         result["moe_split"] = [op for op in (cc_final.splitting_ops or []) if op in MOE_OPS]
         result["probe"] = rpc(probes.probe, {})
-        if spec.identity_expert_map:
-            result["identity_expert_map_layers"] = llm.apply_model(probes.identity_expert_map)[0]
-
-        prompts = [{"prompt_token_ids": list(p)} for p in spec.prompts]
-        sp = SamplingParams(
-            max_tokens=spec.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
-        )
-        llm.generate(prompts, sp, use_tqdm=False)  # warm-up (first Triton compiles)
-        lock = wait_turn(job)
-        try:
-            before_layers = rpc(probes.stats, None)
-            times: list[float] = []
-            runs: list[list[list[int]]] = []
-            for _ in range(spec.repeats):
-                t = time.time()
-                outs = llm.generate(prompts, sp, use_tqdm=False)
-                times.append(time.time() - t)
-                runs.append([list(o.outputs[0].token_ids) for o in outs])
-            after_layers = rpc(probes.stats, None)
-            if job.profile_out is not None:
-                try:
-                    result["profile"] = profile(llm, spec.name, Path(job.profile_out), prompts)
-                except Exception as exc:  # the timed results stand without the profile
-                    result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
-                    result["profile_traceback"] = traceback.format_exc()[-3000:]
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
-        assert runs
-        generated = spec.max_tokens * len(prompts)
-        result["tokens"] = runs[-1]
-        result["repeats_identical"] = all(r == runs[0] for r in runs)
-        result["tok_s_runs"] = [round(generated / t, 1) for t in times]
-        result["tok_s"] = round(generated / statistics.median(times), 1)
-        if after_layers and before_layers is not None:
-            before, after = totals(before_layers), totals(after_layers)
-            delta = {k: after[k] - before[k] for k in after}
-            requests = delta["hits"] + delta["misses"]
-            result["cache"] = {
-                "timed": delta,
-                "hit_rate": round(delta["hits"] / requests, 4) if requests else None,
-                "layers": len(after_layers),
-                "capacity": after_layers[0]["capacity"],
-                "provider": after_layers[0]["provider"],
-                "split": after_layers[0]["split"],
-                "since_start": after,
-            }
+        if spec.offload is not None:
+            result["offloader"] = rpc(probes.offloader, None)
+        if spec.workload is not None:
+            lock = wait_turn(job)
+            try:
+                workload(job, llm, rpc, result, save or (lambda _r: None), SamplingParams)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                lock.close()
+        else:
+            single(job, llm, rpc, result, SamplingParams)
         result["ok"] = True
     except BaseException as exc:  # recorded, not hidden: the summary prints it
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -8,11 +8,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.vllm.harness.specs import Checkpoint, EngineSpec, Knob, Mode, Provider, Split
+from tools.vllm.harness.specs import (
+    Checkpoint,
+    EngineSpec,
+    Knob,
+    Mode,
+    Offload,
+    OffloadBackend,
+    Planner,
+    Provider,
+    Split,
+    Workload,
+)
 
 TINY = Checkpoint("tiny-moe", foreground=True)
 QWEN8 = Checkpoint("qwen8", qwen3_30b_a3b=True, layers=8)
 QWEN24 = Checkpoint("qwen24", qwen3_30b_a3b=True, layers=24)
+QWEN8_SKEW = Checkpoint("qwen8-skew", qwen3_30b_a3b=True, layers=8, router_skew=1.0)
 
 TINY_PROMPTS = (
     (1, 17, 42, 99, 123, 7),
@@ -197,3 +209,90 @@ def story() -> list[EngineSpec]:
         )
 
     return [engine(STORY_NONE), engine("story.row32", Knob(size=32, provider=Provider.ROW))]
+
+
+# -- the steps comparison (issue 18, item 4) --------------------------------------------------
+
+STEPS_PREFIX = {QWEN8: "steps.plain", QWEN8_SKEW: "steps.skew"}
+STEPS_WORKLOAD = Workload()
+STEPS_LABELS = (
+    "none.full",
+    "uva675.full",
+    "prefetch.full",
+    "row32dev.full",
+    "none.eager",
+    "row32dev.eager",
+)
+"""The engines of one checkpoint, in the order they run (``--only`` picks among them)."""
+UVA_OFFLOAD = Offload(OffloadBackend.UVA, cpu_offload_gb=6.75, cpu_offload_params=("experts",))
+"""6.75 of the 9.0 GiB of experts in pinned host memory, read through unified addressing."""
+PREFETCH_OFFLOAD = Offload(
+    OffloadBackend.PREFETCH, group_size=8, num_in_group=7, prefetch_step=1, params=("experts",)
+)
+"""Layers 1 to 7's experts offloaded, one layer's copied ahead into one static buffer: 1.125
+GiB resident and 1.125 GiB in flight, the 2.25 GiB of 32 slots per layer."""
+
+# Estimated seconds (start, then everything once / with every repeat), from the recorded runs
+# (docs/vllm, ../shared/DESIGN.md section 9): a compiled engine starts in 70 to 95 s, an eager
+# one in about 40 s; decode per step from the b1 and b8 figures, b32 copy-bound engines at
+# about 125 (UVA) to 160 ms (32 slots, hit rate near 0) per step, the prefetch offloader at
+# about 165 ms per step at every batch size (7 x 1.125 GiB per step at about 50 GB/s).
+_TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    # label: ((plain once, plain full), (skewed once, skewed full))
+    "none.full": ((90, 100), (90, 100)),
+    "uva675.full": ((150, 250), (150, 250)),
+    "prefetch.full": ((240, 500), (240, 500)),
+    "row32dev.full": ((160, 280), (120, 180)),
+    "none.eager": ((60, 80), (60, 80)),
+    "row32dev.eager": ((130, 270), (100, 170)),
+}
+
+
+def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[EngineSpec]:
+    """One checkpoint's engines of the steps comparison, each measuring ``STEPS_WORKLOAD``
+    (b1, b8 and b32 decode of 256 greedy tokens, medians of three; the time to first token of
+    three distinct 2,048-token prompts, each one step): no offload (vLLM's default full and
+    piecewise graphs); vLLM's UVA offload of 6.75 GiB of experts; vLLM's prefetch offloader
+    at the same expert memory; ``row`` with the device planner at 32 slots; no offload and the
+    device planner again in eager mode. Full-graph engines are compared with ``none.full``,
+    eager ones with ``none.eager``. ``only``: these labels (``STEPS_LABELS``), in run order."""
+    prefix = STEPS_PREFIX[checkpoint]
+    skewed = 1 if checkpoint.router_skew else 0
+    unknown = sorted(set(only) - set(STEPS_LABELS))
+    if unknown:
+        raise SystemExit(f"unknown engines {unknown}; known: {', '.join(STEPS_LABELS)}")
+    row32 = Knob(size=32, provider=Provider.ROW, planner=Planner.DEVICE)
+
+    def engine(label: str, mode: Mode, **fields: Any) -> EngineSpec:
+        once, full = _TIMES[label][skewed]
+        ref = "none.eager" if mode is Mode.EAGER else "none.full"
+        return EngineSpec(
+            name=f"{prefix}.{label}",
+            checkpoint=checkpoint,
+            prompts=(QWEN_PROMPT,),
+            max_tokens=STEPS_WORKLOAD.decode_tokens,
+            mode=mode,
+            repeats=STEPS_WORKLOAD.repeats,
+            max_model_len=2304,
+            max_num_seqs=max(STEPS_WORKLOAD.batches),
+            max_num_batched_tokens=STEPS_WORKLOAD.prefill_tokens,
+            capture_sizes=(1, 2, 4, 8, 16, 32),
+            kv_bytes=2 << 30,
+            compare_with=(f"{prefix}.{ref}",),
+            workload=STEPS_WORKLOAD,
+            max_position_embeddings=4096,
+            prefix_caching=False,
+            time_once_s=once,
+            time_full_s=full,
+            **fields,
+        )
+
+    specs = [
+        engine("none.full", Mode.DEFAULT),
+        engine("uva675.full", Mode.DEFAULT, offload=UVA_OFFLOAD),
+        engine("prefetch.full", Mode.DEFAULT, offload=PREFETCH_OFFLOAD),
+        engine("row32dev.full", Mode.DEFAULT, knob=row32),
+        engine("none.eager", Mode.EAGER),
+        engine("row32dev.eager", Mode.EAGER, knob=row32),
+    ]
+    return [s for s in specs if not only or s.name.removeprefix(prefix + ".") in only]

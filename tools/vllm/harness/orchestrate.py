@@ -29,6 +29,43 @@ from tools.vllm.harness.summary import summarize
 
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 """The command line every child process runs (``child``, ``register-probe``)."""
+RECORDS = "records.jsonl"
+"""One JSON record per engine of a budgeted phase, one a line, in the order they ended."""
+KILL_GRACE_S = 20.0
+"""An engine still running this long after its deadline is stopped (it saved what it
+measured after every generation)."""
+
+
+def engine_deadline(
+    now: float, end: float, once: float, full: float, later_once: list[float]
+) -> float | None:
+    """When an engine of a budgeted phase must end its measurements; None: not started.
+
+    It starts only with at least ``once`` (its estimate to start and measure everything once)
+    left before ``end``; it may take up to 1.5 times ``full`` (everything with every repeat),
+    but leaves the engines after it their ``once`` where it can (never less than its own)."""
+    left = end - now
+    if left < once:
+        return None
+    share = max(once, left - sum(later_once))
+    return now + min(left, share, 1.5 * full if full else left)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``records.jsonl`` (none when there is no file)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def resumable(records: list[dict[str, Any]]) -> Results:
+    """The engines that ended complete in earlier calls (``run --resume`` does not run them
+    again), by name: the last complete record of each."""
+    done: Results = {}
+    for record in records:
+        if record.get("ok") and not record.get("partial"):
+            done[record["name"]] = record
+    return done
 
 
 def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]:
@@ -55,7 +92,14 @@ class Run:
     """One ``run`` call: its directories, its deadline and the background checkpoint build."""
 
     def __init__(
-        self, out: Path, work: Path, deadline: float, profile: bool, build_done: Callable[[], bool]
+        self,
+        out: Path,
+        work: Path,
+        deadline: float,
+        profile: bool,
+        build_done: Callable[[], bool],
+        only: tuple[str, ...] = (),
+        done: Results | None = None,
     ) -> None:
         self.out = out
         self.work = work
@@ -63,8 +107,12 @@ class Run:
         self.deadline = deadline
         self.profile = profile
         self.build_done = build_done
+        self.only = only
+        self.done: Results = done or {}
+        """Complete records of earlier calls (``--resume``): not run again."""
+        self.records: list[dict[str, Any]] = list(self.done.values())
 
-    def job(self, spec: EngineSpec, barrier: Path) -> Job:
+    def job(self, spec: EngineSpec, barrier: Path, deadline: float | None = None) -> Job:
         profile_out = None
         if self.profile and spec.profiled:
             profile_out = str((self.out / f"profile_{spec.name}.txt").resolve())
@@ -72,8 +120,9 @@ class Run:
             spec=spec,
             model=str(checkpoints.location(self.work, spec.checkpoint)),
             barrier=str(barrier),
-            barrier_timeout=max(30.0, self.deadline - time.time() - 60),
+            barrier_timeout=max(30.0, (deadline or self.deadline) - time.time() - 60),
             profile_out=profile_out,
+            deadline=deadline,
         )
 
     def launch(self, job: Job) -> subprocess.Popen[bytes]:
@@ -102,25 +151,28 @@ class Run:
                 "error": f"no result (exit {proc.returncode})",
             }
         log = (self.logs / f"{spec.name}.log").read_text(errors="replace")
-        for line in log.splitlines():
-            if "Model loading took" in line:
-                res["model_loading_log"] = line.split("Model loading took", 1)[1].strip()[:120]
-            if "Input addresses for cudagraphs are different" in line:
-                res["address_assert"] = line.strip()[-300:]
+        res.update(log_facts(log))
         res["exit"] = proc.returncode
+        if res.get("partial") and not res.get("error"):
+            res["error"] = f"stopped before its measurements ended (exit {proc.returncode})"
         return res
 
-    def engines(self, specs: list[EngineSpec]) -> list[dict[str, Any]]:
-        """Start ``specs`` together, let them take turns for the timed sections, collect."""
+    def engines(
+        self, specs: list[EngineSpec], deadline: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Start ``specs`` together, let them take turns for the timed sections, collect.
+        ``deadline``: the engines' own (workloads end their measurements by it; an engine
+        still running ``KILL_GRACE_S`` after it is stopped)."""
         # A fresh barrier per group: a "go" left by an earlier group or call would start the
         # timed sections before every engine is ready.
         barrier = self.logs / f"barrier.{specs[0].name}"
         shutil.rmtree(barrier, ignore_errors=True)
         barrier.mkdir(parents=True)
-        procs = [(spec, self.launch(self.job(spec, barrier))) for spec in specs]
+        procs = [(spec, self.launch(self.job(spec, barrier, deadline))) for spec in specs]
+        stop = self.deadline if deadline is None else min(self.deadline, deadline + KILL_GRACE_S)
         # Timed sections start once every engine is ready (or gone) and the checkpoint build
         # has ended: no timed section overlaps a start-up or a build.
-        while time.time() < self.deadline:
+        while time.time() < stop:
             waiting = [
                 spec
                 for spec, proc in procs
@@ -133,15 +185,51 @@ class Run:
         results = []
         for spec, proc in procs:
             try:
-                proc.wait(timeout=max(1.0, self.deadline - time.time()))
+                proc.wait(timeout=max(1.0, stop - time.time()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
             results.append(self.collect(spec, proc))
         return results
 
+    def budgeted(self, specs: list[EngineSpec]) -> Results:
+        """One engine at a time, each by its :func:`engine_deadline`; every record appended to
+        WORK/records.jsonl and OUT/records.jsonl, and the logs packed, as soon as it ends."""
+        results: Results = {}
+        if self.only:
+            specs = [s for s in specs if _label(s) in self.only]
+        for i, spec in enumerate(specs):
+            if spec.name in self.done:
+                results[spec.name] = self.done[spec.name]
+                continue
+            later = [s.time_once_s for s in specs[i + 1 :] if s.name not in self.done]
+            now = time.time()
+            deadline = engine_deadline(
+                now, self.deadline, spec.time_once_s, spec.time_full_s, later
+            )
+            if deadline is None:
+                results[spec.name] = {
+                    "name": spec.name,
+                    "spec": spec.to_json(),
+                    "ok": False,
+                    "error": f"not run: time ({self.deadline - now:.0f} s left, needs about "
+                    f"{spec.time_once_s:.0f} s; run again with --resume)",
+                }
+                continue
+            for r in self.engines([spec], deadline):
+                r["engine_deadline_s"] = round(deadline - now, 1)
+                results[r["name"]] = r
+                self.records.append(r)
+                with open(self.work / RECORDS, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+                (self.out / RECORDS).write_text("".join(json.dumps(x) + "\n" for x in self.records))
+                pack_logs(self.out, self.logs)
+        return results
+
     def phase(self, phase: phases.Phase, specs: list[EngineSpec]) -> Results:
         results: Results = {}
+        if phase.budgeted:
+            return self.budgeted(specs)
         if not phase.one_at_a_time:
             for r in self.engines(specs):
                 results[r["name"]] = r
@@ -153,6 +241,38 @@ class Run:
             for r in self.engines([spec]):
                 results[r["name"]] = r
         return results
+
+
+def _label(spec: EngineSpec) -> str:
+    """A steps engine's label: its name after ``steps.<checkpoint>.``."""
+    return spec.name.split(".", 2)[-1]
+
+
+def log_facts(log: str) -> dict[str, Any]:
+    """What an engine's log says beyond its result: vLLM's model loading line, its replay
+    address check, the plugin's lines (settings, lowered graphs, an inexact route) and the
+    offloader's."""
+    facts: dict[str, Any] = {}
+    plugin: list[str] = []
+    for line in log.splitlines():
+        if "Model loading took" in line:
+            facts["model_loading_log"] = line.split("Model loading took", 1)[1].strip()[:120]
+        if "Input addresses for cudagraphs are different" in line:
+            facts["address_assert"] = line.strip()[-300:]
+        if "rowcache" in line and len(plugin) < 12 and line.strip()[-300:] not in plugin:
+            plugin.append(line.strip()[-300:])
+        if "Offloader set to" in line or "Total GPU memory saved" in line:
+            facts.setdefault("offload_log", []).append(line.strip()[-300:])
+    if plugin:
+        facts["plugin_log"] = plugin
+    return facts
+
+
+def pack_logs(out: Path, logs: Path) -> None:
+    """OUT/logs.tar.gz: every log and job/result file of the work directory's logs."""
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for path in sorted(logs.glob("*.log")) + sorted(logs.glob("*.json")):
+            tar.add(path, arcname=path.name)
 
 
 def _register_probes(logs: Path) -> subprocess.Popen[bytes]:
@@ -173,7 +293,15 @@ def _register_probes(logs: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def run(out: Path, work: Path, phase_names: list[str], profile: bool, deadline_s: float) -> int:
+def run(
+    out: Path,
+    work: Path,
+    phase_names: list[str],
+    profile: bool,
+    deadline_s: float,
+    only: tuple[str, ...] = (),
+    resume: bool = False,
+) -> int:
     start = time.time()
     deadline = start + deadline_s
     out.mkdir(parents=True, exist_ok=True)  # the profiled engines write into it
@@ -187,7 +315,13 @@ def run(out: Path, work: Path, phase_names: list[str], profile: bool, deadline_s
         "profile": profile,
         "deadline_s": deadline_s,
         "commit": os.environ.get("ROWCACHE_COMMIT", "?"),
+        "only": list(only),
+        "resume": resume,
     }
+    done = resumable(read_records(work / RECORDS)) if resume else {}
+    if not resume:
+        (work / RECORDS).unlink(missing_ok=True)
+    meta["resumed"] = sorted(done)
     try:
         import torch
 
@@ -207,7 +341,7 @@ def run(out: Path, work: Path, phase_names: list[str], profile: bool, deadline_s
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
-    runner = Run(out, work, deadline, profile, build.done)
+    runner = Run(out, work, deadline, profile, build.done, only, done)
     for phase in selected:
         specs = phase.engines(results)
         if build.needed_by([s.checkpoint for s in specs]) and not build.wait(
@@ -224,9 +358,7 @@ def run(out: Path, work: Path, phase_names: list[str], profile: bool, deadline_s
             meta[key] = repr(exc)
     meta["wall_s"] = round(time.time() - start, 1)
     summary = _write(out, results, meta)
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        for path in sorted(logs.glob("*.log")) + sorted(logs.glob("*.json")):
-            tar.add(path, arcname=path.name)
+    pack_logs(out, logs)
     print(summary, flush=True)
     return 0
 
@@ -236,6 +368,11 @@ def merge(paths: list[str], out_dir: str) -> int:
     results: Results = {}
     meta: dict[str, Any] = {"merged_from": []}
     for path in paths:
+        if path.endswith(".jsonl"):  # a budgeted phase's records.jsonl
+            found = read_records(Path(path))
+            meta["merged_from"].append({"path": path, "records": len(found)})
+            results.update({r["name"]: r for r in found})
+            continue
         data = json.loads(Path(path).read_text())
         part = data.get("meta", {})
         meta["merged_from"].append(

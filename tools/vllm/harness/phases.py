@@ -25,6 +25,10 @@ class Phase:
     one_at_a_time: bool = False
     min_left_s: float | None = None
     """An engine is not started with less time than this left (recorded as not run)."""
+    budgeted: bool = False
+    """One engine at a time, each given a deadline from its time estimates
+    (:func:`tools.vllm.harness.orchestrate.engine_deadline`); ``run --only`` picks engines
+    by label; every record also goes to ``records.jsonl`` as soon as its engine ends."""
 
     def checkpoints(self) -> list[Checkpoint]:
         """The checkpoints its engines load (whatever earlier phases gave)."""
@@ -74,6 +78,22 @@ PHASES = (
         "8 layers of Qwen3-30B-A3B shapes, batch 1, 256 tokens x 3: (a) full graphs, (b) MoE "
         "eager between pieces, references, (c) 128 and (d) 32 slots, cached and row",
         lambda _results: engines.qwen8(),
+    ),
+    Phase(
+        "steps",
+        "steps comparison on the 8-layer checkpoint, one engine at a time: b1/b8/b32 decode "
+        "and 2,048-token TTFT in each of no offload, UVA 6.75 GiB, prefetch offloader, row 32 "
+        "device planner (full graphs), no offload and row 32 eager",
+        lambda _results: engines.steps(engines.QWEN8),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "steps_skew",
+        "the same on the skewed checkpoint (--router-skew 1.0)",
+        lambda _results: engines.steps(engines.QWEN8_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
     ),
     Phase(
         "story",

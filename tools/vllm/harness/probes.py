@@ -89,3 +89,63 @@ def first_moe_method(model: Any) -> Any:
         if method is not None and hasattr(module, "w13_weight"):
             return method
     raise RuntimeError("no MoE layer with w13_weight found")
+
+
+def route_of(device_planned: bool, split: str | None, tap: str | None, inexact: bool) -> str:
+    """Which route a cached layer's steps took, from what the plugin leaves on its objects:
+    a step cut by experts (every multi-pass step of the device planner; the host planner's
+    expert split) is exact when the layer kernel's ``TritonExperts`` carries the plugin's
+    ``moe_sum`` tap (``_MoeSumTap``, installed on the first such forward), and sums its passes
+    in float32 when the plugin said so (its one warning, ``_inexact_said``)."""
+    if not device_planned and split == "token":
+        return "exact: token split (each row in one kernel call)"
+    if tap == "_MoeSumTap":
+        return "exact: passes' unreduced entries, one moe_sum per step"
+    if inexact:
+        return "INEXACT: float32 sum of the passes' outputs"
+    return "unknown: no cut step has run"
+
+
+def routes(model: Any) -> dict[str, Any]:
+    """The route of every cached layer (:func:`route_of`), counted by route.
+
+    Read from the plugin's private attributes (``RowcacheMoEMethod._inexact_said``, the
+    instance attribute ``moe_sum`` of ``moe_kernel.fused_experts``): the plugin does not
+    report its route in ``expert_cache_stats`` yet."""
+    counts: dict[str, int] = {}
+    passes = 0
+    for _name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        provider = getattr(method, "rowcache_provider", None)
+        if provider is None:
+            continue
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        tap = vars(experts).get("moe_sum") if hasattr(experts, "__dict__") else None
+        device_planned = type(provider).__name__ == "DevicePlannedProvider"
+        route = route_of(
+            device_planned,
+            getattr(provider, "split", None),
+            None if tap is None else type(tap).__name__,
+            bool(getattr(method, "_inexact_said", False)),
+        )
+        counts[route] = counts.get(route, 0) + 1
+        if device_planned:
+            passes += int(provider.stats().get("passes", 0))
+    return {"routes": counts, "device_passes": passes}
+
+
+def offloader(model: Any) -> dict[str, Any]:
+    """vLLM's weight offloader in this process (``vllm.model_executor.offloader``): its class
+    and, for the prefetch offloader, the layers it offloads and the bytes it saves."""
+    from vllm.model_executor.offloader.base import get_offloader
+
+    found = get_offloader()
+    out: dict[str, Any] = {"offloader": type(found).__name__}
+    for attr in ("group_size", "num_in_group", "prefetch_step", "total_offloaded_bytes"):
+        if hasattr(found, attr):
+            value = getattr(found, attr)
+            out[attr] = value if isinstance(value, int | float) else repr(value)
+    layers = getattr(found, "module_offloaders", None)
+    if layers is not None:
+        out["offloaded_layers"] = len(layers)
+    return out

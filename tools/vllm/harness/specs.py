@@ -49,6 +49,13 @@ class Split(enum.Enum):
     EXPERT = "expert"
 
 
+class Planner(enum.Enum):
+    """``moe_expert_cache_planner``."""
+
+    HOST = "host"
+    DEVICE = "device"
+
+
 @dataclass(frozen=True)
 class Knob:
     """The plugin's configuration, ``additional_config["rowcache"]``: only what is set is passed
@@ -60,6 +67,8 @@ class Knob:
     split: Split | None = None
     eager_between_graphs: bool = False
     """``moe_eager_between_graphs``: no cache, the MoE op eager between captured pieces."""
+    planner: Planner | None = None
+    """``moe_expert_cache_planner``."""
 
     @property
     def caches(self) -> bool:
@@ -77,6 +86,8 @@ class Knob:
             out["moe_expert_cache_split"] = self.split.value
         if self.eager_between_graphs:
             out["moe_eager_between_graphs"] = True
+        if self.planner is not None:
+            out["moe_expert_cache_planner"] = self.planner.value
         return out
 
     @classmethod
@@ -84,6 +95,112 @@ class Knob:
         raw = dict(data)
         raw["provider"] = None if raw["provider"] is None else Provider(raw["provider"])
         raw["split"] = None if raw["split"] is None else Split(raw["split"])
+        planner = raw.get("planner")
+        raw["planner"] = None if planner is None else Planner(planner)
+        return cls(**raw)
+
+
+class OffloadBackend(enum.Enum):
+    """vLLM's weight offload backends (``offload_backend``)."""
+
+    UVA = "uva"
+    PREFETCH = "prefetch"
+
+
+OFFLOAD_SET_ARGS = ("cpu_offload_params", "offload_params")
+"""Engine arguments vLLM types as ``set[str]``: lists in the spec and in results.json, sets
+only in the call of ``LLM`` (:func:`tools.vllm.harness.child.engine_kwargs` for vLLM)."""
+
+
+@dataclass(frozen=True)
+class Offload:
+    """vLLM's own expert offload: the baselines the cache is measured against.
+
+    The names, checked in the vLLM 0.25.0 wheel (and the same in 0.33.0):
+
+    * ``vllm/config/offload.py``: ``OffloadConfig.offload_backend`` (``Literal["auto", "uva",
+      "prefetch"]``), ``UVAOffloadConfig.cpu_offload_gb`` / ``cpu_offload_params`` (parameter
+      name segments: ``"experts"`` matches ``mlp.experts.w13_weight``),
+      ``PrefetchOffloadConfig.offload_group_size`` / ``offload_num_in_group`` /
+      ``offload_prefetch_step`` / ``offload_params``; its validator requires
+      ``offload_num_in_group <= offload_group_size`` and ``offload_prefetch_step >= 1``.
+    * ``vllm/engine/arg_utils.py``: ``EngineArgs`` fields of the same names (0.25.0 lines
+      516-522, 0.33.0 lines 607-613), folded into ``OffloadConfig(offload_backend=...,
+      uva=UVAOffloadConfig(...), prefetch=PrefetchOffloadConfig(...))`` (0.25.0 line 2321).
+    * ``vllm/entrypoints/llm.py`` (0.25.0 lines 196-200, 323-327): ``LLM.__init__`` names
+      ``cpu_offload_gb``, ``offload_group_size``, ``offload_num_in_group``,
+      ``offload_prefetch_step`` and ``offload_params`` (``set[str] | None``); ``offload_backend``
+      and ``cpu_offload_params`` reach ``EngineArgs`` through ``**kwargs``.
+    * ``vllm/model_executor/offloader/prefetch.py`` (``PrefetchOffloader.wrap_modules``, lines
+      175-201): layer ``i`` is offloaded when ``i % group_size >= group_size - num_in_group``,
+      its parameters whose name has a segment in ``offload_params``; with 8, 7 on 8 layers:
+      layers 1 to 7, one layer's experts resident and ``offload_prefetch_step`` (1) layers in
+      the static buffer pool.
+
+    ``tests/test_e2e_steps.py`` checks every argument name passed here against the wheels'
+    ``EngineArgs`` where they are at hand.
+    """
+
+    backend: OffloadBackend
+    cpu_offload_gb: float = 0.0
+    cpu_offload_params: tuple[str, ...] = ()
+    group_size: int = 0
+    num_in_group: int = 1
+    prefetch_step: int = 1
+    params: tuple[str, ...] = ()
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine arguments, JSON values (lists for vLLM's sets)."""
+        if self.backend is OffloadBackend.UVA:
+            return {
+                "offload_backend": self.backend.value,
+                "cpu_offload_gb": self.cpu_offload_gb,
+                "cpu_offload_params": list(self.cpu_offload_params),
+            }
+        return {
+            "offload_backend": self.backend.value,
+            "offload_group_size": self.group_size,
+            "offload_num_in_group": self.num_in_group,
+            "offload_prefetch_step": self.prefetch_step,
+            "offload_params": list(self.params),
+        }
+
+    @classmethod
+    def from_json(cls, data: Json) -> Offload:
+        raw = dict(data)
+        raw["backend"] = OffloadBackend(raw["backend"])
+        raw["cpu_offload_params"] = tuple(raw["cpu_offload_params"])
+        raw["params"] = tuple(raw["params"])
+        return cls(**raw)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything one engine measures in turn (``harness/measure.py``), instead of one timed
+    generation of ``EngineSpec.prompts``: greedy decode at each batch size, then the time to
+    first token of long prompts, each prompt step one scheduler step."""
+
+    batches: tuple[int, ...] = (1, 8, 32)
+    decode_tokens: int = 256
+    repeats: int = 3
+    """Timed generations per measurement (the speed is their median)."""
+    warmup_tokens: int = 16
+    """Each decode batch size first generates this many tokens twice: the first compiles
+    its shapes, the second's time estimates a timed generation."""
+    prompt_tokens: int = 8
+    """Decode prompts: sequence 0 is the recorded runs' 8-token prompt, the others seeded."""
+    prefill_tokens: int = 2048
+    prefill_prompts: int = 3
+    """Timed distinct long prompts (a further one warms up)."""
+    vocab: int = 4096
+    seed: int = 0
+    ttft_reserve_s: float = 20.0
+    """Held back for the time to first token while decode runs."""
+
+    @classmethod
+    def from_json(cls, data: Json) -> Workload:
+        raw = dict(data)
+        raw["batches"] = tuple(raw["batches"])
         return cls(**raw)
 
 
@@ -152,6 +269,20 @@ class EngineSpec:
     compare_with: tuple[str, ...] = ()
     """The engines whose tokens this one's are compared with, by preference: the first that
     ran, else the last. An engine that lists itself first is its own reference."""
+    offload: Offload | None = None
+    """vLLM's own weight offload (UVA or prefetch)."""
+    workload: Workload | None = None
+    """Measure a workload (``harness/measure.py``) instead of generating ``prompts``."""
+    max_position_embeddings: int | None = None
+    """Passed as ``hf_overrides``: the builder's Qwen shapes say 2048, which a 2,048-token
+    prompt plus its first token exceeds (vLLM rejects a prompt of ``max_model_len`` tokens)."""
+    prefix_caching: bool | None = None
+    """``enable_prefix_caching``; None: vLLM's default."""
+    time_once_s: float = 0.0
+    """Estimated seconds to start and run every measurement once (an engine is not started
+    with less time left; 0: no estimate)."""
+    time_full_s: float = 0.0
+    """Estimated seconds to start and run every measurement with all its repeats."""
 
     @property
     def graphs(self) -> bool:
@@ -185,6 +316,9 @@ class EngineSpec:
         raw["knob"] = None if raw["knob"] is None else Knob.from_json(raw["knob"])
         raw["capture_sizes"] = tuple(raw["capture_sizes"])
         raw["compare_with"] = tuple(raw["compare_with"])
+        offload, workload = raw.get("offload"), raw.get("workload")
+        raw["offload"] = None if offload is None else Offload.from_json(offload)
+        raw["workload"] = None if workload is None else Workload.from_json(workload)
         return cls(**raw)
 
 
@@ -199,6 +333,9 @@ class Job:
     barrier_timeout: float
     profile_out: str | None = None
     """Where the profile goes (``run --profile``, profiled engines only)."""
+    deadline: float | None = None
+    """Epoch seconds by which a workload's measurements end (what does not fit is recorded as
+    not run)."""
 
     def to_json(self) -> Json:
         return {
@@ -207,6 +344,7 @@ class Job:
             "barrier": self.barrier,
             "barrier_timeout": self.barrier_timeout,
             "profile_out": self.profile_out,
+            "deadline": self.deadline,
         }
 
     @classmethod

@@ -1,6 +1,7 @@
 """The printed summary of a run's (or merged runs') results.
 
-One row per engine: graph mode, MoE split, speed, hit rate, prepare calls per forward, expert
+One row per engine (the steps comparison's engines in tables of their own, from
+``steps_report``): graph mode, MoE split, speed, hit rate, prepare calls per forward, expert
 GPU memory, allocated memory, and its tokens against its reference (the first engine of its
 spec's ``compare_with`` that ran, else the last); then the targets, the multi-process engine's
 line and the profiles.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tools.vllm.harness import records
+from tools.vllm.harness import records, steps_report
 from tools.vllm.harness.engines import (
     MP_ENGINE,
     QWEN_B,
@@ -68,6 +69,8 @@ def summarize(results: Results, meta: dict[str, Any]) -> str:
     )
     lines.append(header)
     for name, r in results.items():
+        if name.startswith("steps.") or r.get("steps") is not None:
+            continue  # the steps comparison's table
         ref = reference(name, results)
         if not r.get("ok"):
             err = r.get("error", "?")[:150]
@@ -110,6 +113,7 @@ def summarize(results: Results, meta: dict[str, Any]) -> str:
     if MP_ENGINE in results:
         lines += ["", _mp_line(results, reference(MP_ENGINE, results))]
     lines += _profile_lines(results)
+    lines += steps_report.report(results)
     return "\n".join(lines)
 
 

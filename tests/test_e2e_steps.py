@@ -1,0 +1,497 @@
+"""The steps comparison of tools/vllm/e2e.py (phases ``steps`` and ``steps_skew``) without vLLM
+or a GPU: the engines' specs and engine arguments (checked against vLLM's ``EngineArgs`` in the
+wheels where they are at hand), the measurement order and deadline logic on a fake clock, the
+engine deadlines and records of a budgeted phase, the route probe, token comparison and the
+summary's table and targets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tools.vllm.harness import child, engines, measure, orchestrate, phases, probes, steps_report
+from tools.vllm.harness.measure import Completion
+from tools.vllm.harness.specs import EngineSpec, Job, Mode, Planner, Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = Path("/tmp/rowcache-vllm-wheels")
+
+
+# -- specs --------------------------------------------------------------------------------
+
+
+def test_steps_engines_and_their_arguments() -> None:
+    plain = engines.steps()
+    assert [s.name for s in plain] == [f"steps.plain.{label}" for label in engines.STEPS_LABELS]
+    skew = engines.steps(engines.QWEN8_SKEW)
+    assert {s.checkpoint.builder_args()[-2:] == ["--router-skew", "1.0"] for s in skew} == {True}
+    assert [s.name for s in engines.steps(only=("row32dev.eager", "none.eager"))] == [
+        "steps.plain.none.eager",
+        "steps.plain.row32dev.eager",
+    ]
+    with pytest.raises(SystemExit, match="unknown engines"):
+        engines.steps(only=("row8",))
+    by = {s.name.split(".", 2)[2]: s for s in plain}
+    for label, spec in by.items():
+        assert EngineSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+        job = Job(spec, "/m", "/b", 30.0, deadline=123.0)
+        assert Job.from_json(json.loads(json.dumps(job.to_json()))) == job
+        ref = "none.eager" if spec.mode is Mode.EAGER else "none.full"
+        assert spec.compare_with == (f"steps.plain.{ref}",), label
+        assert 0 < spec.time_once_s <= spec.time_full_s
+    common = {
+        "model": "/w/qwen8",
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": 2304,
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 2048,
+        "kv_cache_memory_bytes": 2 << 30,
+        "gpu_memory_utilization": 0.02,
+        "hf_overrides": {"max_position_embeddings": 4096},
+        "enable_prefix_caching": False,
+    }
+    graphs = {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
+    assert child.engine_kwargs(by["none.full"], "/w/qwen8") == common | graphs
+    assert child.engine_kwargs(by["none.eager"], "/w/qwen8") == common | {"enforce_eager": True}
+    uva = child.engine_kwargs(by["uva675.full"], "/w/qwen8")
+    assert uva == common | graphs | {
+        "offload_backend": "uva",
+        "cpu_offload_gb": 6.75,
+        "cpu_offload_params": ["experts"],
+    }
+    prefetch = child.engine_kwargs(by["prefetch.full"], "/w/qwen8")
+    assert prefetch == common | graphs | {
+        "offload_backend": "prefetch",
+        "offload_group_size": 8,
+        "offload_num_in_group": 7,
+        "offload_prefetch_step": 1,
+        "offload_params": ["experts"],
+    }
+    assert child.llm_arguments(prefetch)["offload_params"] == {"experts"}
+    assert child.llm_arguments(uva)["cpu_offload_params"] == {"experts"}
+    json.dumps(prefetch)  # recorded as llm_kwargs
+    rowcache = {"moe_expert_cache_size": 32, "moe_expert_cache_provider": "row"}
+    rowcache["moe_expert_cache_planner"] = "device"
+    row = child.engine_kwargs(by["row32dev.full"], "/w/qwen8")
+    assert row == common | graphs | {"additional_config": {"rowcache": rowcache}}
+    row_eager = child.engine_kwargs(by["row32dev.eager"], "/w/qwen8")
+    assert row_eager["enforce_eager"] and row_eager["additional_config"]["rowcache"] == rowcache
+    assert by["row32dev.full"].knob is not None
+    assert by["row32dev.full"].knob.planner is Planner.DEVICE
+    # A 2,048-token prompt plus its first token fits the model length; the prompt is one step.
+    w = engines.STEPS_WORKLOAD
+    assert (w.batches, w.decode_tokens, w.repeats, w.prefill_tokens) == ((1, 8, 32), 256, 3, 2048)
+    assert w.prefill_tokens < by["none.full"].max_model_len
+    assert by["none.full"].max_num_batched_tokens >= w.prefill_tokens
+    assert max(w.batches) in by["none.full"].capture_sizes
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.33.0"])
+def test_engine_argument_names_are_vllms(version: str) -> None:
+    """Every argument a steps engine passes is a field of vLLM's ``EngineArgs`` (what ``LLM``
+    hands its ``**kwargs`` to), and the offload backends are ``OffloadConfig``'s."""
+    wheels = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
+    if not wheels:
+        pytest.skip(f"no vLLM {version} wheel under {WHEELS}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        args = wheel.read("vllm/engine/arg_utils.py").decode()
+        offload = wheel.read("vllm/config/offload.py").decode()
+    fields = set(re.findall(r"^    (\w+): ", args, flags=re.MULTILINE))
+    names = {k for s in engines.steps() for k in child.engine_kwargs(s, "/m")}
+    assert names - fields == set()
+    backends = re.search(r"OffloadBackend = Literal\[([^\]]*)\]", offload)
+    assert backends is not None
+    for spec in engines.steps():
+        if spec.offload is not None:
+            assert f'"{spec.offload.backend.value}"' in backends.group(1)
+
+
+# -- measurement order and deadlines --------------------------------------------------------
+
+
+class FakeEngine:
+    """``generate`` and ``stats`` of an engine on a fake clock: each call costs ``per_step``
+    seconds per generated token position (plus ``prefill`` per prompt token / 1000)."""
+
+    def __init__(self, per_step: dict[int, float], prefill: float = 0.1) -> None:
+        self.now = 1000.0
+        self.per_step = per_step
+        self.prefill = prefill
+        self.calls: list[tuple[int, int, int]] = []  # (batch, prompt length, max_tokens)
+        self.hits = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        self.calls.append((len(prompts), len(prompts[0]), max_tokens))
+        self.now += self.per_step.get(len(prompts), 0.01) * max_tokens
+        self.now += self.prefill * len(prompts[0]) / 1000
+        self.hits += len(prompts) * max_tokens
+        return [Completion([p[0] + k for k in range(max_tokens)], 0.05) for p in prompts]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [{"hits": self.hits, "misses": self.hits // 3, "passes": 2}]
+
+
+def test_everything_measured_in_order_with_time_enough() -> None:
+    fake = FakeEngine({1: 0.01, 8: 0.02, 32: 0.05})
+    saved: list[int] = []
+    w = Workload()
+    record = measure.run_workload(
+        w,
+        fake.generate,
+        fake.now + 600,
+        fake.clock,
+        fake.stats,
+        lambda r: saved.append(len(r["events"])),
+    )
+    order = []
+    for b in (1, 8, 32):
+        order += [(b, 8, 16), (b, 8, 16), (b, 8, 256)]
+    order += [(1, 2048, 1)] * 4 + [(b, 8, 256) for _ in range(2) for b in (1, 8, 32)]
+    assert fake.calls == order
+    for b in (1, 8, 32):
+        entry = record["decode"][str(b)]
+        assert entry["repeats_run"] == 3 and entry["skipped"] is None
+        assert entry["tok_s"] == round(b * 256 / (fake.per_step[b] * 256 + 0.0008), 1)
+        assert len(entry["tokens"]) == b and all(len(t) == 256 for t in entry["tokens"])
+        assert entry["tokens"][0][0] == measure.FIRST_PROMPT[0]
+        assert entry["repeats_identical"] is True
+        assert entry["cache"]["hits"] == 3 * b * 256 and entry["cache"][
+            "hit_rate"
+        ] == pytest.approx(0.75, abs=0.01)
+        assert entry["cache"]["passes"] == 0
+    ttft = record["ttft"]
+    assert len(ttft["ms_runs"]) == 3 and ttft["ms"] == pytest.approx(0.01 * 1000 + 0.2048 * 1000)
+    assert ttft["engine_ms_runs"] == [50.0] * 3 and len(ttft["first_tokens"]) == 3
+    assert len(saved) == 3 * 3 + 3 + 1  # after every timed generation, and at the end
+
+
+def test_prompts_are_distinct_and_stable() -> None:
+    w = Workload()
+    b32 = measure.decode_prompts(w, 32)
+    assert measure.decode_prompts(w, 8) == b32[:8] and len({tuple(p) for p in b32}) == 32
+    assert b32[0] == list(measure.FIRST_PROMPT)
+    long = measure.prefill_prompts(w)
+    assert len(long) == 4 and {len(p) for p in long} == {2048}
+    assert len({p[0] for p in long}) == 4  # no shared prefix block
+    assert all(3 <= t < w.vocab for p in long + b32[1:] for t in p)
+    assert measure.prefill_prompts(w) == long
+
+
+def test_deadline_costs_repeats_first_and_keeps_ttft() -> None:
+    # b32 at 0.2 s per step: a timed generation takes 51 s. With 50 s, b1 and b8 fit once,
+    # b32's warm-ups run, but its generation would eat the time the long prompts need; then
+    # b1's repeats fit, and b8's second, not its third.
+    fake = FakeEngine({1: 0.01, 8: 0.05, 32: 0.2})
+    w = Workload()
+    record = measure.run_workload(w, fake.generate, fake.now + 50, fake.clock, None, None)
+    b32 = record["decode"]["32"]
+    assert b32["repeats_run"] == 0 and b32["tok_s"] is None
+    assert b32["skipped"].startswith("deadline: a generation takes about 51.2 s")
+    assert record["ttft"]["ms"] is not None and len(record["ttft"]["ms_runs"]) == 3
+    assert record["decode"]["1"]["repeats_run"] == 3
+    b8 = record["decode"]["8"]
+    assert b8["repeats_run"] == 2 and b8["repeats_cut"].startswith("deadline")
+    assert fake.now <= 1000 + 50
+    assert any("b32 repeat 1 not run" in e for e in record["events"])
+
+
+def test_no_time_at_all() -> None:
+    fake = FakeEngine({})
+    record = measure.run_workload(Workload(), fake.generate, fake.now - 1, fake.clock)
+    assert fake.calls == []
+    assert all(e["skipped"] for e in record["decode"].values())
+    assert record["ttft"]["skipped"] == "deadline: no time left"
+
+
+def test_child_workload_with_a_fake_llm(tmp_path: Path) -> None:
+    """child.workload against an object with vLLM's generate/apply_model surface."""
+
+    class LLM:
+        def __init__(self) -> None:
+            self.model = SimpleNamespace(named_modules=lambda: [])
+
+        def generate(self, batch: list[Any], sp: Any, use_tqdm: bool = False) -> list[Any]:
+            ids = [p["prompt_token_ids"] for p in batch]
+            return [
+                SimpleNamespace(
+                    outputs=[SimpleNamespace(token_ids=[i[0]] * sp.max_tokens)],
+                    metrics=SimpleNamespace(first_token_latency=0.02),
+                )
+                for i in ids
+            ]
+
+    spec = engines.steps(only=("row32dev.full",))[0]
+    small = Workload(batches=(1, 2), decode_tokens=4, warmup_tokens=2, prefill_tokens=16)
+    spec = EngineSpec.from_json(
+        {**spec.to_json(), "workload": small.__dict__ | {"batches": [1, 2]}}
+    )
+    job = Job(spec, "/m", str(tmp_path), 30.0, deadline=None)
+    layer = {"hits": 3, "misses": 1, "capacity": 32, "provider": "DevicePlannedProvider"}
+
+    def rpc(fn: Any, default: Any) -> Any:
+        return [layer | {"split": "expert"}] if fn is probes.stats else {"routes": {}}
+
+    saved: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
+    sampling = SimpleNamespace  # SamplingParams(**kw) stand-in
+    child.workload(job, LLM(), rpc, result, saved.append, sampling)
+    assert result["steps"]["decode"]["2"]["tokens"] == [
+        [1] * 4,
+        [measure.decode_prompts(small, 2)[1][0]] * 4,
+    ]
+    assert result["steps"]["ttft"]["engine_ms_runs"] == [20.0] * 3
+    assert result["cache"]["capacity"] == 32 and result["route"] == {"routes": {}}
+    assert saved and all(s["partial"] for s in saved)
+    out = tmp_path / "r.json"
+    child.write_atomic(out, result)
+    assert json.loads(out.read_text())["steps"]["decode"]["1"]["repeats_run"] == 3
+
+
+# -- the route the plugin took --------------------------------------------------------------
+
+
+def test_route_of() -> None:
+    assert probes.route_of(False, "token", None, False).startswith("exact: token split")
+    assert probes.route_of(True, "expert", "_MoeSumTap", False).startswith("exact: passes'")
+    assert probes.route_of(False, "expert", "_MoeSumTap", False).startswith("exact: passes'")
+    assert probes.route_of(True, "expert", None, True).startswith("INEXACT")
+    assert probes.route_of(True, "expert", None, False).startswith("unknown")
+
+
+def test_routes_reads_the_plugin_objects() -> None:
+    class _MoeSumTap:
+        pass
+
+    class DevicePlannedProvider:
+        split = "expert"
+
+        def stats(self) -> dict[str, int]:
+            return {"passes": 5}
+
+    experts = SimpleNamespace()
+    experts.moe_sum = _MoeSumTap()
+    method = SimpleNamespace(
+        rowcache_provider=DevicePlannedProvider(),
+        moe_kernel=SimpleNamespace(fused_experts=experts),
+        _inexact_said=False,
+    )
+    plain = SimpleNamespace(quant_method=SimpleNamespace(rowcache_provider=None))
+    model = SimpleNamespace(
+        named_modules=lambda: [("a", SimpleNamespace(quant_method=method)), ("b", plain)] * 2
+    )
+    found = probes.routes(model)
+    assert found == {
+        "routes": {"exact: passes' unreduced entries, one moe_sum per step": 2},
+        "device_passes": 10,
+    }
+
+
+# -- a budgeted phase -----------------------------------------------------------------------
+
+
+def test_engine_deadline() -> None:
+    # Enough for everything: 1.5 x its full estimate at most.
+    assert orchestrate.engine_deadline(0, 1000, 100, 200, [50, 50]) == 300
+    # Leaves the later engines their once where it can ...
+    assert orchestrate.engine_deadline(0, 400, 100, 300, [150, 100]) == 150
+    # ... but never less than its own once.
+    assert orchestrate.engine_deadline(0, 200, 100, 300, [150, 100]) == 100
+    # Not started without its once.
+    assert orchestrate.engine_deadline(0, 90, 100, 300, []) is None
+    assert orchestrate.engine_deadline(0, 500, 100, 0, []) == 500
+
+
+def _fake_result(spec: EngineSpec, tokens: list[list[int]]) -> dict[str, Any]:
+    decode = {
+        str(b): {"tok_s": 100.0 * b, "repeats_run": 3, "tokens": tokens[:b], "cache": None}
+        for b in (1, 8, 32)
+    }
+    ttft = {"ms": 200.0, "ms_runs": [200.0] * 3, "first_tokens": [t[0] for t in tokens[:3]]}
+    return {
+        "name": spec.name,
+        "spec": spec.to_json(),
+        "ok": True,
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "steps": {"decode": decode, "ttft": ttft},
+    }
+
+
+def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch: Any) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (work / "logs").mkdir(parents=True)
+    clock = [0.0]
+    monkeypatch.setattr(orchestrate.time, "time", lambda: clock[0])
+    given: list[tuple[str, float | None]] = []
+
+    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
+        given.append((specs[0].name, deadline))
+        clock[0] += specs[0].time_once_s  # each takes its once estimate
+        return [_fake_result(specs[0], [[1, 2]] * 32)]
+
+    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    phase = next(p for p in phases.PHASES if p.name == "steps")
+    run = orchestrate.Run(
+        out, work, 450.0, False, lambda: True, only=("none.full", "uva675.full", "prefetch.full")
+    )
+    results = run.phase(phase, phase.engines({}))
+    assert [n for n, _ in given] == ["steps.plain.none.full", "steps.plain.uva675.full"]
+    # none.full leaves uva and prefetch their once (150 + 240 s), but keeps its own 90 s; uva
+    # then ends at 240 s, and prefetch does not start with 210 s left.
+    assert given[0][1] == 90.0
+    assert results["steps.plain.prefetch.full"]["error"].startswith("not run: time")
+    lines = (out / orchestrate.RECORDS).read_text().splitlines()
+    assert [json.loads(x)["name"] for x in lines] == [n for n, _ in given]
+    assert (out / "logs.tar.gz").exists()
+    # The next call on the same machine: --resume runs only what is missing.
+    done = orchestrate.resumable(orchestrate.read_records(work / orchestrate.RECORDS))
+    assert sorted(done) == ["steps.plain.none.full", "steps.plain.uva675.full"]
+    given.clear()
+    clock[0] = 0.0
+    again = orchestrate.Run(out, work, 600.0, False, lambda: True, done=done)
+    results = again.phase(phase, phase.engines({}))
+    assert [n for n, _ in given][:2] == ["steps.plain.prefetch.full", "steps.plain.row32dev.full"]
+    assert results["steps.plain.none.full"] is done["steps.plain.none.full"]
+    names = [json.loads(x)["name"] for x in (out / orchestrate.RECORDS).read_text().splitlines()]
+    assert names[:2] == ["steps.plain.none.full", "steps.plain.uva675.full"]
+    assert len(names) == len(set(names))
+
+
+def test_log_facts() -> None:
+    log = "\n".join(
+        [
+            "INFO ... Model loading took 2.57 GiB memory and 3.1 seconds",
+            "INFO rowcache: 32 slots per MoE layer, provider 'row', planned on the device",
+            "WARNING rowcache: the MoE kernel's experts are X, not vLLM's TritonExperts: ...",
+            "INFO Offloader set to PrefetchOffloader",
+        ]
+    )
+    facts = orchestrate.log_facts(log)
+    assert facts["model_loading_log"].startswith("2.57 GiB")
+    assert len(facts["plugin_log"]) == 2 and "TritonExperts" in facts["plugin_log"][1]
+    assert facts["offload_log"] == ["INFO Offloader set to PrefetchOffloader"]
+
+
+# -- comparison and summary -----------------------------------------------------------------
+
+
+def test_divergence() -> None:
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert steps_report.divergence(ref, ref) == [None, None, None]
+    assert steps_report.divergence(ref, [[1, 2, 3], [4, 0, 6], [7, 8]]) == [None, 1, 2]
+    assert steps_report.divergence(ref, [[1, 2, 3]]) == [None, 0, 0]
+    assert steps_report.describe([None, None]) == "= (2)"
+    assert steps_report.describe([None, 12]) == "1/2 at 12"
+    assert steps_report.describe([3, None, 40]) == "2/3 at 3-40"
+    assert steps_report.describe(None) == "n/a"
+
+
+def _results() -> dict[str, Any]:
+    tokens = [[s, s + 1, s + 2] for s in range(32)]
+    out: dict[str, Any] = {}
+    for checkpoint in (engines.QWEN8, engines.QWEN8_SKEW):
+        for spec in engines.steps(checkpoint):
+            out[spec.name] = _fake_result(spec, tokens)
+    row = out["steps.plain.row32dev.full"]
+    row["steps"]["decode"]["8"]["tokens"] = [[0, 1, 2], *tokens[1:7], [7, 8, 0]]
+    row["steps"]["decode"]["8"]["tok_s"] = 700.0
+    row["steps"]["decode"]["32"]["repeats_run"] = 1
+    row["route"] = {"routes": {"exact: passes' unreduced entries, one moe_sum per step": 8}}
+    row["steps"]["decode"]["1"]["cache"] = {"hit_rate": 0.5}
+    out["steps.plain.uva675.full"]["steps"]["ttft"]["ms"] = 250.0
+    out["steps.skew.row32dev.eager"] = {
+        "name": "steps.skew.row32dev.eager",
+        "ok": False,
+        "error": "not run: time",
+    }
+    return out
+
+
+def test_report_table_and_targets() -> None:
+    text = "\n".join(steps_report.report(_results()))
+    assert "steps comparison, steps.plain" in text and "steps comparison, steps.skew" in text
+    row = next(x for x in text.splitlines() if x.startswith("row32dev.full") and "moe_sum" in x)
+    assert "1/8 at 2" in row and "= (1)" in row and "= (32)" in row and "= (3)" in row
+    assert "3200(1)" in row and "0.50/-/-/-" in row
+    assert "  b8 row32dev.full >= 0.95 x uva675.full: 700 / 800 tok/s = 0.875 (MISSED)" in text
+    assert "  ttft row32dev.full <= 0.8 x uva675.full: 200 / 250 ms = 0.800 (met)" in text
+    assert "  ttft row32dev.full <= 1 x prefetch.full: 200 / 200 ms = 1.000 (met)" in text
+    assert "  tokens row32dev.full identical to no offload: MISSED" in text
+    assert "  tokens row32dev.eager identical to no offload: met" in text
+    assert "  b1 row32dev.full >= 4 x uva675.full: 100 / 100 tok/s = 1.000 (MISSED)" in text
+    assert "row32dev.eager   FAILED: not run: time" in text
+    assert next(x for x in text.splitlines() if x.startswith("none.full")).endswith(
+        "reference                                -"
+    )
+
+
+def test_merge_of_records_from_several_calls(tmp_path: Path) -> None:
+    """Two calls' records.jsonl (and a results.json), merged on the host from the command
+    line, as docs/VLLM.md runs it."""
+    results = _results()
+    names = list(results)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(results[n]) + "\n" for n in names[:6]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(results[n]) + "\n" for n in names[6:]))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "tools/vllm/e2e.py",
+            "merge",
+            "--out",
+            str(tmp_path / "m"),
+            str(tmp_path / "a.jsonl"),
+            str(tmp_path / "b.jsonl"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "m" / "summary.txt").read_text()
+    assert "targets (steps.plain, issue 18):" in summary
+    assert "targets (steps.skew, issue 18):" in summary
+    assert set(json.loads((tmp_path / "m" / "results.json").read_text())["results"]) == set(names)
+
+
+def test_command_line_checks_only(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "tools/vllm/e2e.py",
+            "run",
+            "--out",
+            str(tmp_path),
+            "--phases",
+            "steps",
+            "--only",
+            "row8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and "unknown engines ['row8']" in done.stderr
+    helped = subprocess.run(
+        [sys.executable, "tools/vllm/e2e.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "steps_skew:" in helped.stdout and "--resume" in helped.stdout

@@ -1,0 +1,214 @@
+"""The steps comparison's part of the summary: one table per checkpoint, tokens against the
+same-mode no-offload engine sequence by sequence, and issue 18's targets marked met or missed.
+
+Runs on the host from the records (``results.json`` or ``records.jsonl``; ``e2e.py merge``
+combines several calls'), never on the GPU machine's engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tools.vllm.harness.phases import Results
+
+Sequences = list[list[int]]
+
+ROW = "row32dev.full"
+UVA = "uva675.full"
+PREFETCH = "prefetch.full"
+MEASURES = ("b1", "b8", "b32", "ttft")
+
+
+def divergence(ref: Sequences, got: Sequences) -> list[int | None]:
+    """Per sequence, the first position where ``got`` differs from ``ref`` (None: identical);
+    a shorter sequence differs where it ends, a missing one at 0."""
+    out: list[int | None] = []
+    for i, want in enumerate(ref):
+        have = got[i] if i < len(got) else []
+        first = next((p for p, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), None)
+        if first is None and len(want) != len(have):
+            first = min(len(want), len(have))
+        out.append(first)
+    return out
+
+
+def describe(div: list[int | None] | None) -> str:
+    """``div`` in a few characters: ``=`` identical, else how many sequences diverge and the
+    first positions."""
+    if div is None:
+        return "n/a"
+    bad = [p for p in div if p is not None]
+    if not bad:
+        return f"= ({len(div)})"
+    if len(bad) == 1:
+        return f"1/{len(div)} at {bad[0]}"
+    return f"{len(bad)}/{len(div)} at {min(bad)}-{max(bad)}"
+
+
+def steps_of(record: dict[str, Any]) -> dict[str, Any] | None:
+    steps: dict[str, Any] | None = record.get("steps")
+    return steps
+
+
+def sequences(record: dict[str, Any], measure: str) -> Sequences | None:
+    """The token ids of ``measure`` (b<N>: every sequence's decode; ttft: each prompt's first
+    token, as one-token sequences)."""
+    steps = steps_of(record)
+    if not steps:
+        return None
+    if measure == "ttft":
+        firsts = steps["ttft"].get("first_tokens") or []
+        return [[t] for t in firsts] if firsts else None
+    entry = steps["decode"].get(measure[1:]) or {}
+    found: Sequences | None = entry.get("tokens")
+    return found
+
+
+def compare(results: Results, name: str, ref: str) -> dict[str, list[int | None] | None]:
+    """Per measurement, :func:`divergence` of ``name``'s tokens from ``ref``'s."""
+    out: dict[str, list[int | None] | None] = {}
+    for measure in MEASURES:
+        want = sequences(results.get(ref, {}), measure)
+        have = sequences(results.get(name, {}), measure)
+        out[measure] = None if want is None or have is None else divergence(want, have)
+    return out
+
+
+def speed(record: dict[str, Any], measure: str) -> float | None:
+    """tok/s of a decode measurement, or the time to first token in ms."""
+    steps = steps_of(record)
+    if not steps:
+        return None
+    if measure == "ttft":
+        ms: float | None = steps["ttft"].get("ms")
+        return ms
+    value: float | None = (steps["decode"].get(measure[1:]) or {}).get("tok_s")
+    return value
+
+
+def _cell(record: dict[str, Any], measure: str) -> str:
+    steps = steps_of(record)
+    value = speed(record, measure)
+    if not steps or value is None:
+        return "-"
+    entry = steps["ttft"] if measure == "ttft" else steps["decode"].get(measure[1:]) or {}
+    runs = len(entry.get("ms_runs") or []) if measure == "ttft" else entry.get("repeats_run", 0)
+    return f"{value:g}" + ("" if runs >= 3 else f"({runs})")
+
+
+def _hits(record: dict[str, Any]) -> str:
+    steps = steps_of(record)
+    if not steps or not record.get("spec", {}).get("knob"):
+        return "-"
+    cells = []
+    for measure in MEASURES:
+        entry = steps["ttft"] if measure == "ttft" else steps["decode"].get(measure[1:]) or {}
+        rate = (entry.get("cache") or {}).get("hit_rate")
+        cells.append("-" if rate is None else f"{rate:.2f}")
+    return "/".join(cells)
+
+
+def _route(record: dict[str, Any]) -> str:
+    routes = (record.get("route") or {}).get("routes") or {}
+    if not routes:
+        return "-"
+    return "; ".join(f"{route} ({n} layers)" for route, n in routes.items())
+
+
+def prefixes(results: Results) -> list[str]:
+    """The checkpoints' name prefixes (``steps.plain``, ``steps.skew``) in first-seen order."""
+    found: list[str] = []
+    for name, record in results.items():
+        if steps_of(record) is not None or name.startswith("steps."):
+            prefix = ".".join(name.split(".")[:2])
+            if prefix not in found:
+                found.append(prefix)
+    return found
+
+
+def reference(results: Results, name: str) -> str:
+    spec = results.get(name, {}).get("spec") or {}
+    refs = spec.get("compare_with") or []
+    return str(refs[0]) if refs else ""
+
+
+def report(results: Results) -> list[str]:
+    lines: list[str] = []
+    for prefix in prefixes(results):
+        lines += [
+            "",
+            f"steps comparison, {prefix} (tok/s; TTFT ms of a 2,048-token prompt; "
+            "(n): medians of n < 3; tokens against the same-mode no-offload engine: "
+            "'=' identical sequences, else sequences diverging and first positions):",
+        ]
+        lines.append(
+            f"{'engine':16} {'graphs':18} {'b1':>8} {'b8':>8} {'b32':>8} {'TTFT':>8}  "
+            f"{'hit b1/b8/b32/ttft':20} {'tokens b1 | b8 | b32 | ttft':40} route"
+        )
+        for name, record in results.items():
+            if not name.startswith(prefix + "."):
+                continue
+            label = name[len(prefix) + 1 :]
+            if not record.get("ok") and not steps_of(record):
+                lines.append(f"{label:16} FAILED: {str(record.get('error', '?'))[:160]}")
+                continue
+            ref = reference(results, name)
+            if ref == name:
+                tokens = "reference"
+            else:
+                div = compare(results, name, ref)
+                tokens = " | ".join(describe(div[m]) for m in MEASURES)
+            lines.append(
+                f"{label:16} {record.get('cudagraph_mode', '?')!s:18} "
+                + " ".join(f"{_cell(record, m):>8}" for m in MEASURES)
+                + f"  {_hits(record):20} {tokens:40} {_route(record)}"
+            )
+            if not record.get("ok"):
+                lines.append(f"{'':16} PARTIAL: {str(record.get('error', '?'))[:160]}")
+        lines += targets(results, prefix)
+    return lines
+
+
+def _ratio(
+    results: Results, prefix: str, measure: str, other: str, factor: float, higher: bool
+) -> str | None:
+    """``row32dev.full``'s ``measure`` against ``factor`` x ``other``'s: a target line."""
+    mine = speed(results.get(f"{prefix}.{ROW}", {}), measure)
+    theirs = speed(results.get(f"{prefix}.{other}", {}), measure)
+    if mine is None or theirs is None or not theirs:
+        return None
+    ratio = mine / theirs
+    met = ratio >= factor if higher else ratio <= factor
+    sign = ">=" if higher else "<="
+    unit = "ms" if measure == "ttft" else "tok/s"
+    return (
+        f"  {measure} {ROW} {sign} {factor:g} x {other}: {mine:g} / {theirs:g} {unit} = "
+        f"{ratio:.3f} ({'met' if met else 'MISSED'})"
+    )
+
+
+def targets(results: Results, prefix: str) -> list[str]:
+    """Issue 18's targets for this checkpoint, where both engines have the figure."""
+    if prefix.endswith("skew"):
+        wanted = [("b8", UVA, 2.0, True), ("b32", UVA, 2.0, True), ("b1", UVA, 4.0, True)]
+    else:
+        wanted = [
+            ("b8", UVA, 0.95, True),
+            ("b32", UVA, 0.95, True),
+            ("ttft", UVA, 0.8, False),
+            ("ttft", PREFETCH, 1.0, False),
+            ("b1", UVA, 1.3, True),
+        ]
+    lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
+    for label in ("row32dev.full", "row32dev.eager"):
+        name = f"{prefix}.{label}"
+        if name not in results or not steps_of(results[name]):
+            continue
+        div = compare(results, name, reference(results, name))
+        known = [d for d in div.values() if d is not None]
+        same = all(p is None for d in known for p in d)
+        missing = [m for m, d in div.items() if d is None]
+        verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
+        extra = f" (not measured: {', '.join(missing)})" if missing else ""
+        lines.append(f"  tokens {label} identical to no offload: {verdict}{extra}")
+    return [f"targets ({prefix}, issue 18):", *lines] if lines else []
