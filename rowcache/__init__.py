@@ -1,10 +1,13 @@
 """rowcache: a GPU expert-weight cache for mixture-of-experts inference.
 
-``RowCacheWeightProvider`` is the row-level provider whose stream and event ordering is
-generated from the model-checked transition table (``spec/table.toml``);
-``CachedWeightProvider`` is the LFRU baseline; ``DevicePlannedProvider``
-(``RowCacheWeightProvider(..., planner="device")``) plans and copies on the device, inside CUDA
-graphs. All serve ``run_with_expert_cache``.
+``RowCacheWeightProvider(..., planner=...)`` builds the row-level provider of a planner, and is
+the base of both: ``HostPlannedProvider`` (``planner="host"``, the default), whose stream and
+event ordering is generated from the model-checked transition table (``spec/table.toml``), and
+``DevicePlannedProvider`` (``planner="device"``), which plans and copies on the device, inside
+CUDA graphs. ``CachedWeightProvider`` is the LFRU baseline. All serve ``run_with_expert_cache``.
+
+Both planners' modules are imported here, so that ``RowCacheWeightProvider`` knows them
+(``rowcache.provider_base``).
 """
 
 from rowcache.cached import CachedWeightProvider
@@ -13,7 +16,8 @@ from rowcache.device_plan.state import DeviceInputError
 from rowcache.errors import ConcurrentCallError, InvalidInputError, RowCacheError
 from rowcache.forward import run_with_expert_cache
 from rowcache.planning import plan_chunks, plan_expert_groups
-from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.provider_base import RowCacheWeightProvider
+from rowcache.row_provider import HostPlannedProvider
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 
 __all__ = [
@@ -23,6 +27,7 @@ __all__ = [
     "DevicePlannedProvider",
     "ExpertWeightProvider",
     "ExpertWeightResult",
+    "HostPlannedProvider",
     "InvalidInputError",
     "RowCacheError",
     "RowCacheWeightProvider",

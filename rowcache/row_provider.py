@@ -1,4 +1,5 @@
-"""``RowCacheWeightProvider``: the row-level provider whose device schedules come from the table.
+"""``HostPlannedProvider``: the row-level provider planned on the host, whose device schedules
+come from the table; what ``RowCacheWeightProvider(...)`` builds by default.
 
 Two halves, each checked against the model:
 
@@ -19,6 +20,10 @@ Two halves, each checked against the model:
 
 The backend is chosen by the device (CPU: synchronous copies; CUDA: streams and events) unless
 one is given (tests pass ``rowcache.backends.RecordingBackend``).
+
+``RowCacheWeightProvider`` (``rowcache.provider_base``, the base of this class and of the
+device-planned ``rowcache.device_plan.provider.DevicePlannedProvider``), ``Planner`` and
+``PLANNERS`` are importable from here as well.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,19 +40,19 @@ from torch import Tensor
 from rowcache.backends.base import Backend, Plan, Roles
 from rowcache.backends.cpu import CpuBackend
 from rowcache.errors import InvalidInputError
-from rowcache.guard import CallGuard
 from rowcache.packing import Layout, check_layout
+from rowcache.provider_base import PLANNERS, Planner, RowCacheWeightProvider
 from rowcache.schedules import run_invalidate, run_prepare
-from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import requested_and_routed
 
-__all__ = ["PLANNERS", "Planner", "RowCacheWeightProvider", "default_backend"]
-
-Planner = Literal["host", "device"]
-PLANNERS: tuple[Planner, ...] = ("host", "device")
-"""``host``: planning on the host, copies on a copy stream (this class); ``device``: planning
-and copies on the device, capturable in CUDA graphs (``rowcache.device_plan``)."""
+__all__ = [
+    "PLANNERS",
+    "HostPlannedProvider",
+    "Planner",
+    "RowCacheWeightProvider",
+    "default_backend",
+]
 
 
 def default_backend(device: torch.device) -> Backend[Any]:
@@ -63,8 +68,9 @@ def default_backend(device: torch.device) -> Backend[Any]:
     )
 
 
-class RowCacheWeightProvider(SlotSurface):
-    """LRU expert-weight cache with ``capacity`` device slots, ordered by the table.
+class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
+    """LRU expert-weight cache with ``capacity`` device slots, planned on the host and ordered
+    by the table; what ``RowCacheWeightProvider(..., planner="host")`` (the default) builds.
 
     Same surface as ``rowcache.cached.CachedWeightProvider``. Host calls must be sequential
     (a concurrent call raises ``ConcurrentCallError``). Every consumer read of the buffers a
@@ -82,21 +88,7 @@ class RowCacheWeightProvider(SlotSurface):
     ``share_sources=True`` keeps the caller's tensors instead (no copy: for CUDA they must
     already be pinned; not with ``layout="packed"``), and the caller then owns their contents
     (``rowcache.sources.ExpertSources`` says what an in-place write does then).
-
-    ``planner="device"`` builds a ``rowcache.device_plan.DevicePlannedProvider`` (a subclass):
-    the same policy planned and copied on the device, with fixed shapes and no host
-    synchronization, so that a forward can be captured in a CUDA graph; it splits a step by
-    passes over expert groups, and takes no ``backend`` or ``split="token"``.
     """
-
-    def __new__(cls, *args: Any, planner: object = "host", **kwargs: Any) -> RowCacheWeightProvider:
-        if planner not in PLANNERS:
-            raise InvalidInputError(f"planner must be one of {list(PLANNERS)}, got {planner!r}")
-        if planner == "device" and cls is RowCacheWeightProvider:
-            from rowcache.device_plan.provider import DevicePlannedProvider
-
-            return super().__new__(DevicePlannedProvider)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -115,7 +107,7 @@ class RowCacheWeightProvider(SlotSurface):
         share_sources: bool = False,
         planner: Planner = "host",
     ) -> None:
-        if planner != "host":  # __new__ built a DevicePlannedProvider for "device"
+        if planner != "host":  # RowCacheWeightProvider builds a DevicePlannedProvider then
             raise InvalidInputError(f"{type(self).__name__} plans on the host, got {planner!r}")
         target = torch.device(device)
         check_layout(layout)  # before the backend, which allocates a stream and events
@@ -149,19 +141,16 @@ class RowCacheWeightProvider(SlotSurface):
         self._resident_view = torch.frombuffer(self._slot_of, dtype=torch.int32)
         self._forward_view = torch.frombuffer(self._forward_host, dtype=torch.int32)
         self._free = list(range(capacity))  # a heap: lowest free slot first
-        self._owner: Any = None  # stream of the previous accepted prepare
         self._forward: tuple[tuple[int, int], ...] | None = None
 
         self._hits = 0
         self._misses = 0
         self._evictions = 0
         self._prepare_calls = 0
-        self._owner_changes = 0
         self._invalidations = 0
         self._last_copies = 0  # experts the last accepted prepare copied
-        self._guard = CallGuard(type(self).__name__)
-        # Every prepare returns the same live buffers, so the result is built once.
-        self._result = self._result_with(self._backend.forward_map)
+        # The owner (stream of the previous accepted prepare), the guard and the result.
+        self._set_up_calls(self._backend.forward_map)
 
     # -- surface -----------------------------------------------------------
 
@@ -255,11 +244,6 @@ class RowCacheWeightProvider(SlotSurface):
     def slot_of(self) -> tuple[int, ...]:
         """The resident-map host mirror: the slot of every expert, -1 when not resident."""
         return tuple(self._slot_of)
-
-    @property
-    def owner(self) -> Any:
-        """The stream of the last accepted ``prepare`` (None before the first)."""
-        return self._owner
 
     @property
     def forward_pairs(self) -> tuple[tuple[int, int], ...] | None:

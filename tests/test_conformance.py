@@ -48,7 +48,7 @@ from model_check.device.queues import (
 )
 from model_check.table import Step, Table, load_table
 from model_check.table.reference import NO_STREAM, Bounds, Counters
-from rowcache import InvalidInputError, RowCacheWeightProvider
+from rowcache import HostPlannedProvider, InvalidInputError, RowCacheWeightProvider
 from rowcache import row_provider as row_provider_module
 from rowcache.backends import RecordingBackend
 from rowcache.backends.base import Plan, Roles
@@ -313,20 +313,20 @@ def no_release_wait(table: Table) -> Table:
 
 
 def unprotected_victims(
-    self: RowCacheWeightProvider, count: int, requested: set[int], step: set[int]
+    self: HostPlannedProvider, count: int, requested: set[int], step: set[int]
 ) -> list[int]:
     return list(self.lru_order()[:count])
 
 
 def call_only_victims(
-    self: RowCacheWeightProvider, count: int, requested: set[int], step: set[int]
+    self: HostPlannedProvider, count: int, requested: set[int], step: set[int]
 ) -> list[int]:
     """Protection limited to the call: the step's other experts are taken like any other."""
     return [e for e in self.lru_order() if e not in requested][:count]
 
 
 def forward_from_resident(
-    self: RowCacheWeightProvider, requested: list[int]
+    self: HostPlannedProvider, requested: list[int]
 ) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(self.resident_experts().items()))
 
@@ -335,11 +335,11 @@ def forward_from_resident(
 def mutant(name: str) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         if name == "victim_not_protected":
-            patch.setattr(RowCacheWeightProvider, "_victims", unprotected_victims)
+            patch.setattr(HostPlannedProvider, "_victims", unprotected_victims)
         elif name == "protection_limited_to_the_call":
-            patch.setattr(RowCacheWeightProvider, "_victims", call_only_victims)
+            patch.setattr(HostPlannedProvider, "_victims", call_only_victims)
         elif name == "forward_from_resident":
-            patch.setattr(RowCacheWeightProvider, "_forward_pairs", forward_from_resident)
+            patch.setattr(HostPlannedProvider, "_forward_pairs", forward_from_resident)
         elif name == "ready_before_copies":
             module = schedules_from(ready_before_copies(TABLE))
             patch.setattr(row_provider_module, "run_prepare", module.run_prepare)

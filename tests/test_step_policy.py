@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from rowcache import RowCacheWeightProvider
+from rowcache import HostPlannedProvider, RowCacheWeightProvider
 from rowcache.forward import run_with_expert_cache
 from rowcache.types import ExpertWeightResult
 
@@ -62,10 +62,10 @@ def test_the_measure_catches_the_pass_only_policy(monkeypatch: pytest.MonkeyPatc
         return plan_expert_groups(topk_ids, C)
 
     def call_only(
-        self: RowCacheWeightProvider, count: int, requested: set[int], step: set[int]
+        self: HostPlannedProvider, count: int, requested: set[int], step: set[int]
     ) -> list[int]:
         return [e for e in self.lru_order() if e not in requested][:count]
 
     monkeypatch.setattr(forward, "_step_groups", by_id)
-    monkeypatch.setattr(RowCacheWeightProvider, "_victims", call_only)
+    monkeypatch.setattr(HostPlannedProvider, "_victims", call_only)
     assert hit_rate("host", 32) < 0.05

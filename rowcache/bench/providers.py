@@ -11,7 +11,7 @@ from torch import Tensor
 from rowcache.backends.cuda import CopyPath, CopyTiming, CudaBackend
 from rowcache.cached import CachedWeightProvider
 from rowcache.packing import Layout
-from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.row_provider import HostPlannedProvider
 from rowcache.sources import SOURCE_NAMES
 from rowcache.types import ExpertWeightResult
 
@@ -40,8 +40,8 @@ def _row_with(
     capacity: int,
     device: torch.device,
     layout: Layout = "separate",
-) -> RowCacheWeightProvider:
-    return RowCacheWeightProvider(
+) -> HostPlannedProvider:
+    return HostPlannedProvider(
         **_weights(sources),  # type: ignore[arg-type]
         capacity=capacity,
         device=device,

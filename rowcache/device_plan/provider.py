@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,9 +51,8 @@ from rowcache.device_plan.state import (
     read_counters,
 )
 from rowcache.errors import InvalidInputError
-from rowcache.guard import CallGuard
 from rowcache.packing import Layout, check_layout
-from rowcache.row_provider import Planner, RowCacheWeightProvider
+from rowcache.provider_base import Planner, RowCacheWeightProvider
 from rowcache.surface import check_split
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import check_topk_ids
@@ -62,15 +60,16 @@ from rowcache.validation import check_topk_ids
 __all__ = ["DevicePlannedProvider"]
 
 
-class DevicePlannedProvider(RowCacheWeightProvider):
+class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
     """LRU expert-weight cache planned on the device (see the module docstring); what
     ``RowCacheWeightProvider(..., planner="device")`` builds.
 
     ``kernels``: ``"triton"`` (the fused launches; the default on CUDA) or ``"torch"`` (torch
     operations; the default on the CPU). The split is always by expert groups (``"expert"``):
-    passes over all rows, summed in fp32 when there is more than one. It shares the host
-    provider's policy and inspection methods, not its host bookkeeping: ``__init__`` sets up
-    only the device state.
+    passes over all rows, summed in fp32 when there is more than one. A sibling of the host
+    planner's ``rowcache.row_provider.HostPlannedProvider`` (the same policy and inspection
+    surface, ``rowcache.provider_base``): it has no copy backend (its copies are the gather
+    launch) and no ``step_groups`` (it orders a step's passes on the device).
     """
 
     def __init__(
@@ -118,10 +117,8 @@ class DevicePlannedProvider(RowCacheWeightProvider):
         self._state: DeviceCacheState = new_state(self._num_experts, capacity, target)
         self._expert_bytes = sum(r.row_bytes for r in copy_regions(self._sources, self._slots))
         self._cuda = target.type == "cuda"
-        self._owner: Any = None
-        self._owner_changes = 0
-        self._guard = CallGuard(type(self).__name__)
-        self._result = self._result_with(self._state.forward)
+        # The owner (the stream of the last eager call or handoff), the guard and the result.
+        self._set_up_calls(self._state.forward)
 
     # -- surface -----------------------------------------------------------------------
 
@@ -257,6 +254,7 @@ class DevicePlannedProvider(RowCacheWeightProvider):
         return tuple(e for _, e in held)
 
     def slot_of(self) -> tuple[int, ...]:
+        """The resident map: the slot of every expert, -1 when not resident."""
         return tuple(self._state.resident.tolist())
 
     @property
@@ -265,12 +263,6 @@ class DevicePlannedProvider(RowCacheWeightProvider):
         if int(self._state.counters[COUNTERS.index("passes")].item()) == 0:
             return None
         return tuple((e, s) for e, s in enumerate(self._state.forward.tolist()) if s >= 0)
-
-    @property
-    def backend(self) -> Any:
-        raise AttributeError(
-            "the device planner has no copy backend: its copies are the gather kernel"
-        )
 
     def forward_map(self) -> tuple[int, ...]:
         return tuple(self._state.forward.tolist())
