@@ -60,7 +60,8 @@ PROPERTIES: dict[str, str] = {
     "in its own slot, agreeing with the resident map",
     "P4_map_convergence": "when the device is idle its cache state equals the reference applied in "
     "host-call order and every mapped slot holds its expert",
-    "P5_victim_protection": "no expert a pass exposes is evicted by it",
+    "P5_victim_protection": "no expert a pass exposes is evicted by it, and none its step "
+    "requests while a resident outside the step stays",
     "P7_no_deadlock": "the device can always run some pending operation",
     "P8_hot_path_never_blocks": "the hot path (prepare, handoff, replay, invalidate) never blocks "
     "the host and never reads device state",

@@ -208,7 +208,9 @@ def plan_pass_hits_not_first(
 def plan_pass_unprotected_victim(
     dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
 ) -> PlanOut:
-    return _plan(dev, ids, p, passes, bounds, protect=False)
+    # Any resident, oldest first: with the step's tiers kept, the hits-first order would never
+    # reach a selected expert, and the bug would not show.
+    return _plan(dev, ids, p, passes, bounds, protect=False, protect_step=False)
 
 
 def plan_pass_stale_forward(

@@ -349,7 +349,10 @@ class DataRun:
                 bounds,
                 top,
                 protect_requested=fn != "plan_pass_unprotected_victim",
-                step=None if fn.startswith("plan_pass_protects_pass_only") else cstep,
+                step=None
+                if fn.startswith("plan_pass_protects_pass_only")
+                or fn == "plan_pass_unprotected_victim"
+                else cstep,
             )
             self.crash.append(conj(cond, eff.crash))
         new = eff.host
@@ -704,6 +707,9 @@ class Summary:
 # ---------------------------------------------------------------- bounded model checking
 
 
+Calls = list[tuple[str, tuple[object, ...], int]]  # (operation, arguments, stream)
+
+
 class StepInfo(NamedTuple):
     op: Int
     cur: Int
@@ -850,6 +856,31 @@ class Unrolling:
     def sighting(self, tag: str) -> Bool:
         return disj(*(s.seen.get(tag, False) for s in self.steps))
 
+    def call(self, model: z3.ModelRef, t: int) -> tuple[str, tuple[object, ...], int]:
+        """Step t of the counterexample in `model` as a host call (operation, arguments as
+        the explicit model takes them, stream)."""
+
+        def ev(x: Any) -> Any:
+            return x if isinstance(x, (bool, int)) else model.eval(x, model_completion=True)
+
+        info = self.steps[t]
+        op = self.table.operations[ev(info.op).as_long()]
+        args: list[object] = []
+        if "ids" in op.args:
+            ids = [e for e, r in enumerate(info.args.req) if z3.is_true(ev(r))]
+            ids += [self.bounds.num_experts] if z3.is_true(ev(info.args.bad)) else []
+            ids += [-1] if z3.is_true(ev(info.args.pad)) else []
+            args.append(tuple(ids))
+        if "pass" in op.args:
+            args.append(ev(info.args.p).as_long())
+        if "expert" in op.args:
+            args.append(ev(info.args.expert).as_long())
+        return op.name, tuple(args), ev(info.cur).as_long()
+
+    def calls(self, model: z3.ModelRef, upto: int) -> Calls:
+        """The host calls of the first `upto` steps of the counterexample in `model`."""
+        return [self.call(model, t) for t in range(upto)]
+
     def describe(self, model: z3.ModelRef, prop: str) -> tuple[str, int]:
         lines: list[str] = []
 
@@ -857,18 +888,8 @@ class Unrolling:
             return x if isinstance(x, (bool, int)) else model.eval(x, model_completion=True)
 
         for t, info in enumerate(self.steps):
-            op = self.table.operations[ev(info.op).as_long()]
-            req = [e for e, r in enumerate(info.args.req) if z3.is_true(ev(r))]
-            parts = []
-            if "ids" in op.args:
-                ids = req + ([self.bounds.num_experts] if z3.is_true(ev(info.args.bad)) else [])
-                ids += [-1] if z3.is_true(ev(info.args.pad)) else []
-                parts.append(str(tuple(ids)))
-            if "pass" in op.args:
-                parts.append(str(ev(info.args.p)))
-            if "expert" in op.args:
-                parts.append(str(ev(info.args.expert)))
-            text = f"{op.name}({', '.join(parts)}) on s{ev(info.cur)}"
+            name, args, cur = self.call(model, t)
+            text = f"{name}({', '.join(str(a) for a in args)}) on s{cur}"
             if not z3.is_true(ev(info.accepted)):
                 text += " (rejected)"
             lines.append(f"  {t + 1}. {text}")
@@ -1156,6 +1177,8 @@ class Z3Report:
     decides: tuple[str, ...] = tuple(p for p in PROPERTIES if p != "P7_no_deadlock")
     notes: list[str] = field(default_factory=list)
     timing: dict[str, float] = field(default_factory=dict)
+    # property -> its counterexample as host calls, up to the violating step
+    calls: dict[str, Calls] = field(default_factory=dict)
 
     @property
     def violation(self) -> Violation | None:
@@ -1206,6 +1229,7 @@ def check(
     props = [p for p in PROPERTIES if p != "P7_no_deadlock"]
     verdicts: dict[str, str] = {}
     cexs: dict[str, str] = {}
+    calls: dict[str, Calls] = {}
     timing: dict[str, float] = {"build": time.perf_counter() - start}
     if stop_at_first:
         goal = z3.Bool("goal_any")
@@ -1228,7 +1252,8 @@ def check(
                     break
             verdicts = {p: "skipped" for p in props}
             verdicts[prop] = "violated"
-            cexs[prop] = unrolling.describe(model, prop)[0]
+            cexs[prop], n = unrolling.describe(model, prop)
+            calls[prop] = unrolling.calls(model, n)
         else:
             verdicts = {p: ("holds" if result == z3.unsat else "unknown") for p in props}
     else:
@@ -1260,7 +1285,9 @@ def check(
                 timing[f"{prop[:3]}@{k}"] = time.perf_counter() - t0
                 if result == z3.sat:
                     verdicts[prop] = "violated"
-                    cexs[prop] = unrolling.describe(solver.model(), prop)[0]
+                    model = solver.model()
+                    cexs[prop], n = unrolling.describe(model, prop)
+                    calls[prop] = unrolling.calls(model, n)
                 elif result != z3.unsat:
                     verdicts[prop] = "unknown"
             solver.add(z3_bool(neg(disj(*(at[p] for p in props if verdicts[p] == "holds")))))
@@ -1275,10 +1302,11 @@ def check(
     ind = prove(table, bounds) if induction else None
     report = Z3Report(bounds, depth, verdicts, cexs, reached, ind, time.perf_counter() - start)
     report.timing = timing
+    report.calls = calls
     if not stop_at_first:
         report.notes.append(f"state lemmas proved and assumed at {lemmas} of {depth} steps")
     return report
 
 
-__all__ = ["REACHABILITY", "InductionResult", "Unrolling", "Z3Report", "check", "prove"]
+__all__ = ["REACHABILITY", "Calls", "InductionResult", "Unrolling", "Z3Report", "check", "prove"]
 _ = Any

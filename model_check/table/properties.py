@@ -14,7 +14,8 @@ PROPERTIES: dict[str, str] = {
     "its own slot, and agrees with the resident map",
     "P4_map_convergence": "when the device is idle the device resident map equals the host "
     "mirror and every mapped slot holds its expert",
-    "P5_victim_protection": "no expert requested by a call is evicted by it",
+    "P5_victim_protection": "no expert requested by a call is evicted by it, and none its step "
+    "requests while a victim outside the step exists",
     "P6_staging_lifetime": "the host never rewrites a staging buffer an enqueued upload still "
     "reads",
     "P7_no_deadlock": "the device can always run some pending operation",
