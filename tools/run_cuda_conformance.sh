@@ -20,6 +20,12 @@
 #   ROWCACHE_SANITIZER_EXAMPLES  the same, in the sanitizer pass (default 50)
 #   ROWCACHE_STEP_TIMEOUT        seconds allowed for each of the three pytest runs (default 900)
 #   ROWCACHE_COMMIT              the commit to report (default: git rev-parse HEAD)
+#   ROWCACHE_PYTEST_ARGS         more pytest arguments for every step (e.g. -k to split a step
+#                                across calls; give each part its own LOG_DIR)
+#   ROWCACHE_ARCHIVE             a .tar.gz path: the whole LOG_DIR packed there at the end
+#   ROWCACHE_MUTANT_EXAMPLES     the CUDA machine's examples per length when it kills the host
+#                                path's GPU mutants (default 200)
+#   ROWCACHE_RACE_RUNS           runs of every device-path race fixture (default 5)
 #   ROWCACHE_STEPS               the steps to run, of "suite mutants sanitizer summary" (default
 #                                "suite mutants sanitizer", then the summary); "summary" alone
 #                                only summarizes LOG_DIR (as --summary-only); a run of some
@@ -111,8 +117,12 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   while [ "$1" != "--" ]; do assignments+=("$1"); shift; done
   shift
   echo "== $name: pytest tests/cuda $*"
-  env "${assignments[@]}" timeout "$STEP_TIMEOUT" "$PY" -m pytest tests/cuda -p no:cacheprovider \
-    -q -rA --junitxml="$LOGS/$name.xml" "$@" > "$LOGS/$name.log" 2>&1
+  # SIGINT first: pytest then ends the session and still writes the JUnit XML of the tests
+  # it ran (a step cut by its limit keeps its partial record; its status stays non-zero).
+  # shellcheck disable=SC2086  # ROWCACHE_PYTEST_ARGS is split on purpose
+  env "${assignments[@]}" timeout --signal=INT --kill-after=30 "$STEP_TIMEOUT" "$PY" -m pytest \
+    tests/cuda -p no:cacheprovider -q -rA --junitxml="$LOGS/$name.xml" "$@" \
+    ${ROWCACHE_PYTEST_ARGS:-} > "$LOGS/$name.log" 2>&1
   local rc=$?
   echo $rc > "$LOGS/$name.rc"
   [ $rc -eq 0 ] || STEPS_RC=1
@@ -130,11 +140,21 @@ for name in "${PYTEST_STEPS[@]}"; do
   esac
 done
 
+# One archive of the whole folder, for a caller that can take few files back.
+pack() {
+  if [ -n "${ROWCACHE_ARCHIVE:-}" ]; then
+    tar czf "$ROWCACHE_ARCHIVE" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+  fi
+}
+
 # -- the summary -------------------------------------------------------------------------
 if [ "$RUN_SUMMARY" = 1 ]; then
   "$PY" "$ROOT/tools/conformance_summary.py" "$LOGS"
-  exit $?
+  rc=$?
+  pack
+  exit $rc
 fi
+pack
 echo "steps run: $STEPS (exit status: every step's pytest status; the summary, once every step's"
 echo "files are in one folder: tools/run_cuda_conformance.sh --summary-only DIR)"
 exit "$STEPS_RC"
