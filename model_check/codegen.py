@@ -7,10 +7,17 @@ step, in the table's order, on the stream its role names (`ctx.current`, `ctx.ow
 `ctx.copy`), under a plain `if` for a `when` condition. It returns the stream that becomes the
 owner (the table's `set_owner`), or None when the operation leaves the owner unchanged.
 
+From the table's `[device]` section it writes rowcache/schedules/_device_generated.py: for
+every provider operation of the device-planned path, `handoff_<op>(events, current, owner)`,
+which runs the operation's handoff (its record_event / wait_event steps, under a plain `if` for
+`owner_change`) on the streams their roles name and returns a `Takeover`: the stream the
+operation's other steps run on, the owner after the call (the table's `set_owner`), and
+whether the handoff ran.
+
 `python -m model_check.codegen --check` (and `check()`, which the test suite calls) regenerates
-in memory and reports any difference with the committed file. The output is formatted here,
-deterministically, in the project's style (ruff-clean, mypy --strict clean), so generation does
-not depend on a formatter.
+both files in memory and reports any difference with the committed ones. The output is
+formatted here, deterministically, in the project's style (ruff-clean, mypy --strict clean),
+so generation does not depend on a formatter.
 
 This module writes text only; it imports nothing from rowcache (and no torch).
 """
@@ -24,10 +31,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from model_check.device_path.table import DeviceOp, DeviceTable, load_device_table
 from model_check.table.schema import TABLE_PATH, Operation, Step, Table, TableError, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED_PATH = ROOT / "rowcache" / "schedules" / "_generated.py"
+DEVICE_GENERATED_PATH = ROOT / "rowcache" / "schedules" / "_device_generated.py"
 
 COMMAND = "python -m model_check.codegen"
 ROLE_EXPR = {"current": "ctx.current", "owner": "ctx.owner", "copy": "ctx.copy"}
@@ -171,9 +180,136 @@ def _tuple(items: Sequence[str]) -> str:
     return "(" + ", ".join(_q(item) for item in items) + ")"
 
 
-def check(path: Path = GENERATED_PATH, table_path: Path = TABLE_PATH) -> list[str]:
-    """Regenerate in memory; the unified diff against the committed file (empty: fresh)."""
-    expected = generate(load_table(table_path))
+# ---------------------------------------------------------------- the device-planned path
+
+HANDOFF_KINDS = ("record_event", "wait_event")
+DEVICE_ROLE_EXPR = {"current": "current", "owner": "on_owner"}
+DEVICE_WHEN_EXPR = {"owner_change": "owner is not None and owner != current"}
+SET_OWNER_EXPR = {
+    "current": "current",
+    "current_if_none": "on_owner",
+    "": "owner",
+}
+
+
+def _device_stream(role: str, where: str) -> str:
+    try:
+        return DEVICE_ROLE_EXPR[role]
+    except KeyError:
+        raise TableError(f"{where}: stream role {role!r} has no generated form") from None
+
+
+def _handoff_function(op: DeviceOp) -> list[str]:
+    """`handoff_<op>`: the operation's handoff steps, then its work stream and new owner."""
+    if not op.name.isidentifier():
+        raise TableError(f"operation name {op.name!r} is not a Python identifier")
+    args = ", ".join(op.args)
+    owner_text = f"; owner := {op.set_owner}" if op.set_owner else ""
+    lines = [
+        f"def handoff_{op.name}(events: Events[S], current: S, owner: S | None) -> Takeover[S]:",
+        f'    """{op.name}({args}): guard {op.guard}{owner_text}.',
+        "",
+        "    Steps, in table order (the handoff here; the provider runs the others on `work`):",
+        *[f"      {i}. {step.describe()}" for i, step in enumerate(op.steps)],
+        '    """',
+        "    on_owner = current if owner is None else owner",
+    ]
+    work: set[str] = set()
+    handed = "False"
+    open_when = "always"
+    for index, step in enumerate(op.steps):
+        where = f"{op.name} step {index}"
+        if step.kind not in HANDOFF_KINDS:
+            if step.stream:
+                work.add(_device_stream(step.stream, where))
+            continue
+        if work:
+            raise TableError(f"{where}: a {step.kind} after the operation's work")
+        call = f"events.{step.kind}({_device_stream(step.stream, where)}, {_q(step.event)})"
+        if step.when == "always":
+            lines.append(f"    {call}")
+            handed = "True"
+        elif step.when in DEVICE_WHEN_EXPR:
+            if open_when != step.when:
+                lines.append(f"    handed_over = {DEVICE_WHEN_EXPR[step.when]}")
+                lines.append("    if handed_over:")
+                handed = "handed_over"
+            lines.append(f"        {call}")
+        else:
+            raise TableError(f"{where}: when {step.when!r} has no generated form")
+        open_when = step.when
+    if len(work) > 1:
+        raise TableError(f"{op.name}: its work runs on more than one role: {sorted(work)}")
+    if op.set_owner not in SET_OWNER_EXPR:
+        raise TableError(f"{op.name}: set_owner {op.set_owner!r} has no generated form")
+    stream = work.pop() if work else "None"
+    lines.append(f"    return Takeover({stream}, {SET_OWNER_EXPR[op.set_owner]}, {handed})")
+    return lines
+
+
+def generate_device(table: DeviceTable) -> str:
+    """The full text of rowcache/schedules/_device_generated.py for `table`."""
+    ops = [op for op in table.operations if op.provider]
+    functions = [_handoff_function(op) for op in ops]
+    handoffs = sorted(f"handoff_{op.name}" for op in ops)
+    exported = ["PROVIDER_OPERATIONS", "Events", "Takeover", *handoffs]
+    out = [
+        '"""Stream handoff of the device-planned provider: one function per provider operation',
+        "of the table's [device] section.",
+        "",
+        f"Generated from spec/table.toml by `{COMMAND}`; do not edit.",
+        "",
+        "Each `handoff_<op>(events, current, owner)` runs the operation's handoff steps (record",
+        "and wait an event) on the streams their roles name (`owner` is None before the first",
+        "owner; the owner role is then the current stream) and returns a `Takeover`: the stream",
+        "the operation's other steps run on (None: it has none), the owner after the call, and",
+        "whether the handoff ran. Capture is not the table's: a call during a CUDA graph capture",
+        "changes no owner, and the provider does not call these then.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from dataclasses import dataclass",
+        "from typing import Generic, Protocol, TypeVar",
+        "",
+        "__all__ = [",
+        *[f"    {_q(name)}," for name in exported],
+        "]",
+        "",
+        'S = TypeVar("S")',
+        'S_contra = TypeVar("S_contra", contravariant=True)',
+        "",
+        "PROVIDER_OPERATIONS: tuple[str, ...] = (",
+        *[f"    {_q(op.name)}," for op in ops],
+        ")",
+        "",
+        "",
+        "class Events(Protocol[S_contra]):",
+        '    """Record a named event on a stream; make a stream wait for it."""',
+        "",
+        "    def record_event(self, stream: S_contra, event: str) -> None: ...",
+        "",
+        "    def wait_event(self, stream: S_contra, event: str) -> None: ...",
+        "",
+        "",
+        "@dataclass(frozen=True, slots=True)",
+        "class Takeover(Generic[S]):",
+        '    """The streams of one provider call after its handoff."""',
+        "",
+        "    work: S | None  # the stream of the operation's other steps (None: it has none)",
+        "    owner: S | None  # the owner after the call",
+        "    handed_over: bool  # the handoff's steps ran",
+    ]
+    for fn in functions:
+        out += ["", "", *fn]
+    text = "\n".join(out) + "\n"
+    for number, line in enumerate(text.splitlines(), 1):
+        if len(line) > MAX_LINE:
+            raise TableError(f"generated line {number} is longer than {MAX_LINE}: {line!r}")
+    return text
+
+
+def _diff(path: Path, expected: str, source: str) -> list[str]:
     actual = path.read_text(encoding="utf-8") if path.exists() else ""
     if actual == expected:
         return []
@@ -182,9 +318,20 @@ def check(path: Path = GENERATED_PATH, table_path: Path = TABLE_PATH) -> list[st
             actual.splitlines(),
             expected.splitlines(),
             fromfile=f"{path} (committed)",
-            tofile=f"{path} (generated from {table_path.name})",
+            tofile=f"{path} (generated from {source})",
             lineterm="",
         )
+    )
+
+
+def check(
+    path: Path = GENERATED_PATH,
+    table_path: Path = TABLE_PATH,
+    device_path: Path = DEVICE_GENERATED_PATH,
+) -> list[str]:
+    """Regenerate in memory; the unified diffs against the committed files (empty: fresh)."""
+    return _diff(path, generate(load_table(table_path)), table_path.name) + _diff(
+        device_path, generate_device(load_device_table(table_path)), table_path.name
     )
 
 
@@ -195,19 +342,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--table", type=Path, default=TABLE_PATH, help="the transition table")
     parser.add_argument("--out", type=Path, default=GENERATED_PATH, help="the generated file")
+    parser.add_argument(
+        "--device-out",
+        type=Path,
+        default=DEVICE_GENERATED_PATH,
+        help="the generated file of the device-planned path's handoff",
+    )
     options = parser.parse_args(argv)
     if options.check:
-        diff = check(options.out, options.table)
+        diff = check(options.out, options.table, options.device_out)
         if diff:
             print("\n".join(diff))
-            print(f"{options.out} is stale: run `{COMMAND}`", file=sys.stderr)
+            print(
+                f"{options.out} or {options.device_out} is stale: run `{COMMAND}`", file=sys.stderr
+            )
             return 1
-        print(f"{options.out} is up to date")
+        print(f"{options.out} and {options.device_out} are up to date")
         return 0
-    text = generate(load_table(options.table))
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(text, encoding="utf-8", newline="\n")
-    print(f"wrote {options.out}")
+    outputs = (
+        (options.out, generate(load_table(options.table))),
+        (options.device_out, generate_device(load_device_table(options.table))),
+    )
+    for path, text in outputs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8", newline="\n")
+        print(f"wrote {path}")
     return 0
 
 
