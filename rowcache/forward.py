@@ -173,7 +173,7 @@ def run_unreduced_with_expert_cache(
 
 def _step_groups(provider: ExpertWeightProvider, topk_ids: Tensor) -> list[list[int]]:
     """The expert groups of a step cut by experts (one ``prepare`` each, in this order): the
-    provider's own when it orders a step (``RowCacheWeightProvider.step_groups``: the step's
+    provider's own when it orders a step (``HostPlannedProvider.step_groups``: the step's
     hits first, so no group evicts an expert a later one needs while another victim exists),
     else the sorted experts cut into groups (``plan_expert_groups``)."""
     step_groups = getattr(provider, "step_groups", None)

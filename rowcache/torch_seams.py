@@ -99,6 +99,17 @@ RAW_CURRENT_STREAM = TorchSeam(
     (_BACKEND,),
     cuda_only=True,
 )
+HOST_EMPTY_CACHE = TorchSeam(
+    "torch._C",
+    "_host_emptyCache",
+    "the device-path bench hands the pinned host blocks of one expert layout back before the "
+    "next (the caching host allocator keeps freed pinned memory; the large layout pins tens of "
+    "GiB)",
+    "none: the bench skips it and the freed pinned blocks stay cached, so a host with little "
+    "memory may not fit the next layout",
+    ("rowcache/bench/device_path.py",),
+    cuda_only=True,
+)
 SANITIZER_ENABLED = TorchSeam(
     SANITIZER,
     "cuda_sanitizer.enabled",
@@ -140,6 +151,7 @@ def _handler(method: str, uses: tuple[str, ...] = (_ORACLE, _COPY_TEST)) -> Torc
 
 SEAMS: tuple[TorchSeam, ...] = (
     RAW_CURRENT_STREAM,
+    HOST_EMPTY_CACHE,
     SANITIZER_ENABLED,
     SANITIZER_KERNEL_LAUNCH,
     SANITIZER_ERRORS,

@@ -20,7 +20,7 @@ import timeit
 
 import torch
 
-from rowcache import CachedWeightProvider, RowCacheWeightProvider
+from rowcache import CachedWeightProvider, HostPlannedProvider
 from rowcache.validation import requested_experts
 
 NUM_EXPERTS, CAPACITY, TOP_K = 128, 32, 8
@@ -34,7 +34,7 @@ def main() -> None:
         raise SystemExit("profile_hit_path: needs a CUDA device")
     w13 = torch.zeros(NUM_EXPERTS, 64, 64).pin_memory()
     w2 = torch.zeros(NUM_EXPERTS, 64, 32).pin_memory()
-    provider = RowCacheWeightProvider(w13, w2, capacity=CAPACITY, device="cuda", share_sources=True)
+    provider = HostPlannedProvider(w13, w2, capacity=CAPACITY, device="cuda", share_sources=True)
     ids = torch.arange(TOP_K).reshape(1, TOP_K)
     provider.prepare(ids)
     torch.cuda.synchronize()
@@ -52,7 +52,7 @@ def main() -> None:
 
 
 def _side_by_side(
-    row: RowCacheWeightProvider, cached: CachedWeightProvider, ids: torch.Tensor
+    row: HostPlannedProvider, cached: CachedWeightProvider, ids: torch.Tensor
 ) -> None:
     """Row against the cached baseline, interleaved call by call on one created stream, in
     two regimes: back to back (the device never drains), and right after the host waited for
@@ -78,7 +78,7 @@ def _side_by_side(
     torch.cuda.synchronize()
 
 
-def _profile(provider: RowCacheWeightProvider, ids: torch.Tensor, calls: int, where: str) -> None:
+def _profile(provider: HostPlannedProvider, ids: torch.Tensor, calls: int, where: str) -> None:
     times = []
     for _ in range(calls):
         start = time.perf_counter()

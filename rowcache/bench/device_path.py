@@ -51,6 +51,7 @@ from torch import Tensor
 from rowcache.bench.device_report import format_table, sample_stats
 from rowcache.bench.geometry import GEOMETRIES, make_sources
 from rowcache.bench.steps import exact_miss_request
+from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
 
 __all__ = ["LAYERS", "main"]
 
@@ -72,7 +73,7 @@ def _release_pinned() -> None:
     """Hand cached pinned host blocks back (the host allocator keeps freed ones)."""
     gc.collect()
     torch.cuda.synchronize()
-    empty = getattr(torch._C, "_host_emptyCache", None)
+    empty = lookup(HOST_EMPTY_CACHE)
     if callable(empty):
         empty()
     torch.cuda.empty_cache()
