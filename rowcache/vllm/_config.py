@@ -11,6 +11,13 @@ A configuration is adjusted only once the MoE method substitution is known to be
 (``method_ready``, given by ``rowcache.vllm``): an engine whose MoE op is split out of the
 graphs but runs vLLM's own method gives wrong tokens (see ``rowcache.vllm._method``), so when
 the substitution cannot be installed the knob is ignored and the configuration stays vLLM's.
+
+Without a planner setting the planner is chosen after vLLM's own checks, from the graph mode
+they resolved (``rowcache.vllm.defaults``), and written back into ``additional_config`` so that
+the engine's other processes and later copies of the configuration serve the same one. The
+choice and the settings are logged once per process. The plugin's logger (``rowcache.vllm``)
+writes through the handlers vLLM configures on its own ``vllm`` logger, so its INFO lines reach
+the server's log as vLLM's do.
 """
 
 from __future__ import annotations
@@ -23,9 +30,17 @@ from typing import Any
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
 from vllm.config.vllm import VllmConfig
 
-from rowcache.vllm.knob import SIZE, CacheSettings, parse_settings
+from rowcache.vllm.defaults import GraphMode, choose_planner
+from rowcache.vllm.knob import (
+    CONFIG_SECTION,
+    PLANNER_CHOSEN,
+    SIZE,
+    CacheSettings,
+    chosen_record,
+    parse_settings,
+)
 
-__all__ = ["MOE_OPS", "RowcacheError", "install", "settings_of"]
+__all__ = ["MOE_OPS", "RowcacheError", "graph_mode", "install", "settings_of"]
 
 logger = logging.getLogger("rowcache.vllm")
 
@@ -40,8 +55,57 @@ class RowcacheError(RuntimeError):
     """A configuration the expert cache cannot serve, found while vLLM starts."""
 
 
+def graph_mode(config: Any) -> GraphMode:
+    """vLLM's resolved CUDA graph mode in the terms of ``rowcache.vllm.defaults``."""
+    mode = config.compilation_config.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return "eager"
+    return "full" if mode.has_full_cudagraphs() else "piecewise"
+
+
 def settings_of(config: Any) -> CacheSettings:
-    return parse_settings(getattr(config, "additional_config", None), os.environ)
+    """The knob of ``config``, its planner chosen (written back by the config hook; chosen
+    here from the config's graph mode where it could not be written back)."""
+    settings = parse_settings(getattr(config, "additional_config", None), os.environ)
+    if settings.cache_on and settings.planner_source == "unset":
+        settings = choose_planner(settings, graph_mode(config))
+    return settings
+
+
+def _record_choice(config: Any, settings: CacheSettings) -> None:
+    """Write a default planner into ``additional_config`` (a new dict: the caller's is not
+    changed); an ``additional_config`` that is not a dict cannot carry it."""
+    extra = getattr(config, "additional_config", None)
+    if settings.planner_source != "default" or not (extra is None or isinstance(extra, dict)):
+        return
+    extra = dict(extra or {})
+    section = dict(extra.get(CONFIG_SECTION) or {})
+    section[PLANNER_CHOSEN] = chosen_record(settings)
+    extra[CONFIG_SECTION] = section
+    config.additional_config = extra
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.info(message)
+
+
+def follow_vllm_logging() -> None:
+    """Send the plugin's records through the handlers of vLLM's ``vllm`` logger, at its level.
+
+    vLLM configures only its own logger tree (``vllm.logger.DEFAULT_LOGGING_CONFIG``); without
+    this the plugin's INFO lines would reach only Python's last-resort handler, which drops
+    them. Nothing changes where vLLM configured no handler or the plugin's logger has its own.
+    """
+    ours = logging.getLogger("rowcache.vllm")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
 
 
 def check_guards(config: Any, settings: CacheSettings) -> None:
@@ -126,7 +190,8 @@ def _wrap_post_init(
     original: Callable[[Any], None], method_ready: Callable[[], bool]
 ) -> Callable[[Any], None]:
     def __post_init__(self: Any) -> None:
-        settings = settings_of(self)  # a bad knob value stops vLLM here
+        # A bad knob value stops vLLM here; the planner is chosen once the graph mode is known.
+        settings = parse_settings(getattr(self, "additional_config", None), os.environ)
         # method_ready may import vLLM's fused-MoE package (only for an engine that turns the
         # knob on, which builds a MoE model anyway); False: the warning is already logged.
         if not settings.active or not method_ready():
@@ -134,8 +199,15 @@ def _wrap_post_init(
             return
         check_guards(self, settings)
         original(self)
+        if settings.cache_on:
+            # The graph mode is vLLM's now; adjust_graphs follows the planner chosen for it.
+            settings = choose_planner(settings, graph_mode(self))
+            _record_choice(self, settings)
         adjust_graphs(self, settings)
-        logger.info("rowcache: %s", settings.describe())
+        # vLLM builds its config more than once per engine; say each line once per process.
+        _say_once(f"rowcache: {settings.describe()}")
+        if settings.cache_on:
+            _say_once(settings.planner_line())
 
     setattr(__post_init__, _WRAPPED, True)
     __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -146,5 +218,6 @@ def install(method_ready: Callable[[], bool]) -> bool:
     """Wrap ``VllmConfig.__post_init__``; False when it is already wrapped."""
     if getattr(VllmConfig.__post_init__, _WRAPPED, False):
         return False
+    follow_vllm_logging()
     VllmConfig.__post_init__ = _wrap_post_init(VllmConfig.__post_init__, method_ready)
     return True

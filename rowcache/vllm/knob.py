@@ -6,10 +6,13 @@ Two sources, in order of precedence:
 2. the environment: ``ROWCACHE_MOE_EXPERT_CACHE_SIZE``, ``ROWCACHE_MOE_EXPERT_CACHE_PROVIDER``,
    ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``, ``ROWCACHE_MOE_EXPERT_CACHE_PLANNER``.
 
-``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the default: the
-MoE op runs eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``:
-planned and copied on the device, so vLLM's graph modes stay as the user set them). The
-default stays ``host`` until the device planner's engine measurements are recorded.
+``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the MoE op runs
+eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``: planned and
+copied on the device, so vLLM's graph modes stay as the user set them). Without it the planner
+is chosen once vLLM has resolved its graph mode, by ``rowcache.vllm.defaults.choose_planner``
+from that mode and the recorded evidence (``host`` in every mode for now); the choice is
+written back into ``additional_config`` under ``moe_expert_cache_planner_chosen`` (the plugin's
+own key) so that every process and every copy of the configuration serves the same planner.
 
 Each key is taken from the first source that sets it, so an environment default can be
 overridden key by key on the command line. A size of 0 (or no size at all) means the cache is
@@ -24,7 +27,7 @@ vLLM builds its configuration, so a bad value stops the engine before anything i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from rowcache.errors import InvalidInputError
@@ -35,15 +38,22 @@ __all__ = [
     "CONFIG_SECTION",
     "ENV",
     "PLANNERS",
+    "PLANNER_CHOSEN",
     "PROVIDERS",
     "SPLITS",
     "CacheSettings",
     "KnobError",
+    "PlannerSource",
     "ProviderName",
+    "chosen_record",
     "parse_settings",
+    "with_planner",
 ]
 
 ProviderName: TypeAlias = Literal["row", "cached"]
+PlannerSource: TypeAlias = Literal["unset", "setting", "default"]
+"""Where ``CacheSettings.planner`` comes from: not chosen yet (``host`` stands in until the
+config hook chooses), a user's setting, or the default chosen for the engine's graph mode."""
 
 CONFIG_SECTION = "rowcache"
 SIZE = "moe_expert_cache_size"
@@ -53,6 +63,9 @@ EAGER = "moe_eager_between_graphs"
 PLANNER = "moe_expert_cache_planner"
 KEYS = (SIZE, PROVIDER, SPLIT, EAGER, PLANNER)
 ENV = {key: "ROWCACHE_" + key.upper() for key in KEYS}
+PLANNER_CHOSEN = "moe_expert_cache_planner_chosen"
+"""Written by the plugin, not by users: ``{"planner": ..., "reason": ...}``, the default chosen
+for this configuration (``rowcache.vllm._config``)."""
 PROVIDERS: tuple[ProviderName, ...] = ("row", "cached")
 SPLITS: tuple[Split, ...] = ("token", "expert")
 PLANNERS: tuple[Planner, ...] = ("host", "device")
@@ -73,6 +86,11 @@ class CacheSettings:
     split: Split = "token"
     eager_between_graphs: bool = False
     planner: Planner = "host"
+    # Provenance, not part of what the cache is (equal settings serve alike):
+    planner_source: PlannerSource = field(default="unset", compare=False)
+    planner_reason: str = field(default="", compare=False)
+    split_set: bool = field(default=False, compare=False)
+    """Whether the split was given (a given ``token`` split rules the device planner out)."""
 
     @property
     def cache_on(self) -> bool:
@@ -88,7 +106,17 @@ class CacheSettings:
             return "expert cache off, MoE op eager between graph pieces"
         if self.planner == "device":
             return f"{self.size} slots per MoE layer, provider 'row', planned on the device"
-        return f"{self.size} slots per MoE layer, provider {self.provider!r}, split {self.split!r}"
+        where = ", planned on the host" if self.provider == "row" else ""
+        return (
+            f"{self.size} slots per MoE layer, provider {self.provider!r}, split "
+            f"{self.split!r}{where}"
+        )
+
+    def planner_line(self) -> str:
+        """The start-up line that says which planner serves and why."""
+        if self.planner_source == "unset":
+            return f"rowcache: planner {self.planner} (not chosen yet)"
+        return f"rowcache: planner {self.planner} ({self.planner_reason})"
 
 
 def _where(key: str, from_config: bool) -> str:
@@ -147,7 +175,7 @@ def _section(additional_config: object) -> Mapping[str, object]:
             f"additional_config[{CONFIG_SECTION!r}]: {section!r} is not an object; allowed: "
             f'{{"{SIZE}": N, "{PROVIDER}": "row"|"cached", "{SPLIT}": "token"|"expert"}}'
         )
-    unknown = sorted(str(k) for k in section if k not in KEYS)
+    unknown = sorted(str(k) for k in section if k not in KEYS and k != PLANNER_CHOSEN)
     if unknown:
         raise KnobError(
             f"additional_config[{CONFIG_SECTION!r}]: unknown key(s) {', '.join(unknown)}; "
@@ -177,7 +205,8 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     split_raw = pick(SPLIT)
     split = _choice(*split_raw, SPLITS) if split_raw is not None else "token"
     eager = _flag(*raw) if (raw := pick(EAGER)) is not None else False
-    planner = _choice(*raw, PLANNERS) if (raw := pick(PLANNER)) is not None else "host"
+    planner_raw = pick(PLANNER)
+    planner = _choice(*planner_raw, PLANNERS) if planner_raw is not None else "host"
     if planner == "device" and provider == "cached":
         raise KnobError(
             f"{_where(PROVIDER, PROVIDER in section)}: 'cached' has no device planner; with "
@@ -188,6 +217,14 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
             f"{split_raw[1]}: 'token' is not allowed with {PLANNER}='device', which splits a "
             "step by passes over expert groups; allowed values: expert"
         )
+    source: PlannerSource = "unset"
+    reason = ""
+    if planner_raw is not None:
+        source = "setting"
+        reason = "set by " + (PLANNER if PLANNER in section else ENV[PLANNER])
+    elif (chosen := _chosen(section.get(PLANNER_CHOSEN))) is not None:
+        planner, reason = chosen
+        source = "default"
     return CacheSettings(
         size=size,
         provider="cached" if provider == "cached" else "row",
@@ -195,4 +232,40 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
         split="expert" if split == "expert" or planner == "device" else "token",
         eager_between_graphs=eager,
         planner="device" if planner == "device" else "host",
+        planner_source=source,
+        planner_reason=reason,
+        split_set=split_raw is not None,
     )
+
+
+def _chosen(value: object) -> tuple[str, str] | None:
+    """The plugin's own record of a default planner; anything else is an error."""
+    if value is None:
+        return None
+    where = f"additional_config[{CONFIG_SECTION!r}][{PLANNER_CHOSEN!r}]"
+    if not isinstance(value, Mapping):
+        raise KnobError(f"{where}: {value!r} is not the plugin's record of a default planner")
+    planner = _choice(value.get("planner"), where, PLANNERS)
+    reason = value.get("reason")
+    if not isinstance(reason, str):
+        raise KnobError(f"{where}: {value!r} has no reason")
+    return planner, reason
+
+
+def with_planner(settings: CacheSettings, planner: Planner, reason: str) -> CacheSettings:
+    """``settings`` with a default planner chosen (the device planner splits by experts)."""
+    return CacheSettings(
+        size=settings.size,
+        provider=settings.provider,
+        split="expert" if planner == "device" else settings.split,
+        eager_between_graphs=settings.eager_between_graphs,
+        planner=planner,
+        planner_source="default",
+        planner_reason=reason,
+        split_set=settings.split_set,
+    )
+
+
+def chosen_record(settings: CacheSettings) -> dict[str, str]:
+    """What ``PLANNER_CHOSEN`` holds for a default choice."""
+    return {"planner": settings.planner, "reason": settings.planner_reason}

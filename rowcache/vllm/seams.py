@@ -240,8 +240,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         "vllm.config.vllm",
         "VllmConfig.additional_config",
-        "the first source of the knob (--additional-config)",
-        "the knob is read from the environment only",
+        "the first source of the knob (--additional-config), and what carries the default "
+        "planner the config hook chose (moe_expert_cache_planner_chosen) to the engine's other "
+        "processes and later copies of the configuration",
+        "the knob is read from the environment only, and each process chooses the default "
+        "planner from the graph mode it sees",
     ),
     Seam(
         "vllm.config.vllm",
@@ -272,6 +275,15 @@ SEAMS: tuple[Seam, ...] = (
         "get_current_vllm_config",
         "each MoE method reads the knob of the engine that builds it",
         "the plugin cannot install; vLLM runs without the cache (one warning)",
+    ),
+    Seam(
+        "vllm.logger",
+        "DEFAULT_LOGGING_CONFIG",
+        "vLLM configures handlers on its own 'vllm' logger only; the plugin's logger writes "
+        "through them (rowcache.vllm._config.follow_vllm_logging) so its start-up lines "
+        "(settings, the planner chosen and why) reach the server log",
+        "the plugin's INFO lines (planner chosen, settings) are dropped; warnings still reach "
+        "stderr through Python's last-resort handler",
     ),
     Seam(
         "vllm.config.parallel",

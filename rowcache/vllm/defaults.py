@@ -1,0 +1,133 @@
+"""The default planner: one pure function of the engine's graph mode and recorded evidence.
+
+With the cache on and no ``moe_expert_cache_planner`` setting (nor
+``ROWCACHE_MOE_EXPERT_CACHE_PLANNER``), the config hook (``rowcache.vllm._config``) asks
+``choose_planner`` once vLLM has resolved its CUDA graph mode:
+
+* full and piecewise graphs: the device planner once a run has recorded its tokens identical to
+  no offload in that mode (``TOKENS_EXACT``), else ``host``;
+* eager (no graphs): the device planner only once its tokens are recorded identical to no
+  offload there and a run has recorded it at least as fast as the host planner there
+  (``EAGER_NOT_SLOWER``), else ``host``;
+* never with provider ``cached`` (it has no device planner) or a given ``token`` split (the
+  device planner splits by expert groups).
+
+``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
+entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
+It is empty now: the device planner ran in vLLM 0.25.0 engines on the H200 (2026-12-01, commit
+5be5b93), but its tokens then differed from no offload on every step that needed two passes,
+and the runs since exact passes landed are not recorded yet; in eager mode it was slower than
+the host planner (50.5 to 55.7 against 66.3 tok/s at 32 slots, batch 1).
+
+This module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from rowcache.row_provider import Planner
+from rowcache.vllm.knob import CacheSettings, with_planner
+
+__all__ = [
+    "EAGER_NOT_SLOWER",
+    "EVIDENCE",
+    "GRAPH_MODES",
+    "TOKENS_EXACT",
+    "Evidence",
+    "GraphMode",
+    "choose_planner",
+    "default_planner",
+]
+
+GraphMode: TypeAlias = Literal["full", "piecewise", "eager"]
+"""vLLM's resolved CUDA graph mode: any mode with full graphs (``FULL``,
+``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``), ``PIECEWISE``, or ``NONE`` (eager)."""
+
+GRAPH_MODES: tuple[GraphMode, ...] = ("full", "piecewise", "eager")
+
+Claim: TypeAlias = Literal["tokens_exact", "eager_not_slower"]
+TOKENS_EXACT: Claim = "tokens_exact"
+"""The device planner's greedy tokens identical to no offload in the same graph mode, on every
+sequence of the run, with steps that need more than one pass."""
+EAGER_NOT_SLOWER: Claim = "eager_not_slower"
+"""The device planner at least as fast as the host planner in eager mode (batch 1 decode, same
+slots, same checkpoint, one engine at a time)."""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One recorded engine run that justifies a default."""
+
+    claim: Claim
+    modes: tuple[GraphMode, ...]
+    date: str
+    commit: str
+    vllm: str
+    gpu: str
+    record: str
+    """Where the run's summary and raw outputs are kept (a path under ``docs/vllm/``)."""
+
+
+EVIDENCE: tuple[Evidence, ...] = ()
+"""The runs that switch a default; none yet (module docstring)."""
+
+NO_TOKENS = "the device planner's tokens against no offload are not yet recorded with exact passes"
+NOT_FASTER = (
+    "in eager mode the device planner is not yet recorded at least as fast as the host planner"
+)
+
+
+def _recorded(evidence: tuple[Evidence, ...], claim: Claim, mode: GraphMode) -> Evidence | None:
+    for item in evidence:
+        if item.claim == claim and mode in item.modes:
+            return item
+    return None
+
+
+def _cite(item: Evidence) -> str:
+    return f"{item.claim} in {item.vllm} on {item.gpu}, {item.date} at {item.commit}"
+
+
+def default_planner(
+    mode: GraphMode,
+    *,
+    provider: str = "row",
+    token_split_set: bool = False,
+    evidence: tuple[Evidence, ...] | None = None,
+) -> tuple[Planner, str]:
+    """The planner for an engine in ``mode`` without a planner setting, and why (``evidence``:
+    ``EVIDENCE`` when not given)."""
+    evidence = EVIDENCE if evidence is None else evidence
+    where = "eager mode" if mode == "eager" else f"{mode} graphs"
+    if provider == "cached":
+        return "host", "default: provider 'cached' has no device planner"
+    if token_split_set:
+        return "host", (
+            "default: split 'token' is set and the device planner splits by expert groups"
+        )
+    tokens = _recorded(evidence, TOKENS_EXACT, mode)
+    if tokens is None:
+        return "host", f"default in {where}: {NO_TOKENS}"
+    if mode == "eager":
+        speed = _recorded(evidence, EAGER_NOT_SLOWER, mode)
+        if speed is None:
+            return "host", f"default in {where}: {NOT_FASTER}"
+        return "device", f"default in {where}: {_cite(tokens)}; {_cite(speed)}"
+    return "device", f"default in {where}: {_cite(tokens)}"
+
+
+def choose_planner(
+    settings: CacheSettings, mode: GraphMode, evidence: tuple[Evidence, ...] | None = None
+) -> CacheSettings:
+    """``settings`` with the planner chosen for ``mode`` unless it is set or already chosen."""
+    if settings.planner_source != "unset" or not settings.cache_on:
+        return settings
+    planner, reason = default_planner(
+        mode,
+        provider=settings.provider,
+        token_split_set=settings.split_set and settings.split == "token",
+        evidence=evidence,
+    )
+    return with_planner(settings, planner, reason)

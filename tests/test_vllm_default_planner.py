@@ -1,0 +1,287 @@
+"""The default planner: the selection table for every graph mode and setting, the override, the
+write-back that keeps every copy of a configuration on one planner, and the start-up line once
+per process (against the fake vLLM of tests/test_vllm_register.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from test_vllm_register import _config, fake_vllm, fresh_plugin  # noqa: F401 (fixtures)
+
+import rowcache.vllm as plugin
+from rowcache.vllm import defaults
+from rowcache.vllm.defaults import (
+    EAGER_NOT_SLOWER,
+    EVIDENCE,
+    GRAPH_MODES,
+    NO_TOKENS,
+    NOT_FASTER,
+    TOKENS_EXACT,
+    Evidence,
+    GraphMode,
+    choose_planner,
+    default_planner,
+)
+from rowcache.vllm.knob import ENV, PLANNER, PLANNER_CHOSEN, KnobError, parse_settings
+
+PLANNER_ENV = ENV[PLANNER]
+
+
+def _evidence(claim: str, *modes: GraphMode) -> Evidence:
+    return Evidence(
+        claim=claim,  # type: ignore[arg-type]
+        modes=modes,
+        date="2026-12-02",
+        commit="abc1234",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/x.txt",
+    )
+
+
+TOKENS_GRAPHS = _evidence(TOKENS_EXACT, "full", "piecewise")
+TOKENS_ALL = _evidence(TOKENS_EXACT, "full", "piecewise", "eager")
+EAGER_SPEED = _evidence(EAGER_NOT_SLOWER, "eager")
+
+
+def test_no_evidence_is_recorded_yet() -> None:
+    assert EVIDENCE == ()
+
+
+# mode -> planner, for each state of the evidence
+TABLE: list[tuple[tuple[Evidence, ...], dict[GraphMode, str]]] = [
+    ((), {"full": "host", "piecewise": "host", "eager": "host"}),
+    ((TOKENS_GRAPHS,), {"full": "device", "piecewise": "device", "eager": "host"}),
+    ((TOKENS_ALL,), {"full": "device", "piecewise": "device", "eager": "host"}),
+    ((EAGER_SPEED,), {"full": "host", "piecewise": "host", "eager": "host"}),
+    ((TOKENS_GRAPHS, EAGER_SPEED), {"full": "device", "piecewise": "device", "eager": "host"}),
+    ((TOKENS_ALL, EAGER_SPEED), {"full": "device", "piecewise": "device", "eager": "device"}),
+    ((_evidence(TOKENS_EXACT, "full"),), {"full": "device", "piecewise": "host", "eager": "host"}),
+]
+
+
+@pytest.mark.parametrize(("evidence", "expected"), TABLE)
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_selection_table(
+    evidence: tuple[Evidence, ...], expected: dict[GraphMode, str], mode: GraphMode
+) -> None:
+    planner, reason = default_planner(mode, evidence=evidence)
+    assert planner == expected[mode]
+    assert reason.startswith("default in ")
+    if planner == "device":
+        assert "2026-12-02 at abc1234" in reason
+    elif not any(e.claim == TOKENS_EXACT and mode in e.modes for e in evidence):
+        assert NO_TOKENS in reason
+    else:
+        assert mode == "eager" and NOT_FASTER in reason
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_today_host_everywhere_with_the_stated_reason(mode: GraphMode) -> None:
+    planner, reason = default_planner(mode)
+    assert planner == "host"
+    assert (
+        "the device planner's tokens against no offload are not yet recorded with exact passes"
+        in reason
+    )
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_cached_provider_and_token_split_rule_the_device_planner_out(mode: GraphMode) -> None:
+    everything = (TOKENS_ALL, EAGER_SPEED)
+    assert default_planner(mode, provider="cached", evidence=everything)[0] == "host"
+    assert default_planner(mode, token_split_set=True, evidence=everything)[0] == "host"
+    base = {"moe_expert_cache_size": 16}
+    token = parse_settings({"rowcache": {**base, "moe_expert_cache_split": "token"}}, {})
+    assert choose_planner(token, mode, everything).planner == "host"
+    expert = parse_settings({"rowcache": {**base, "moe_expert_cache_split": "expert"}}, {})
+    assert choose_planner(expert, mode, everything).planner == "device"
+    # Unset split and a device default: the device planner's split by expert groups.
+    unset = choose_planner(parse_settings({"rowcache": base}, {}), mode, everything)
+    assert (unset.planner, unset.split, unset.planner_source) == ("device", "expert", "default")
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+@pytest.mark.parametrize("setting", ["host", "device"])
+@pytest.mark.parametrize("source", ["config", "env"])
+def test_a_setting_overrides_every_default(mode: GraphMode, setting: str, source: str) -> None:
+    knob: dict[str, object] = {"moe_expert_cache_size": 16}
+    env: dict[str, str] = {}
+    if source == "config":
+        knob[PLANNER] = setting
+    else:
+        env[PLANNER_ENV] = setting
+    settings = parse_settings({"rowcache": knob}, env)
+    for evidence in ((), (TOKENS_ALL, EAGER_SPEED)):
+        chosen = choose_planner(settings, mode, evidence)
+        assert chosen.planner == setting and chosen.planner_source == "setting"
+        name = PLANNER if source == "config" else PLANNER_ENV
+        assert chosen.planner_line() == f"rowcache: planner {setting} (set by {name})"
+
+
+def test_cache_off_chooses_nothing() -> None:
+    off = parse_settings({}, {})
+    assert choose_planner(off, "full", (TOKENS_ALL,)) is off
+
+
+def test_the_chosen_record_is_read_back_and_checked() -> None:
+    chosen = {"planner": "device", "reason": "default in full graphs: x"}
+    settings = parse_settings(
+        {"rowcache": {"moe_expert_cache_size": 8, PLANNER_CHOSEN: chosen}}, {}
+    )
+    assert (settings.planner, settings.split, settings.planner_source) == (
+        "device",
+        "expert",
+        "default",
+    )
+    assert settings.planner_line() == "rowcache: planner device (default in full graphs: x)"
+    # Already chosen: no evidence changes it.
+    assert choose_planner(settings, "eager", ()).planner == "device"
+    # A setting still wins over a recorded default.
+    over = parse_settings(
+        {"rowcache": {"moe_expert_cache_size": 8, PLANNER_CHOSEN: chosen, PLANNER: "host"}}, {}
+    )
+    assert (over.planner, over.planner_source) == ("host", "setting")
+    with pytest.raises(KnobError, match=PLANNER_CHOSEN):
+        parse_settings({"rowcache": {"moe_expert_cache_size": 8, PLANNER_CHOSEN: "device"}}, {})
+
+
+# -- through the config hook ------------------------------------------------------------------
+
+
+def _planner_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "rowcache.vllm" and r.getMessage().startswith("rowcache: planner ")
+    ]
+
+
+@pytest.fixture
+def said() -> None:
+    from rowcache.vllm import _config as config_hook
+
+    config_hook._said.clear()
+
+
+def test_hook_chooses_from_the_resolved_mode_and_logs_once(
+    fake_vllm: Any,  # noqa: F811
+    said: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(PLANNER_ENV, raising=False)
+    plugin.register()
+    from vllm.config.compilation import CUDAGraphMode
+
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    section = {"moe_expert_cache_size": 16}
+    configs = [_config(fake_vllm, dict(section)) for _ in range(3)]
+    # vLLM's default mode is FULL_AND_PIECEWISE (resolved in its post-init): host, lowered.
+    for config in configs:
+        assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+        assert config.additional_config["rowcache"][PLANNER_CHOSEN]["planner"] == "host"
+    lines = _planner_lines(caplog)
+    assert lines == [f"rowcache: planner host (default in full graphs: {NO_TOKENS})"]
+    active = [m for m in caplog.messages if m.startswith("rowcache: 16 slots")]
+    assert active == [
+        "rowcache: 16 slots per MoE layer, provider 'row', split 'token', planned on the host"
+    ]
+    # The caller's section is not changed; a copy re-validated keeps the recorded choice.
+    assert PLANNER_CHOSEN not in section
+    fake_vllm.config.VllmConfig.__post_init__(configs[0])
+    assert len(_planner_lines(caplog)) == 1
+    from rowcache.vllm._config import settings_of
+
+    assert settings_of(configs[0]).planner_source == "default"
+
+
+def test_hook_with_device_evidence_keeps_full_graphs(
+    fake_vllm: Any,  # noqa: F811
+    said: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(PLANNER_ENV, raising=False)
+    # Flipping the default is one data change: a record in EVIDENCE.
+    monkeypatch.setattr(defaults, "EVIDENCE", (TOKENS_GRAPHS,))
+    plugin.register()
+    from vllm.config.compilation import CUDAGraphMode
+
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    config = _config(fake_vllm, {"moe_expert_cache_size": 16})
+    cc = config.compilation_config
+    assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert cc.splitting_ops == ["vllm::unified_attention_with_output"]
+    chosen = config.additional_config["rowcache"][PLANNER_CHOSEN]
+    assert chosen["planner"] == "device"
+    # Re-validating the copy (graphs unchanged) keeps the device planner.
+    fake_vllm.config.VllmConfig.__post_init__(config)
+    assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    [line] = _planner_lines(caplog)
+    assert line.startswith("rowcache: planner device (default in full graphs: tokens_exact")
+
+
+def test_hook_override_is_logged_as_set(
+    fake_vllm: Any,  # noqa: F811
+    said: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plugin.register()
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    monkeypatch.setenv(PLANNER_ENV, "device")
+    monkeypatch.setenv(ENV["moe_expert_cache_size"], "16")
+    for _ in range(2):
+        config = _config(fake_vllm, None)
+        assert PLANNER_CHOSEN not in config.additional_config.get("rowcache", {})
+    assert _planner_lines(caplog) == [f"rowcache: planner device (set by {PLANNER_ENV})"]
+
+
+def test_env_only_configuration_carries_the_choice(
+    fake_vllm: Any,  # noqa: F811
+    said: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(PLANNER_ENV, raising=False)
+    monkeypatch.setenv(ENV["moe_expert_cache_size"], "16")
+    plugin.register()
+    from vllm.config.compilation import CompilationMode
+
+    config = _config(fake_vllm, None, mode=CompilationMode.NONE)
+    assert config.additional_config == {
+        "rowcache": {
+            PLANNER_CHOSEN: {
+                "planner": "host",
+                "reason": f"default in full graphs: {NO_TOKENS}",
+            }
+        }
+    }
+
+
+def test_plugin_logger_follows_vllms_handlers(fake_vllm: Any) -> None:  # noqa: F811
+    from rowcache.vllm._config import follow_vllm_logging
+
+    ours = logging.getLogger("rowcache.vllm")
+    theirs = logging.getLogger("vllm")
+    saved = (list(ours.handlers), ours.level, ours.propagate, theirs.level)
+    handler = logging.StreamHandler()
+    try:
+        follow_vllm_logging()  # vLLM configured nothing: unchanged
+        assert ours.handlers == saved[0] and ours.propagate == saved[2]
+        theirs.addHandler(handler)
+        theirs.setLevel(logging.INFO)
+        follow_vllm_logging()
+        assert ours.handlers == [handler] and ours.level == logging.INFO and not ours.propagate
+        follow_vllm_logging()  # once
+        assert ours.handlers == [handler]
+    finally:
+        ours.removeHandler(handler)
+        for h in saved[0]:
+            ours.addHandler(h)
+        ours.setLevel(saved[1])
+        ours.propagate = saved[2]
+        theirs.removeHandler(handler)
+        theirs.setLevel(saved[3])
