@@ -1,0 +1,336 @@
+"""tools/vllm/serve_check.py on the CPU: fake server processes (a small HTTP server that logs
+what the plugin would) and a fake client, for the sequencing, the deadline, the comparison, the
+log scan and the record."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.vllm import serve_check as sc
+
+FAKE_SERVER = """
+    import http.server, json, os, subprocess, sys, time
+
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    section = {}
+    if "--additional-config" in args:
+        section = json.loads(args[args.index("--additional-config") + 1])["rowcache"]
+    size = int(section.get("moe_expert_cache_size", os.environ.get(
+        "ROWCACHE_MOE_EXPERT_CACHE_SIZE", 0)))
+    planner = section.get("moe_expert_cache_planner", os.environ.get(
+        "ROWCACHE_MOE_EXPERT_CACHE_PLANNER"))
+    behaviour = os.environ.get("FAKE_" + str(port), "")
+    # A child in the same process group, as vLLM's engine core: stopped with the server.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(os.environ["FAKE_PIDS"], "a") as pids:
+        pids.write(f"{os.getpid()} {child.pid}\\n")
+    print("INFO 12-01 10:00:00 [api_server.py:1] vLLM API server starting", flush=True)
+    if behaviour == "missing":
+        print("ModuleNotFoundError: No module named 'uvicorn'", flush=True)
+        sys.exit(1)
+    if section.get("moe_eager_between_graphs"):
+        print("INFO rowcache: expert cache off, MoE op eager between graph pieces", flush=True)
+    if size:
+        where = "split 'token', planned on the host"
+        if planner == "device":
+            where = "planned on the device"
+        print(f"INFO rowcache: {size} slots per MoE layer, provider 'row', {where}", flush=True)
+        reason = "set by moe_expert_cache_planner" if planner else "default in full graphs: x"
+        print(f"INFO rowcache: planner {planner or 'host'} ({reason})", flush=True)
+    if behaviour == "hang":
+        time.sleep(120)
+    time.sleep(float(os.environ.get("FAKE_DELAY", "0.2")))
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+class Fakes:
+    """A launcher of fake servers and a fake client keyed by each server's label."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.script = tmp_path / "fake_server.py"
+        self.script.write_text(textwrap.dedent(FAKE_SERVER))
+        self.pids = tmp_path / "pids.txt"
+        monkeypatch.setenv("FAKE_PIDS", str(self.pids))
+        self.behaviour: dict[str, str] = {}  # label -> missing | hang
+        self.tokens: dict[str, list[list[int]]] = {}  # label -> choices' token ids
+        self.ports: dict[int, str] = {}
+        self.launched: list[tuple[list[str], dict[str, str]]] = []
+        self.calls: list[str] = []
+
+    def launcher(self, command: list[str], env: dict[str, str], log: Path) -> sc.Process:
+        label = log.stem.removeprefix("server_")
+        port = int(command[command.index("--port") + 1])
+        self.ports[port] = label
+        self.launched.append((command, env))
+        env = dict(env)
+        if label in self.behaviour:
+            env[f"FAKE_{port}"] = self.behaviour[label]
+        # The fake takes vLLM's arguments after the script (python -m ... serve MODEL ...).
+        return sc.launch([sys.executable, str(self.script), *command[5:]], env, log)
+
+    def complete(
+        self, port: int, model: str, batch: list[list[int]], max_tokens: int
+    ) -> list[dict[str, Any]]:
+        label = self.ports[port]
+        self.calls.append(label)
+        default = [[(sum(p) + i) % 97 for i in range(max_tokens)] for p in batch]
+        ids = self.tokens.get(label, default)
+        return [{"token_ids": t, "text": "", "finish_reason": "length"} for t in ids]
+
+    def alive(self, settle: float = 3.0) -> list[int]:
+        """The fake servers' processes still running (a signal takes a moment to land)."""
+        until = time.monotonic() + settle
+        while (found := self._alive()) and time.monotonic() < until:
+            time.sleep(0.05)
+        return found
+
+    def _alive(self) -> list[int]:
+        found = []
+        for line in self.pids.read_text().split() if self.pids.exists() else []:
+            pid = int(line)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            # A zombie (not yet reaped by its parent) is gone for our purpose.
+            stat = Path(f"/proc/{pid}/stat")
+            if stat.exists() and stat.read_text().split(") ")[1].startswith("Z"):
+                continue
+            found.append(pid)
+        return found
+
+
+@pytest.fixture
+def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fakes:
+    for name in sc.ENV_KEYS.values():
+        monkeypatch.delenv(name, raising=False)
+    return Fakes(tmp_path, monkeypatch)
+
+
+def _options(tmp_path: Path, **kw: Any) -> sc.Options:
+    return sc.Options(model="/models/tiny", out=tmp_path / "out", max_tokens=8, **kw)
+
+
+def _run(options: sc.Options, fakes: Fakes) -> dict[str, Any]:
+    return sc.run(
+        options, launcher=fakes.launcher, complete=fakes.complete, vocab=512, sleep=time.sleep
+    )
+
+
+def test_pass_writes_one_record_and_one_log_archive(tmp_path: Path, fakes: Fakes) -> None:
+    record = _run(_options(tmp_path, deadline=60), fakes)
+    assert record["verdict"] == "pass", sc.summary(record)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "serve_check.json",
+        "serve_check.txt",
+        "serve_logs.tar.gz",
+    ]
+    assert json.loads((out / "serve_check.json").read_text())["verdict"] == "pass"
+    with tarfile.open(out / "serve_logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["server_cfg.log", "server_env.log", "server_ref.log"]
+    assert sorted(fakes.calls) == ["cfg", "env", "ref"]
+    servers = record["servers"]
+    assert servers["cfg"]["log"]["planner"] == [
+        {"planner": "host", "reason": "default in full graphs: x"}
+    ]
+    assert servers["env"]["log"]["settings"][0]["size"] == "32"
+    assert servers["ref"]["log"]["eager_baseline"]
+    assert record["comparisons"]["cfg"]["identical"]
+    # Every server and its child are stopped.
+    assert fakes.alive() == []
+
+
+def test_the_knob_travels_by_config_and_by_environment(tmp_path: Path, fakes: Fakes) -> None:
+    _run(_options(tmp_path, deadline=60, planner="device", size=16), fakes)
+    by_label = {cmd[cmd.index("--port") + 1]: (cmd, env) for cmd, env in fakes.launched}
+    labels = {fakes.ports[int(port)]: value for port, value in by_label.items()}
+    cfg_cmd, cfg_env = labels["cfg"]
+    knob = json.loads(cfg_cmd[cfg_cmd.index("--additional-config") + 1])
+    assert knob == {"rowcache": {"moe_expert_cache_size": 16, "moe_expert_cache_planner": "device"}}
+    assert "ROWCACHE_MOE_EXPERT_CACHE_SIZE" not in cfg_env
+    env_cmd, env_env = labels["env"]
+    assert "--additional-config" not in env_cmd
+    assert env_env["ROWCACHE_MOE_EXPERT_CACHE_SIZE"] == "16"
+    assert env_env["ROWCACHE_MOE_EXPERT_CACHE_PLANNER"] == "device"
+    # The device planner keeps the user's graphs: the reference is vLLM as is.
+    ref_cmd, _ = labels["ref"]
+    assert "--additional-config" not in ref_cmd
+    assert cfg_cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/models/tiny"]
+    assert "--skip-tokenizer-init" in cfg_cmd and "--enforce-eager" not in cfg_cmd
+
+
+def test_planner_set_must_be_logged_as_set(tmp_path: Path, fakes: Fakes) -> None:
+    record = _run(_options(tmp_path, deadline=60, planner="device"), fakes)
+    assert record["verdict"] == "pass", sc.summary(record)
+    assert record["servers"]["cfg"]["log"]["planner"][0]["reason"].startswith("set by")
+
+
+def test_divergence_fails_with_the_first_divergent_token(tmp_path: Path, fakes: Fakes) -> None:
+    ref = [[5, 6, 7, 8], [1, 2, 3, 4]]
+    fakes.tokens = {"ref": ref, "cfg": [[5, 6, 7, 8], [1, 2, 9, 4]], "env": ref}
+    record = _run(_options(tmp_path, deadline=60, prompt_count=2), fakes)
+    assert record["verdict"] == "fail"
+    cfg = record["comparisons"]["cfg"]
+    assert cfg["divergences"] == [
+        {"prompt": 1, "token": 2, "reference": 3, "got": 9, "text_differs": False}
+    ]
+    assert cfg["tokens_identical_before_divergence"] == 6 and cfg["tokens"] == 8
+    assert record["comparisons"]["env"]["identical"]
+
+
+def test_a_server_that_exits_is_recorded_with_the_missing_module(
+    tmp_path: Path, fakes: Fakes
+) -> None:
+    fakes.behaviour = {"env": "missing"}
+    record = _run(_options(tmp_path, deadline=60), fakes)
+    assert record["verdict"] == "incomplete"
+    env = record["servers"]["env"]
+    assert env["status"] == "exited" and env["log"]["missing_module"] == "uvicorn"
+    assert "No module named" in env["log_tail"]
+    assert "env" not in fakes.calls and "cfg" in fakes.calls
+    assert "missing module uvicorn" in sc.summary(record)
+    assert fakes.alive() == []
+
+
+def test_deadline_stops_a_server_that_never_answers(tmp_path: Path, fakes: Fakes) -> None:
+    fakes.behaviour = {"cfg": "hang"}
+    t0 = time.monotonic()
+    record = _run(_options(tmp_path, deadline=4), fakes)
+    assert time.monotonic() - t0 < 30
+    assert record["servers"]["cfg"]["status"] == "timeout"
+    assert record["servers"]["ref"]["status"] == "ready"
+    assert record["verdict"] == "incomplete"
+    assert fakes.alive() == []
+
+
+def test_sequential_servers_and_the_deadline_between_them(tmp_path: Path, fakes: Fakes) -> None:
+    now = [0.0]
+    complete = fakes.complete
+
+    def slow_complete(*args: Any) -> list[dict[str, Any]]:
+        now[0] += 100.0  # the first server's queries use up the deadline
+        return complete(*args)
+
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds)
+        now[0] += seconds
+
+    record = sc.run(
+        _options(tmp_path, deadline=50, sequential=True),
+        launcher=fakes.launcher,
+        complete=slow_complete,
+        clock=lambda: now[0],
+        sleep=sleep,
+        vocab=512,
+    )
+    statuses = {label: entry["status"] for label, entry in record["servers"].items()}
+    assert statuses == {
+        "ref": "ready",
+        "cfg": "not started (deadline)",
+        "env": "not started (deadline)",
+    }
+    assert record["verdict"] == "incomplete"
+    assert len(fakes.launched) == 1
+    assert fakes.alive() == []
+
+
+def test_wait_ready_with_a_fake_clock() -> None:
+    class Proc:
+        pid = 1
+
+        def __init__(self, code: int | None) -> None:
+            self.code = code
+
+        def poll(self) -> int | None:
+            return self.code
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    now = [0.0]
+    servers = [
+        sc.Server(sc.ServerSpec(label), port, Path(label), [], Proc(code), 0.0)
+        for label, port, code in (("a", 1, None), ("b", 2, 3), ("c", 3, None))
+    ]
+    ready_at = {1: 5.0}  # port 3 never answers
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    sc.wait_ready(servers, 10.0, lambda p: now[0] >= ready_at.get(p, 1e9), lambda: now[0], sleep)
+    assert [(s.status, s.ready_s, s.returncode) for s in servers] == [
+        ("ready", 5.0, None),
+        ("exited", None, 3),
+        ("timeout", None, None),
+    ]
+    assert now[0] == 10.0
+
+
+def test_compare_lengths_and_texts() -> None:
+    a = [{"token_ids": [1, 2, 3], "text": "x"}]
+    assert sc.compare(a, a)["identical"]
+    short = sc.compare(a, [{"token_ids": [1, 2], "text": "x"}])
+    assert short["divergences"][0]["token"] == 2 and short["divergences"][0]["got"] is None
+    text = sc.compare(a, [{"token_ids": [1, 2, 3], "text": "y"}])
+    assert text["divergences"] == [
+        {"prompt": 0, "token": None, "reference": None, "got": None, "text_differs": True}
+    ]
+
+
+def test_scan_log_and_plugin_verdict() -> None:
+    log = textwrap.dedent(
+        """
+        INFO 12-01 [_config.py:91] rowcache: 32 slots per MoE layer, provider 'row', split 'token', planned on the host
+        INFO 12-01 [_config.py:91] rowcache: planner host (default in full graphs: the device planner's tokens against no offload are not yet recorded with exact passes)
+        (EngineCore pid=2) INFO rowcache: 32 slots per MoE layer, provider 'row', planned on the device
+        """  # noqa: E501
+    )
+    scan = sc.scan_log(log)
+    assert [s["where"] for s in scan["settings"]] == ["host", "device"]
+    assert scan["planner"][0]["reason"].startswith("default in full graphs")
+    cache = sc.ServerSpec("cfg", expects_cache=True)
+    assert sc.plugin_verdict(cache, scan, 32, None) == "ok"
+    assert "another size" in sc.plugin_verdict(cache, scan, 16, None)
+    assert "where device was set" in sc.plugin_verdict(cache, scan, 32, "device")
+    assert sc.plugin_verdict(cache, sc.scan_log(""), 32, None) == "no settings line"
+    missing = sc.scan_log("rowcache: vLLM plugin not installed, vLLM runs without (X: y)")
+    assert sc.plugin_verdict(cache, missing, 32, None) == "plugin not installed"
+    ref = sc.ServerSpec("ref", {"moe_eager_between_graphs": True})
+    assert sc.plugin_verdict(ref, sc.scan_log(""), 32, None) == "no eager-baseline line"
+
+
+def test_specs_reference_follows_the_graph_cut() -> None:
+    host = {s.label: s for s in sc.specs(32, "graphs", None)}
+    assert host["ref"].config == {"moe_eager_between_graphs": True}
+    assert sc.specs(32, "eager", None)[0].config == {}
+    assert sc.specs(32, "graphs", "device")[0].config == {}
+    eager_cmd = sc.server_command("py", "m", 1, host["cfg"], "eager")
+    assert "--enforce-eager" in eager_cmd
+
+
+def test_prompts_are_deterministic_and_inside_the_vocabulary() -> None:
+    a = sc.prompts(4, 16, 512, seed=0)
+    assert a == sc.prompts(4, 16, 512, seed=0)
+    assert [len(p) for p in a] == [16, 17, 18, 19]
+    assert all(3 <= t < 512 for p in a for t in p)
