@@ -58,6 +58,10 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
   same machine completed). Each engine's record goes to OUTDIR/records.jsonl as it ends; the
   summary compares tokens sequence by sequence and marks issue 18's targets
   (``harness/steps_report.py``).
+* ``archs``: random Mixtral and Qwen2-MoE checkpoints (``make_moe_checkpoint.py --arch``) in
+  full graphs: no offload and ``row`` with the device planner at a slot count that misses and
+  one whose decode steps need more than one pass (``engines.archs``), tokens against the same
+  checkpoint's no-offload engine.
 * ``story``: 24 layers of those shapes (about 30 GB of weights) under a GPU budget of
   ``gpu_memory_utilization`` 0.10: no cache (expected not to start), then ``row`` with 32 slots.
 

@@ -1,11 +1,23 @@
-"""Build a random-weight Qwen3-MoE checkpoint (for the e2e; no hub access on the GPU machine).
+"""Build a random-weight MoE checkpoint (for the e2e; no hub access on the GPU machine).
 
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR            tiny: 2 layers, 16 experts, top-4
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch mixtral     4 layers, 32 experts, top-2
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch qwen2moe    4 layers, 32 experts,
+        top-4, and the gated shared expert (shared_expert, shared_expert_gate)
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8
         Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, moe_intermediate 768)
     ... --router-skew ALPHA   scale every layer's router rows by Zipf factors (router_skew.py)
     python3 tools/vllm/make_moe_checkpoint.py --estimate --qwen3-30b-a3b --router-skew ALPHA
         print the simulated LRU hit rate at 32 slots (isotropic hidden states; no checkpoint)
+
+Qwen3-MoE (the default ``--arch qwen3``) is built through transformers' model class. Mixtral
+and Qwen2-MoE are written directly (``config.json`` and ``model.safetensors``, no transformers
+needed): per-expert tensors under the names vLLM 0.25.0's ``MixtralForCausalLM``
+(``block_sparse_moe.experts.E.w1/w2/w3``, its ``ckpt_names``) and ``Qwen2MoeForCausalLM``
+(``mlp.experts.E.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*``,
+``mlp.shared_expert_gate``, biased q/k/v projections) load, every parameter of those classes
+present (``load_plan``); matrices N(0, 0.08), norms 1, biases N(0, 0.08), drawn in name order
+from ``torch.Generator().manual_seed(seed)``, so the bytes depend only on the seed.
 
 Prompts are token ids (no tokenizer): run vLLM with ``skip_tokenizer_init=True``. Weights are
 drawn N(0, 0.08) after the default init (from ``torch.manual_seed(seed)``), so that greedy
@@ -69,6 +81,191 @@ def shapes(qwen: bool, layers: int | None) -> dict[str, Any]:
     return {**base, **COMMON, "num_hidden_layers": layers or (8 if qwen else 2)}
 
 
+ARCHS = ("qwen3", "mixtral", "qwen2moe")
+_SMALL = {
+    "vocab_size": 512,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+    "dtype": "bfloat16",
+    "attention_dropout": 0.0,
+    "output_router_logits": False,
+}
+MIXTRAL = {
+    **_SMALL,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "intermediate_size": 256,  # each expert's
+    "num_local_experts": 32,
+    "num_experts_per_tok": 2,
+    "sliding_window": None,
+    "router_aux_loss_coef": 0.02,
+    "router_jitter_noise": 0.0,
+}
+"""Mixtral's layout at small sizes: 32 experts, top-2 (a decode step of 4 sequences routes to
+up to 8 experts: 16 slots miss in one pass, 4 need more than one)."""
+QWEN2MOE = {
+    **_SMALL,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "intermediate_size": 1024,  # dense MLP of mlp_only_layers (none here)
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 512,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 4,
+    "router_aux_loss_coef": 0.001,
+}
+"""Qwen2-MoE's (Qwen1.5-MoE) layout at small sizes: 32 experts, top-4, and the shared expert
+behind its sigmoid gate (16 slots miss in one pass for 4 sequences, 8 need more than one)."""
+
+
+def arch_config(arch: str, layers: int | None) -> dict[str, Any]:
+    """The ``config.json`` of a directly written architecture."""
+    base = {"mixtral": MIXTRAL, "qwen2moe": QWEN2MOE}[arch]
+    return {**base, "num_hidden_layers": layers or 4}
+
+
+def experts_of(config: dict[str, Any]) -> tuple[int, int]:
+    """(experts per MoE layer, top_k) of any of the builder's configs."""
+    experts = (
+        config["num_local_experts"] if "num_local_experts" in config else config["num_experts"]
+    )
+    return int(experts), int(config["num_experts_per_tok"])
+
+
+def load_plan(arch: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor the vLLM 0.25.0 model class of ``arch`` loads, with its shape.
+
+    From ``vllm/model_executor/models/mixtral.py`` and ``qwen2_moe.py``: q/k/v are stacked into
+    ``qkv_proj`` (``hf_to_vllm_mapper``), experts are loaded one by one through the FusedMoE
+    layer's expert mapping (``RoutedExperts.build_expert_params_mapping``: names
+    ``experts.E.<gate>``, ``.<up>``, ``.<down>``; Mixtral's ``ckpt_names=("w1", "w2",
+    "w3")``), Qwen2-MoE's shared expert's gate/up into ``gate_up_proj``.
+    """
+    h, v = config["hidden_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    # Mixtral's class takes head_dim from the config where set; Qwen2-MoE's hidden / heads.
+    hd = int(config.get("head_dim") or h // heads) if arch == "mixtral" else h // heads
+    plan: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+    experts, _ = experts_of(config)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        plan[p + "input_layernorm.weight"] = (h,)
+        plan[p + "post_attention_layernorm.weight"] = (h,)
+        plan[p + "self_attn.q_proj.weight"] = (heads * hd, h)
+        plan[p + "self_attn.k_proj.weight"] = (kv * hd, h)
+        plan[p + "self_attn.v_proj.weight"] = (kv * hd, h)
+        plan[p + "self_attn.o_proj.weight"] = (h, heads * hd)
+        if arch == "mixtral":
+            inter = config["intermediate_size"]
+            moe = p + "block_sparse_moe."
+            plan[moe + "gate.weight"] = (experts, h)
+            for e in range(experts):
+                plan[f"{moe}experts.{e}.w1.weight"] = (inter, h)
+                plan[f"{moe}experts.{e}.w2.weight"] = (h, inter)
+                plan[f"{moe}experts.{e}.w3.weight"] = (inter, h)
+            continue
+        plan[p + "self_attn.q_proj.bias"] = (heads * hd,)
+        plan[p + "self_attn.k_proj.bias"] = (kv * hd,)
+        plan[p + "self_attn.v_proj.bias"] = (kv * hd,)
+        inter, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+        mlp = p + "mlp."
+        plan[mlp + "gate.weight"] = (experts, h)
+        plan[mlp + "shared_expert_gate.weight"] = (1, h)
+        plan[mlp + "shared_expert.gate_proj.weight"] = (shared, h)
+        plan[mlp + "shared_expert.up_proj.weight"] = (shared, h)
+        plan[mlp + "shared_expert.down_proj.weight"] = (h, shared)
+        for e in range(experts):
+            plan[f"{mlp}experts.{e}.gate_proj.weight"] = (inter, h)
+            plan[f"{mlp}experts.{e}.up_proj.weight"] = (inter, h)
+            plan[f"{mlp}experts.{e}.down_proj.weight"] = (h, inter)
+    return plan
+
+
+def router_names(arch: str, config: dict[str, Any]) -> list[str]:
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    return [f"model.layers.{i}.{moe}.gate.weight" for i in range(config["num_hidden_layers"])]
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """The safetensors format by hand (8-byte little-endian header size, JSON header, data):
+    the checkpoint needs no safetensors package to be written."""
+    dtypes = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+    header: dict[str, Any] = {"__metadata__": meta}
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        blob = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        header[name] = {
+            "dtype": dtypes[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little"))
+        out.write(text)
+        for blob in blobs:
+            out.write(blob)
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as source:
+        size = int.from_bytes(source.read(8), "little")
+        header: dict[str, Any] = json.loads(source.read(size))
+        return header
+
+
+def build_direct(out: Path, arch: str, config: dict[str, Any], seed: int, skew: float) -> None:
+    """Write ``config.json`` and ``model.safetensors`` of ``arch`` (see the module docstring)."""
+    started = time.time()
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(load_plan(arch, config).items()):
+        if name.endswith("norm.weight"):
+            value = torch.ones(shape)
+        else:
+            value = torch.randn(shape, generator=generator) * 0.08
+        tensors[name] = value
+    layers: list[dict[str, Any]] = []
+    if skew > 0:
+        for index, name in enumerate(router_names(arch, config)):
+            scales = skew_router_(tensors[name], skew, seed=1000 * (seed + 1) + index)
+            layers.append({"layer": index, "max_scale": float(scales.max())})
+    out.mkdir(parents=True, exist_ok=True)
+    bf16 = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
+    write_safetensors(out / "model.safetensors", bf16, {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    record = {"router_skew": skew, "seed": seed, "layers": layers, "arch": arch}
+    (out / "rowcache_router_skew.json").write_text(json.dumps(record, indent=1) + "\n")
+    params = sum(t.numel() for t in tensors.values())
+    print(f"saved {out} ({arch}) params {params} in {time.time() - started:.1f}s")
+
+
 def build(out: Path, config: dict[str, Any], seed: int, skew: float) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -96,6 +293,7 @@ def build(out: Path, config: dict[str, Any], seed: int, skew: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", type=Path)
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
     parser.add_argument("--qwen3-30b-a3b", action="store_true")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -103,21 +301,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimate", action="store_true", help="print the simulated hit rate")
     parser.add_argument("--slots", type=int, default=32, help="slots for --estimate")
     args = parser.parse_args(argv)
-    config = shapes(args.qwen3_30b_a3b, args.layers)
+    direct = args.arch != "qwen3"
+    if direct and args.qwen3_30b_a3b:
+        parser.error("--qwen3-30b-a3b is a Qwen3-MoE shape; leave it out with --arch " + args.arch)
+    config = (
+        arch_config(args.arch, args.layers) if direct else shapes(args.qwen3_30b_a3b, args.layers)
+    )
     if args.router_skew < 0:
         parser.error(f"--router-skew must be >= 0, got {args.router_skew}")
     if args.estimate:
-        rate = estimate_hit_rate(
-            config["num_experts"], config["num_experts_per_tok"], args.slots, args.router_skew
-        )
+        experts, top_k = experts_of(config)
+        rate = estimate_hit_rate(experts, top_k, args.slots, args.router_skew)
         print(
-            f"simulated LRU hit rate, {args.slots} of {config['num_experts']} slots, top-"
-            f"{config['num_experts_per_tok']}, router skew {args.router_skew}: {rate:.3f}"
+            f"simulated LRU hit rate, {args.slots} of {experts} slots, top-"
+            f"{top_k}, router skew {args.router_skew}: {rate:.3f}"
         )
         return 0
     if args.out is None:
         parser.error("OUTDIR is required unless --estimate is given")
-    build(args.out, config, args.seed, args.router_skew)
+    if direct:
+        build_direct(args.out, args.arch, config, args.seed, args.router_skew)
+    else:
+        build(args.out, config, args.seed, args.router_skew)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The engines of the phases ``tiny``, ``mp``, ``qwen8`` and ``story``, and their checkpoints.
+"""The engines of the phases ``tiny``, ``mp``, ``qwen8``, ``story``, ``steps`` and ``archs``,
+and their checkpoints.
 
 The phases that repeat earlier runs (``split``, ``qwen8seq``, ``rerun``) pick from these in
 :mod:`tools.vllm.harness.reruns`.
@@ -6,6 +7,7 @@ The phases that repeat earlier runs (``split``, ``qwen8seq``, ``rerun``) pick fr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tools.vllm.harness.specs import (
@@ -296,3 +298,33 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
         engine("row32dev.eager", Mode.EAGER, knob=row32),
     ]
     return [s for s in specs if not only or s.name.removeprefix(prefix + ".") in only]
+
+
+MIXTRAL = Checkpoint("mixtral-moe", foreground=True, arch="mixtral")
+QWEN2MOE = Checkpoint("qwen2-moe", foreground=True, arch="qwen2moe")
+ARCH_SLOTS = {MIXTRAL: (16, 4), QWEN2MOE: (16, 8)}
+"""Per checkpoint (32 experts; top-2 and top-4), the device planner's slot counts: the first
+misses but fits a decode step of the 4 sequences in one pass (4 x top_k experts at most), the
+second needs more than one pass for such a step (fewer slots than 4 x top_k, at least top_k).
+Prefill steps route to more experts than either and take several passes at both."""
+
+
+def archs() -> list[EngineSpec]:
+    """Mixtral and Qwen2-MoE (its gated shared expert) in full graphs (vLLM's default): no
+    offload, and ``row`` with the device planner at the two slot counts of ``ARCH_SLOTS``; each
+    cache engine's tokens against the same checkpoint's no-offload engine. The tiny model's
+    prompts (4 x 32 greedy tokens, one batch), context 512."""
+    specs = []
+    for checkpoint, slots in ARCH_SLOTS.items():
+        prefix = f"archs.{checkpoint.arch}"
+        ref = f"{prefix}.none.full"
+        specs.append(
+            replace(tiny_engine(ref, Mode.DEFAULT, compare_with=(ref,)), checkpoint=checkpoint)
+        )
+        for size in slots:
+            knob = Knob(size=size, provider=Provider.ROW, planner=Planner.DEVICE)
+            spec = tiny_engine(
+                f"{prefix}.row{size}dev.full", Mode.DEFAULT, knob, compare_with=(ref,)
+            )
+            specs.append(replace(spec, checkpoint=checkpoint))
+    return specs

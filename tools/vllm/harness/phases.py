@@ -96,6 +96,12 @@ PHASES = (
         budgeted=True,
     ),
     Phase(
+        "archs",
+        "random Mixtral and Qwen2-MoE (gated shared expert) in full graphs: no offload, row "
+        "with the device planner at a slot count that misses and one that needs two passes",
+        lambda _results: engines.archs(),
+    ),
+    Phase(
         "story",
         "24 layers (about 30 GB) under gpu_memory_utilization 0.10: no cache, row with 32 slots",
         lambda _results: engines.story(),

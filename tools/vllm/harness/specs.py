@@ -206,7 +206,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A random-weight Qwen3-MoE checkpoint, built on the machine by the bundle's builder
+    """A random-weight MoE checkpoint (Qwen3-MoE unless ``arch`` says), built on the machine by
+    the builder
     (``make_moe_checkpoint.py``, see :mod:`tools.vllm.harness.checkpoints`)."""
 
     directory: str
@@ -221,10 +222,14 @@ class Checkpoint:
     foreground: bool = False
     """Built before the first engine starts (it takes seconds); the others are built in one
     background process while the first phases run."""
+    arch: str = "qwen3"
+    """The builder's ``--arch``: ``qwen3`` (Qwen3-MoE), ``mixtral`` or ``qwen2moe`` (random
+    Mixtral and Qwen2-MoE layouts, 4 layers, 32 experts, written without transformers)."""
 
     def builder_args(self) -> list[str]:
         """The builder's arguments after the output directory."""
-        args = ["--qwen3-30b-a3b"] if self.qwen3_30b_a3b else []
+        args = [] if self.arch == "qwen3" else ["--arch", self.arch]
+        args += ["--qwen3-30b-a3b"] if self.qwen3_30b_a3b else []
         if self.layers is not None:
             args += ["--layers", str(self.layers)]
         if self.router_skew:
