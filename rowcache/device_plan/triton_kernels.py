@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEVER = tl.constexpr(1 << 52)  # sort key of a slot that must not be taken; stamps stay far below it
+NEVER = tl.constexpr(1 << 50)  # sort key of a slot never taken; times BLOCK_C (<= 4096) fits int64
 STEP_TIER = tl.constexpr(1 << 44)  # added to the key of a slot whose expert the step requests
 
 
