@@ -42,6 +42,9 @@ _MOE = "vllm.model_executor.layers.fused_moe"
 _METHOD = f"{_MOE}.unquantized_fused_moe_method"
 _CC = "vllm.config.compilation"
 _TRITON = f"{_MOE}.experts.triton_moe"
+_FP8 = "vllm.model_executor.layers.quantization.fp8"
+_FP8_ONLINE = "vllm.model_executor.layers.quantization.online.fp8"
+_FP8_ORACLE = f"{_MOE}.oracle.fp8"
 
 SEAMS: tuple[Seam, ...] = (
     Seam(
@@ -156,6 +159,128 @@ SEAMS: tuple[Seam, ...] = (
         "apply reduces through self.moe_sum (in 0.33.0 via self._finalize_expert_output), so "
         "the tap sees every call's unreduced output",
         "a cut step fails (RowcacheError: apply returned without calling moe_sum)",
+    ),
+    # FP8 experts (docs/VLLM.md, "FP8 experts"): what vLLM builds for quantization="fp8".
+    Seam(
+        f"{_MOE}.routed_experts",
+        "RoutedExperts._get_quant_method(prefix, quant_config, moe_config)",
+        "where every MoE layer gets its method from the quantization config (both releases): "
+        "the plugin wraps it to take over the FP8 methods it serves and to reject the others "
+        "by name",
+        "FP8 layers run vLLM's method with the whole expert set on the GPU, and other "
+        "quantized methods are no longer rejected with their name",
+    ),
+    Seam(
+        _FP8,
+        "Fp8Config.get_quant_method(layer, prefix)",
+        "gives a MoE layer Fp8MoEMethod for an FP8 checkpoint and (0.25.0) "
+        "Fp8PerTensorOnlineMoEMethod for online quantization of a bf16 one",
+        "the method the cache takes over may no longer be the one vLLM builds",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod",
+        "the method of FP8 checkpoints; the cache serves its block-scaled variant",
+        "FP8 checkpoints are rejected (no method to take over)",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.create_weights(layer, num_experts, hidden_size, "
+        "intermediate_size_per_partition, params_dtype)",
+        "overridden to hold w13_weight, w2_weight and their block scales in pinned host memory",
+        "the FP8 expert set lands on the GPU again, or loading fails on a signature mismatch",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.process_weights_after_loading(layer)",
+        "overridden to build the provider (weights and scales) before vLLM sets up its kernel",
+        "no provider is built: the FP8 cache stays off or apply fails",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod._setup_kernel -> get_fused_moe_quant_config",
+        "vLLM builds the kernel's quant config through this overridable method, which the "
+        "cache points at its scale slots",
+        "the kernel reads the host scales' device views instead of the slots: wrong scales "
+        "for every slot",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.get_fused_moe_quant_config(layer)",
+        "overridden to pass the scale slot buffers to make_fp8_moe_quant_config",
+        "the kernel reads the host scales instead of the slots",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.fp8_backend",
+        "the backend select_fp8_moe_backend picked: the cache serves TRITON only",
+        "another backend (re-laid-out weights) is not rejected",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.experts_cls",
+        "the experts class the backend picked (TritonExperts on sm90 for both variants)",
+        "another experts class is not rejected",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.weight_block_size",
+        "[128, 128] for block-scaled checkpoints, None for per-tensor ones",
+        "the variant guard fails with AttributeError",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.weight_scale_name",
+        "weight_scale_inv (block) or weight_scale (per tensor): the names of the scale "
+        "parameters the cache holds on the host",
+        "the scale parameters are not found: FP8 layers fail to load",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "Fp8PerTensorOnlineMoEMethod",
+        "online per-tensor FP8 of a bf16 checkpoint (0.25.0: quantization='fp8'; 0.33.0: "
+        "'fp8_per_tensor')",
+        "online FP8 layers are rejected (no method to take over)",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "Fp8PerTensorOnlineMoEMethod.process_weights_after_loading(layer)",
+        "overridden: vLLM quantizes the materialized layer, then the FP8 weights and [E] "
+        "scales move to pinned host memory and the provider is built",
+        "the online FP8 cache holds the expert set on the GPU or fails to build",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "_Fp8OnlineMoEBase._setup_kernel -> get_fused_moe_quant_config",
+        "the online method builds its kernel's quant config through the overridable method",
+        "the kernel reads the scales from the layer instead of the slots",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "_Fp8OnlineMoEBase.get_fused_moe_quant_config(layer)",
+        "overridden to pass the scale slot buffers",
+        "the kernel reads the layer's scales instead of the slots",
+    ),
+    Seam(
+        _FP8_ORACLE,
+        "Fp8MoeBackend",
+        "Fp8MoeBackend.TRITON is the FP8 backend the cache serves",
+        "the plugin cannot install its FP8 support; FP8 layers are rejected",
+    ),
+    Seam(
+        _FP8_ORACLE,
+        "_get_priority_backends",
+        "on capability 9.0 it moves TRITON to the front for block FP8 without expert "
+        "parallelism: why the H200 picks TritonExperts for block-scaled checkpoints",
+        "the H200 may pick another backend, which the cache rejects by name",
+    ),
+    Seam(
+        _FP8_ORACLE,
+        "make_fp8_moe_quant_config(fp8_backend, w1_scale, w2_scale, a1_scale, a2_scale, "
+        "block_shape)",
+        "builds the quant config the kernel reads the scales from; vLLM's method calls it "
+        "with the scales the cache passes",
+        "the kernel's quant config cannot be built over the scale slots",
     ),
     Seam(
         f"{_MOE}.config",
