@@ -9,10 +9,13 @@ pinned host buffer ``[E, P]`` and its slots in one device buffer ``[capacity, P]
 and every tensor is a strided view into them, so a miss is one range of P bytes on both sides.
 
 Each tensor's row starts at a multiple of ``PACK_ALIGN`` bytes inside the range, which keeps
-every view aligned for its dtype and for vectorized loads. The views are not contiguous: their
+every view aligned for its dtype and for vectorized loads (FP8 experts: float8_e4m3fn weights
+and float32 scales, four tensors, one range). The views are not contiguous: their
 first stride is ``P / element size`` elements, the other strides are those of a contiguous row.
-A kernel that takes strides (vLLM's Triton MoE kernels read ``w.stride(0)``) reads them as they
-are; one that assumes contiguous ``[capacity, ...]`` buffers needs the default layout.
+A kernel that takes strides (vLLM's Triton MoE kernels read ``w.stride(0)``, and FP8 block
+scales through their strides) reads them as they are; one that assumes contiguous
+``[capacity, ...]`` buffers needs the default layout: so does vLLM's per-tensor FP8 scale
+``[capacity]``, which its Triton kernel reads as ``b_scale_ptr + slot``.
 """
 
 from __future__ import annotations

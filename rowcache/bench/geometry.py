@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["GEOMETRIES", "Geometry", "TensorSpec", "make_sources"]
+__all__ = ["FP8_BLOCK", "GEOMETRIES", "Geometry", "TensorSpec", "make_sources"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,21 @@ BF16_LARGE = Geometry(
 )
 """One large bf16 expert (issue 4: at least 100 MB): w13 [8192, 4096] (64 MiB), w2
 [4096, 4096] (32 MiB); 100.66 MB per expert, 12.9 GB of pinned sources for 128 experts."""
+
+FP8_BLOCK = Geometry(
+    "fp8_block",
+    (
+        TensorSpec("w13", (1536, 2048), torch.float8_e4m3fn),
+        TensorSpec("w2", (2048, 768), torch.float8_e4m3fn),
+        TensorSpec("w13_scale", (12, 16), torch.float32),
+        TensorSpec("w2_scale", (16, 6), torch.float32),
+    ),
+)
+"""The same expert as vLLM's block-scaled FP8 keeps it (``Fp8MoEMethod``, weight_block_size
+[128, 128]; docs/VLLM.md "FP8 experts"): float8_e4m3fn weights, float32 block scales
+``[2I/128, H/128]`` and ``[H/128, I/128]`` (768 and 384 bytes, both copied in 8-byte words);
+four tensors, 4.72 MB per expert. Not in ``GEOMETRIES`` yet: the benches run every geometry
+there by default, and their recorded defaults are bf16, nvfp4 and bf16_large."""
 
 GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (BF16, NVFP4, BF16_LARGE)}
 

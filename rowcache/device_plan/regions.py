@@ -7,7 +7,11 @@ long and contiguous. The gather copies exactly those bytes for every miss, nothi
 
 ``chunk_table`` cuts every region into pieces of at most ``CHUNK_BYTES`` for the fused gather:
 one work item is one (miss, piece), and a piece is copied in 8-byte words when its addresses
-allow it (``wide``), in bytes otherwise (the 4-byte NVFP4 global scales of the separate layout).
+allow it (``wide``), in bytes otherwise (the 4-byte NVFP4 global scales and FP8 per-tensor
+scales of the separate layout, and FP8 block-scale rows whose size is not a multiple of 8:
+``ceil(H/128) * ceil(I/128) * 4`` bytes for w2 with an odd product). vLLM's block-scaled FP8
+expert at Qwen3-30B-A3B shapes is all words: 3 MiB and 1.5 MiB of e4m3 weights, 768- and
+384-byte float32 scale rows (``tests/test_fp8_slots.py``).
 """
 
 from __future__ import annotations

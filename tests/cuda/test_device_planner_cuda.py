@@ -54,14 +54,17 @@ pytestmark = pytest.mark.cuda
 E, C, K = 8, 3, 2
 SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
-GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4")
+GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block")
 RACE_RUNS = [f"run{n}" for n in range(1, int(os.environ.get("ROWCACHE_RACE_RUNS", "5")) + 1)]
 
 
 def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
     """Random per-expert tensors with distinct bytes per expert: bf16 (two tensors), bf16 with
-    block scales (four) or NVFP4-like (six: packed fp4 weights and fp8 scales as bytes, fp32
-    global scales, whose 4-byte rows take the gather's byte path)."""
+    block scales (four), NVFP4-like (six: packed fp4 weights and fp8 scales as bytes, fp32
+    global scales, whose 4-byte rows take the gather's byte path) or vLLM's block-scaled FP8
+    (four: float8_e4m3fn w13 [E, 2I, H] and w2 [E, H, I] as random bytes, float32 128 x 128
+    block scales [E, 2, 3] and [E, 3, 1] for H=384, I=128; the 12-byte w2 scale rows take the
+    byte path in the separate layout)."""
     gen = torch.Generator().manual_seed(seed)
 
     def raw(*shape: int) -> Tensor:
@@ -78,6 +81,13 @@ def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
             "w2": torch.randn(E, 32, 32, generator=gen).to(torch.bfloat16),
             "w13_scale": torch.rand(E, 4, 2, generator=gen),
             "w2_scale": torch.rand(E, 2, 2, generator=gen),
+        }
+    if geometry == "fp8_block":
+        return {
+            "w13": raw(E, 256, 384).view(torch.float8_e4m3fn),
+            "w2": raw(E, 384, 128).view(torch.float8_e4m3fn),
+            "w13_scale": raw(E, 2, 3 * 4).view(torch.float32),
+            "w2_scale": raw(E, 3, 1 * 4).view(torch.float32),
         }
     return {
         "w13": raw(E, 64, 16),
@@ -320,7 +330,8 @@ def run_machine(geometry: str, layout: Layout, examples: int, mutant: int = 0) -
 @pytest.mark.parametrize("layout", ["separate", "packed"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_device_planner_in_lockstep_inside_graphs(geometry: str, layout: Layout) -> None:
-    # 200 examples in all by default, spread over the six geometry x layout cells.
+    # EXAMPLES x 4/3 in all by default (NVFP4, six tensors, a third of them per layout, the
+    # three others a sixth), over the eight geometry x layout cells.
     run_machine(
         geometry, layout, max(1, EXAMPLES // 3) if geometry == "nvfp4" else max(1, EXAMPLES // 6)
     )
