@@ -97,6 +97,25 @@ FAKE_VLLM = {
             UnquantizedFusedMoEMethod,
         )
         """,
+    "vllm/model_executor/layers/fused_moe/routed_experts.py": """
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+
+        class RoutedExperts:
+            def __init__(self, moe_config, quant_config=None, prefix="model.layers.0.mlp"):
+                self.moe_config = moe_config
+                self.quant_method = self._get_quant_method(prefix, quant_config, moe_config)
+
+            def _get_quant_method(self, prefix, quant_config, moe_config):
+                # As vLLM's: the quantization config's method, else the unquantized one.
+                method = None
+                if quant_config is not None:
+                    method = quant_config.get_quant_method(self, prefix)
+                if method is None:
+                    method = UnquantizedFusedMoEMethod(moe_config)
+                return method
+        """,
     "vllm/model_executor/layers/fused_moe/experts/__init__.py": "",
     "vllm/model_executor/layers/fused_moe/experts/triton_moe.py": """
         class TritonExperts:
@@ -163,7 +182,12 @@ def _forget_vllm() -> None:
         forget(FUSED_MOE, callback)
 
 
-VLLM_SIDE = ("rowcache.vllm._config", "rowcache.vllm._method")
+VLLM_SIDE = (
+    "rowcache.vllm._config",
+    "rowcache.vllm._quantized",
+    "rowcache.vllm._method",
+    "rowcache.vllm._fp8",
+)
 
 
 @pytest.fixture
@@ -471,7 +495,7 @@ def test_bad_knob_stops_config_before_vllm_post_init(fake_vllm: Any) -> None:
         ({"dp": 2}, "data parallelism (data_parallel_size=2)"),
         ({"tp": 2}, "tensor parallelism yet (tensor_parallel_size=2)"),
         ({"lora": object()}, "LoRA"),
-        ({"quantization": "fp8"}, "quantization 'fp8'"),
+        ({"quantization": "modelopt_fp4"}, "quantization 'modelopt_fp4'"),
     ],
 )
 def test_guards(fake_vllm: Any, kw: dict[str, Any], fragment: str) -> None:

@@ -65,8 +65,12 @@ def _install_method() -> None:
         return
     try:
         from rowcache.vllm._method import install
+        from rowcache.vllm._quantized import install as install_quantized
 
         install()
+        # Every MoE layer gets its method through RoutedExperts._get_quant_method: the FP8
+        # methods the cache serves are taken over there, other quantized ones rejected.
+        install_quantized()
     except Exception as exc:
         _state.method = "failed"
         _warn(exc)

@@ -2,7 +2,8 @@
 
 It imports only ``vllm.config`` (which vLLM has imported before it loads plugins) and wraps
 ``VllmConfig.__post_init__``: before vLLM's own checks the knob is parsed (bad values stop the
-engine here) and the guards run (expert or data parallelism, LoRA, a quantized model); after
+engine here) and the guards run (expert or data parallelism, LoRA, a quantization whose MoE
+method the cache does not serve); after
 them the MoE ops become splitting ops and full CUDA graphs are lowered to piecewise ones,
 because a host-planned cache must run between captured pieces. With the device planner
 (``moe_expert_cache_planner=device``) the graph modes stay as the user set them.
@@ -40,9 +41,15 @@ from rowcache.vllm.knob import (
     parse_settings,
 )
 
-__all__ = ["MOE_OPS", "RowcacheError", "graph_mode", "install", "settings_of"]
+__all__ = ["MOE_OPS", "QUANTIZATIONS", "RowcacheError", "graph_mode", "install", "settings_of"]
 
 logger = logging.getLogger("rowcache.vllm")
+
+QUANTIZATIONS = ("fp8", "fp8_per_tensor")
+"""Model quantizations whose MoE methods the cache may serve: ``fp8`` (vLLM 0.25.0: FP8
+checkpoints and online per-tensor FP8; 0.33.0: FP8 checkpoints) and ``fp8_per_tensor`` (0.33.0:
+online per-tensor FP8). Which method and backend a layer gets is checked when it is built
+(``rowcache.vllm._fp8.adopt``)."""
 
 MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
 """vLLM's MoE custom ops; as splitting ops they run eagerly between captured pieces."""
@@ -138,11 +145,14 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
         )
     model = getattr(config, "model_config", None)
     quantization = getattr(model, "quantization", None)
-    if quantization is not None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
         raise RowcacheError(
-            f"rowcache: {what} supports unquantized (bf16/fp16) experts only; this model's "
-            f"quantization {quantization!r} uses a quantized MoE method that rowcache does "
-            "not support yet."
+            f"rowcache: {what} does not support quantization {quantization!r} yet: its MoE "
+            f"method is not one the cache serves. Supported: unquantized (bf16/fp16) experts, "
+            f"and quantization {' or '.join(map(repr, QUANTIZATIONS))} with vLLM's "
+            "Fp8MoEMethod for FP8 checkpoints with 128 x 128 block scales or "
+            "Fp8PerTensorOnlineMoEMethod for online per-tensor FP8, on its TRITON FP8 MoE "
+            "backend (each layer's method and backend are checked when the model is built)."
         )
 
 

@@ -28,12 +28,18 @@ device planner; the host planner's ``"expert"`` split) goes through
 resident. vLLM 0.25.0's ``TritonExperts.apply`` (``fused_moe/experts/triton_moe.py``) writes
 each token's weighted per-entry outputs into ``intermediate_cache3`` (``[M, top_k, H]``, a view
 of ``workspace2``, the first GEMM's output too) and reduces it once with
-``self.moe_sum(intermediate_cache3, output)``. ``_MoeSumTap`` is installed as the instance
-attribute ``moe_sum`` of the layer kernel's ``TritonExperts`` (``FusedMoEKernel.fused_experts``):
-outside a cut step it calls vLLM's ``moe_sum``; during each call of a cut step it hands the
-unreduced ``intermediate_cache3`` to the library instead of reducing it, and the library, after
-merging every call's exposed entries into its step buffer, reduces that buffer once with
-vLLM's own ``moe_sum``. The kernel's reduced output of those calls is not used.
+``self.moe_sum(intermediate_cache3, output)``, for bf16 and FP8 experts alike. ``_MoeSumTap`` is
+installed as the instance attribute ``moe_sum`` of the layer kernel's ``TritonExperts``
+(``FusedMoEKernel.fused_experts``): outside a cut step it calls vLLM's ``moe_sum``; during each
+call of a cut step it hands the unreduced ``intermediate_cache3`` to the library instead of
+reducing it, and the library, after merging every call's exposed entries into its step buffer,
+reduces that buffer once with vLLM's own ``moe_sum``. The kernel's reduced output of those
+calls is not used.
+
+``CachedForward`` holds that forward and what goes with it (the capture-stable output, the
+one warning of the float32 fallback); ``RowcacheMoEMethod`` and the FP8 methods of
+``rowcache.vllm._fp8`` put it in front of vLLM's method class. Quantized models:
+``rowcache.vllm._quantized``.
 """
 
 from __future__ import annotations
@@ -63,9 +69,25 @@ from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 from rowcache.vllm._config import MOE_OPS, RowcacheError, settings_of
 from rowcache.vllm.knob import SIZE, CacheSettings, KnobError
 
-__all__ = ["RowcacheMoEMethod", "install"]
+__all__ = [
+    "SUPPORTED_METHODS",
+    "CachedForward",
+    "RowcacheMoEMethod",
+    "build_provider",
+    "check_layer",
+    "install",
+    "pinned_empty",
+]
 
 logger = logging.getLogger("rowcache.vllm")
+
+SUPPORTED_METHODS = (
+    "UnquantizedFusedMoEMethod (bf16/fp16 experts) on vLLM's Triton MoE backend, and on vLLM's "
+    "TRITON FP8 MoE backend (TritonExperts): Fp8MoEMethod with 128 x 128 block scales (an FP8 "
+    "checkpoint with weight_block_size [128, 128]) and Fp8PerTensorOnlineMoEMethod (online "
+    "per-tensor FP8 of a bf16 checkpoint)"
+)
+"""What the expert cache serves, as the guards name it."""
 
 
 # -- the MoE method ---------------------------------------------------------------------------
@@ -88,6 +110,91 @@ def _host_loader(loader: Callable[..., Any], param: Tensor, host: Tensor) -> Cal
             param.data = view
 
     return load
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Host memory for expert tensors: pinned where there is a GPU (CPU tests: plain)."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+
+
+def check_layer(moe: Any, settings: CacheSettings, method: str) -> int:
+    """The layer's slot count after the guards every cached MoE method shares."""
+    top_k = int(moe.experts_per_token)
+    experts = int(moe.num_local_experts)
+    if settings.size < top_k:
+        raise KnobError(
+            f"{SIZE}={settings.size} is smaller than the model's top_k={top_k}: one token "
+            f"needs {top_k} experts at once; allowed: 0 (off) or an integer >= {top_k}"
+        )
+    if moe.has_bias:
+        raise RowcacheError(
+            f"rowcache: MoE layers with expert biases are not supported yet ({method})"
+        )
+    if settings.size > experts:
+        logger.info(
+            "rowcache: %s=%d is more than the %d experts of a layer; using %d slots",
+            SIZE,
+            settings.size,
+            experts,
+            experts,
+        )
+    return min(settings.size, experts)
+
+
+def layer_device() -> torch.device:
+    """Where vLLM allocated the rest of the model: the current GPU (the CPU without one)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_provider(
+    settings: CacheSettings,
+    capacity: int,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None = None,
+    w2_scale: Tensor | None = None,
+) -> ExpertWeightProvider:
+    """The provider over a layer's pinned host tensors, in the default (separate) slot layout.
+
+    ``share_sources``: the pinned host tensors live on as the layer's parameters; a copy would
+    hold every MoE weight twice in pinned memory.
+    """
+    device = layer_device()
+    if settings.provider == "cached":
+        return CachedWeightProvider(
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            capacity=capacity,
+            split=settings.split,
+            device=device,
+            share_sources=True,
+        )
+    if settings.planner == "device":
+        # Planned and copied on the device: the MoE op is captured with the forward.
+        return RowCacheWeightProvider(
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            capacity=capacity,
+            device=device,
+            share_sources=True,
+            planner="device",
+        )
+    return RowCacheWeightProvider(
+        w13,
+        w2,
+        w13_scale,
+        w2_scale,
+        capacity=capacity,
+        split=settings.split,
+        device=device,
+        share_sources=True,
+    )
 
 
 class _MoeSumTap:
@@ -151,139 +258,29 @@ def _graph_rows(config: Any) -> int:
     return int(cc.max_cudagraph_capture_size or 0)
 
 
-class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
-    """vLLM's unquantized MoE method, with the expert cache when the knob turns it on.
+class CachedForward:
+    """What every cached MoE method shares: the forward through the provider.
 
-    With the knob off it is vLLM's method unchanged (every override calls the parent).
+    A mixin in front of vLLM's method class; the class sets ``rowcache_settings`` (None with
+    the knob off), ``rowcache_provider`` (None until the weights are processed), and has vLLM's
+    ``moe_kernel``.
     """
 
-    def __init__(self, moe: Any) -> None:
-        super().__init__(moe)
-        config = get_current_vllm_config()
-        settings = settings_of(config)
-        self.rowcache_settings: CacheSettings | None = settings if settings.active else None
-        self.rowcache_provider: ExpertWeightProvider | None = None
-        self._host: tuple[Tensor, Tensor] | None = None
-        self._stable: Tensor | None = None
+    rowcache_settings: CacheSettings | None
+    rowcache_provider: ExpertWeightProvider | None
+    rowcache_forwards: int
+    moe_kernel: Any
+    _stable: Tensor | None
+    _graph_rows: int
+    _inexact_said: bool
+
+    def _init_cache_state(self, settings: CacheSettings, config: Any) -> None:
+        self.rowcache_settings = settings if settings.active else None
+        self.rowcache_provider = None
+        self._stable = None
         self._graph_rows = _graph_rows(config) if settings.active else 0
-        self._capacity = 0
         self.rowcache_forwards = 0  # cached forwards; prepare_calls above it means chunks
         self._inexact_said = False
-        if settings.cache_on:
-            self._capacity = self._check_layer(settings)
-
-    def _check_layer(self, settings: CacheSettings) -> int:
-        moe = self.moe
-        top_k = int(moe.experts_per_token)
-        experts = int(moe.num_local_experts)
-        if settings.size < top_k:
-            raise KnobError(
-                f"{SIZE}={settings.size} is smaller than the model's top_k={top_k}: one token "
-                f"needs {top_k} experts at once; allowed: 0 (off) or an integer >= {top_k}"
-            )
-        if moe.has_bias:
-            raise RowcacheError(
-                "rowcache: MoE layers with expert biases are not supported yet "
-                f"({type(self).__name__})"
-            )
-        if self.unquantized_backend != UnquantizedMoeBackend.TRITON:
-            raise RowcacheError(
-                f"rowcache: the expert cache runs on vLLM's Triton MoE backend; this engine "
-                f"selected {self.unquantized_backend.name}, which lays expert weights out "
-                "differently and is not supported yet"
-            )
-        if settings.size > experts:
-            logger.info(
-                "rowcache: %s=%d is more than the %d experts of a layer; using %d slots",
-                SIZE,
-                settings.size,
-                experts,
-                experts,
-            )
-        return min(settings.size, experts)
-
-    @property
-    def _cache_on(self) -> bool:
-        return self.rowcache_settings is not None and self.rowcache_settings.cache_on
-
-    def create_weights(
-        self,
-        layer: Any,
-        num_experts: int,
-        hidden_size: int,
-        intermediate_size_per_partition: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        if not self._cache_on:
-            super().create_weights(
-                layer,
-                num_experts,
-                hidden_size,
-                intermediate_size_per_partition,
-                params_dtype,
-                **extra_weight_attrs,
-            )
-            return
-        up = intermediate_size_per_partition * (2 if self.moe.is_act_and_mul else 1)
-        shapes = {
-            "w13_weight": (num_experts, up, hidden_size),
-            "w2_weight": (num_experts, hidden_size, intermediate_size_per_partition),
-        }
-        hosts: list[Tensor] = []
-        for name, shape in shapes.items():
-            # Pinned host memory from the start: the full expert set never touches the GPU.
-            host = torch.empty(shape, dtype=params_dtype, device="cpu", pin_memory=True)
-            param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
-            layer.register_parameter(name, param)
-            attrs = dict(extra_weight_attrs)
-            if "weight_loader" in attrs:
-                attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
-            set_weight_attrs(param, attrs)
-            hosts.append(host)
-        self._host = (hosts[0], hosts[1])
-
-    def process_weights_after_loading(self, layer: Any) -> None:
-        super().process_weights_after_loading(layer)
-        if not self._cache_on:
-            return
-        assert self._host is not None and self.rowcache_settings is not None
-        w13, w2 = self._host
-        settings = self.rowcache_settings
-        # The layer's device: where vLLM allocated the rest of the model.
-        device = torch.device("cuda", torch.cuda.current_device())
-        provider: ExpertWeightProvider
-        if settings.provider == "cached":
-            # share_sources: the pinned host tensors live on as the layer's parameters; a
-            # copy would hold every MoE weight twice in pinned memory.
-            provider = CachedWeightProvider(
-                w13,
-                w2,
-                capacity=self._capacity,
-                split=settings.split,
-                device=device,
-                share_sources=True,
-            )
-        elif settings.planner == "device":
-            # Planned and copied on the device: the MoE op is captured with the forward.
-            provider = RowCacheWeightProvider(
-                w13,
-                w2,
-                capacity=self._capacity,
-                device=device,
-                share_sources=True,
-                planner="device",
-            )
-        else:
-            provider = RowCacheWeightProvider(
-                w13,
-                w2,
-                capacity=self._capacity,
-                split=settings.split,
-                device=device,
-                share_sources=True,
-            )
-        self.rowcache_provider = provider
 
     def _stable_output(self, out: Tensor) -> Tensor:
         """``out`` at an address that stays the same for every call with as many rows."""
@@ -298,8 +295,9 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
         view.copy_(out)
         return view
 
-    def apply(
+    def _cached_apply(
         self,
+        provider: ExpertWeightProvider,
         layer: Any,
         x: Tensor,
         topk_weights: Tensor,
@@ -307,17 +305,7 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
         shared_experts: Any,
         shared_experts_input: Tensor | None,
     ) -> Tensor:
-        if self.rowcache_settings is None:
-            out: Tensor = super().apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return out
-        provider = self.rowcache_provider
-        if provider is None:
-            out = super().apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return self._stable_output(out)
+        """The layer's forward over the provider's slots (module docstring)."""
         device_planned = isinstance(provider, DevicePlannedProvider)
         if not device_planned and x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RowcacheError(
@@ -390,6 +378,106 @@ class RowcacheMoEMethod(UnquantizedFusedMoEMethod):  # type: ignore[misc]
             "by experts sum their kernel calls' outputs in float32, whose last bits differ "
             "from one call with every expert resident",
             type(experts).__name__,
+        )
+
+
+class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: ignore[misc]
+    """vLLM's unquantized MoE method, with the expert cache when the knob turns it on.
+
+    With the knob off it is vLLM's method unchanged (every override calls the parent).
+    """
+
+    def __init__(self, moe: Any) -> None:
+        super().__init__(moe)
+        config = get_current_vllm_config()
+        settings = settings_of(config)
+        self._init_cache_state(settings, config)
+        self._host: tuple[Tensor, Tensor] | None = None
+        self._capacity = 0
+        if settings.cache_on:
+            self._capacity = self._check_layer(settings)
+
+    def _check_layer(self, settings: CacheSettings) -> int:
+        capacity = check_layer(self.moe, settings, type(self).__name__)
+        if self.unquantized_backend != UnquantizedMoeBackend.TRITON:
+            raise RowcacheError(
+                f"rowcache: the expert cache runs on vLLM's Triton MoE backend; this engine "
+                f"selected {self.unquantized_backend.name}, which lays expert weights out "
+                "differently and is not supported yet"
+            )
+        return capacity
+
+    @property
+    def _cache_on(self) -> bool:
+        return self.rowcache_settings is not None and self.rowcache_settings.cache_on
+
+    def create_weights(
+        self,
+        layer: Any,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        if not self._cache_on:
+            super().create_weights(
+                layer,
+                num_experts,
+                hidden_size,
+                intermediate_size_per_partition,
+                params_dtype,
+                **extra_weight_attrs,
+            )
+            return
+        up = intermediate_size_per_partition * (2 if self.moe.is_act_and_mul else 1)
+        shapes = {
+            "w13_weight": (num_experts, up, hidden_size),
+            "w2_weight": (num_experts, hidden_size, intermediate_size_per_partition),
+        }
+        hosts: list[Tensor] = []
+        for name, shape in shapes.items():
+            # Pinned host memory from the start: the full expert set never touches the GPU.
+            host = pinned_empty(shape, params_dtype)
+            param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
+            layer.register_parameter(name, param)
+            attrs = dict(extra_weight_attrs)
+            if "weight_loader" in attrs:
+                attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
+            set_weight_attrs(param, attrs)
+            hosts.append(host)
+        self._host = (hosts[0], hosts[1])
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        super().process_weights_after_loading(layer)
+        if not self._cache_on:
+            return
+        assert self._host is not None and self.rowcache_settings is not None
+        w13, w2 = self._host
+        self.rowcache_provider = build_provider(self.rowcache_settings, self._capacity, w13, w2)
+
+    def apply(
+        self,
+        layer: Any,
+        x: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        shared_experts: Any,
+        shared_experts_input: Tensor | None,
+    ) -> Tensor:
+        if self.rowcache_settings is None:
+            out: Tensor = super().apply(
+                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+            )
+            return out
+        provider = self.rowcache_provider
+        if provider is None:
+            out = super().apply(
+                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+            )
+            return self._stable_output(out)
+        return self._cached_apply(
+            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
         )
 
 

@@ -262,6 +262,46 @@ SEAMS: tuple[Seam, ...] = (
         "the kernel reads the layer's scales instead of the slots",
     ),
     Seam(
+        _FP8_ONLINE,
+        "_Fp8OnlineMoEBase._setup_kernel(layer, w13, w2, w13_scale, w2_scale, "
+        "w13_input_scale, w2_input_scale)",
+        "called again once the quantized layer is in pinned host memory: vLLM's kernel "
+        "set-up over device views of the host tensors and the scale slots",
+        "the online FP8 cache fails to build (TypeError)",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "_Fp8OnlineMoEBase.weight_scale_name",
+        "weight_scale: the names of the online method's [E] scale parameters",
+        "the scale parameters are not found: online FP8 layers fail to load",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "_Fp8OnlineMoEBase.fp8_backend",
+        "the backend the online method picked: the cache serves TRITON only",
+        "another backend is not rejected",
+    ),
+    Seam(
+        _FP8_ONLINE,
+        "_Fp8OnlineMoEBase.experts_cls",
+        "the experts class the online method picked (TritonExperts on sm90)",
+        "another experts class is not rejected",
+    ),
+    Seam(
+        "vllm.model_executor.layers.quantization.online.moe_base",
+        "OnlineMoEMethodBase.apply(layer, x, topk_weights, topk_ids, shared_experts, "
+        "shared_experts_input)",
+        "overridden (through Fp8PerTensorOnlineMoEMethod) to route the forward through the cache",
+        "online FP8 forwards bypass the cache",
+    ),
+    Seam(
+        _FP8,
+        "Fp8MoEMethod.apply(layer, x, topk_weights, topk_ids, shared_experts, "
+        "shared_experts_input)",
+        "overridden to route the FP8 forward through the cache",
+        "FP8 forwards bypass the cache and read the host weights directly",
+    ),
+    Seam(
         _FP8_ORACLE,
         "Fp8MoeBackend",
         "Fp8MoeBackend.TRITON is the FP8 backend the cache serves",
