@@ -483,6 +483,13 @@ def test_block_scaled_forward_is_bit_identical_to_vllms(
             assert kernel.calls == exact_calls
         else:
             assert kernel.calls > 1  # 6 tokens x top-2 over 8 experts do not fit 3 slots
+    # A step cut by experts reduces once through the tap on the FP8 kernel's TritonExperts.
+    cut_by_experts = (
+        section.get("moe_expert_cache_split") == "expert"
+        or section.get("moe_expert_cache_planner") == "device"
+    )
+    tap = vars(cached.quant_method.moe_kernel.fused_experts).get("moe_sum")
+    assert (type(tap).__name__ == "_MoeSumTap") == cut_by_experts
     stats = plugin.expert_cache_stats(SimpleNamespace(named_modules=lambda: [("l0", cached)]))
     assert stats[0]["capacity"] == section["moe_expert_cache_size"] and stats[0]["forwards"] == 3
 
