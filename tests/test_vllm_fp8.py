@@ -453,6 +453,27 @@ def test_block_scaled_checkpoint_lives_in_host_memory_and_the_slots(fake_fp8: An
     assert quant.block_shape == [128, 128] and quant.a1_scale is None
 
 
+def test_processing_again_keeps_one_provider_and_refills_the_slots(fake_fp8: Any) -> None:
+    layer = _layer(fake_fp8, {"moe_expert_cache_size": 3})
+    method = layer.quant_method
+    provider = method.rowcache_provider
+    x, ids, topk_weights = _inputs(1)
+    method.apply(layer, x, topk_weights, ids, None, None)
+    assert provider.resident_experts()
+    # A reload writes new bytes into the host tensors and processes the layer again.
+    reloaded = _checkpoint(online=False, seed=9)
+    for name, tensor in reloaded.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor)
+    method.process_weights_after_loading(layer)
+    assert method.rowcache_provider is provider and provider.resident_experts() == {}
+    assert method.moe_kernel.fused_experts.quant_config.w1_scale is provider.buf_w13_scale
+    result = provider.prepare(ids)
+    slot = int(result.expert_map[int(ids[0, 0])])
+    want = reloaded["w13_weight"][int(ids[0, 0])].view(torch.uint8)
+    assert torch.equal(provider.buf_w13[slot].view(torch.uint8), want)
+
+
 @pytest.mark.parametrize(
     ("section", "tokens", "exact_calls"),
     [

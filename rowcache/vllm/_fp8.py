@@ -214,6 +214,14 @@ class RowcacheFp8MoEMethod(CachedForward, Fp8MoEMethod):  # type: ignore[misc]
         settings = self.rowcache_settings
         assert settings is not None
         hosts = self._rowcache_hosts
+        provider = self.rowcache_provider
+        if provider is not None:
+            # Processed again (a weight reload wrote the host tensors): the resident slots
+            # hold the old bytes; one provider per layer, whatever vLLM does again.
+            for expert in range(provider.num_experts):
+                provider.invalidate(expert)
+            super().process_weights_after_loading(layer)
+            return
         w13_name, w2_name = _scale_names(self)
         # Before vLLM's processing, which builds the kernel's quant config through
         # get_fused_moe_quant_config: over the scale slots.
