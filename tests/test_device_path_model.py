@@ -3,12 +3,16 @@ the mutant catalogue, and the state counts of every exhaustive check (pinned her
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from model_check.config import DEVICE_CHECKS, DEVICE_MUTANT_CHECKS, Check, Pinned, load_manifest
-from model_check.device_path.checks import EXPECTED_TAGS, explore
+from model_check.device_path.checks import EXPECTED_TAGS, Z3_CONFIGS, explore
 from model_check.device_path.core import (
     PROPERTIES,
     REACHABILITY,
@@ -19,7 +23,7 @@ from model_check.device_path.core import (
     initial_host,
     interpret,
 )
-from model_check.device_path.explicit import execute, host_call, initial_state, runnable
+from model_check.device_path.explicit import execute, host_call, initial_state, replay, runnable
 from model_check.device_path.functions import (
     FUNCTIONS,
     SAME_STATE_AS_REFERENCE,
@@ -28,8 +32,9 @@ from model_check.device_path.functions import (
     select,
 )
 from model_check.device_path.hb import HbModel, Summary, device_program
-from model_check.device_path.mutants import DEVICE_MUTANTS, device_mutant
+from model_check.device_path.mutants import DEVICE_MUTANTS, DeviceMutant, device_mutant
 from model_check.device_path.table import DeviceStep, load_device_table, parse_device_table
+from model_check.search.replay import Call
 from model_check.table import TableError
 from model_check.table.reference import Bounds
 
@@ -305,6 +310,52 @@ def test_z3_kills_mutants(name: str) -> None:
     table = device_mutant(name).apply(TABLE)
     report = check(table, B32, 4, induction=False, reachability=False, stop_at_first=True)
     assert report.violation is not None
+
+
+def _tuples(x: object) -> object:
+    return tuple(_tuples(i) for i in x) if isinstance(x, list) else x
+
+
+def z3_kill_fresh(name: str) -> tuple[Bounds, str, list[Call]] | None:
+    """`checks.z3_kill` of a mutant in a fresh process, as the kill matrix runs each row (which
+    counterexample z3 finds first depends on the queries its process made before)."""
+    code = (
+        "import json; from model_check.device_path.checks import Z3_CONFIGS, z3_kill; "
+        "from model_check.device_path.mutants import device_mutant; "
+        "from model_check.device_path.table import load_device_table; "
+        f"k = z3_kill(device_mutant({name!r}).apply(load_device_table())); "
+        "print(json.dumps(k and [[b for b, _ in Z3_CONFIGS].index(k[0]), k[1], k[2]]))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
+    found = json.loads(out.stdout)
+    if found is None:
+        return None
+    index, prop, calls = found
+    return Z3_CONFIGS[index][0], prop, [(op, _tuples(args), s) for op, args, s in calls]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("m", DEVICE_MUTANTS, ids=lambda m: m.name)
+def test_z3_counterexamples_replay_on_the_explicit_model(m: DeviceMutant) -> None:
+    """Every mutant, killed by z3 as the kill matrix runs it: the explicit model, run on the
+    counterexample's host calls with every interleaving, meets the same property (with
+    `only`: a pass's plan, gather and read run as one step, and z3 may name the read's). One
+    plan's result gets one verdict there (functions.plan_verdict: P9, then P5, then P3), so
+    where z3 names a later one, the explicit model meets an earlier one of the same plan."""
+    table = m.apply(TABLE)
+    killed = z3_kill_fresh(m.name)
+    assert killed is not None, m.name
+    bounds, prop, calls = killed
+    found = replay(table, bounds, calls, only=prop)
+    assert found is not None, (m.name, calls)
+    if prop not in found:
+        order = ["P9_device_errors_reported", "P5_victim_protection", "P3_forward_map_exact"]
+        plan = f"the plan of {calls[-1][1][0]}"
+        before = order[: order.index(prop)] if prop in order else []
+        earlier = [p for p in before if plan in found.get(p, "")]
+        assert earlier, (m.name, prop, calls, found)
 
 
 def test_induction_fails_without_the_handoff() -> None:

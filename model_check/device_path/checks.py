@@ -20,6 +20,7 @@ from model_check.report import Column, Kill
 from model_check.search.bfs import bfs
 from model_check.search.memo import memo_search
 from model_check.search.model import Result
+from model_check.search.replay import Call
 from model_check.table.reference import Bounds
 
 B32 = Bounds(num_experts=3, capacity=2)
@@ -141,6 +142,21 @@ def machine_column(table: DeviceTable, examples: int, steps: int) -> Column:
     )
 
 
+def z3_kill(table: DeviceTable) -> tuple[Bounds, str, list[Call]] | None:
+    """z3's first counterexample at either bound of the kill matrix: the bounds, the property
+    and the host calls (None: z3 finds none)."""
+    from model_check.device_path.z3_check import check as z3_check
+
+    for bounds, depth in Z3_CONFIGS:
+        report = z3_check(
+            table, bounds, depth, induction=False, reachability=False, stop_at_first=True
+        )
+        if report.violation is not None:
+            prop = report.violation.prop
+            return bounds, prop, report.calls[prop]
+    return None
+
+
 def kill_row(m: DeviceMutant, examples: int, steps: int, use_z3: bool = True) -> list[Kill]:
     """The mutant's row of the kill matrix: both searches, the explicit model on the intended
     property, z3 (first counterexample at either bound) and the machine."""
@@ -167,17 +183,9 @@ def kill_row(m: DeviceMutant, examples: int, steps: int, use_z3: bool = True) ->
         )
     )
     if use_z3:
-        from model_check.device_path.z3_check import check as z3_check
-
         start = time.perf_counter()
-        found: str | None = None
-        for bounds, depth in Z3_CONFIGS:
-            report = z3_check(
-                table, bounds, depth, induction=False, reachability=False, stop_at_first=True
-            )
-            if report.violation is not None:
-                found = report.violation.prop
-                break
+        killed = z3_kill(table)
+        found = None if killed is None else killed[1]
         row.append(Kill("z3", found, time.perf_counter() - start))
     from model_check.device_path.machine import run_machine
 

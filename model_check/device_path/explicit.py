@@ -26,6 +26,7 @@ when the host looks at the counters it read back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
 
 from model_check.device.interpreter import Action, Outcome
@@ -397,6 +398,41 @@ def device(state: XState, stream: int, bounds: Bounds) -> Outcome[XState]:
 def resume_host(state: XState) -> Outcome[XState]:
     part, found = resume(state.part)
     return _outcome(XState(state.host, part), found or idle_verdict(part, state.host), frozenset())
+
+
+def replay(
+    table: DeviceTable,
+    bounds: Bounds,
+    calls: Sequence[tuple[str, tuple[object, ...], int]],
+    only: str | None = None,
+) -> dict[str, str] | None:
+    """Run host calls (a z3 counterexample's) on the explicit model, every interleaving of
+    device steps between and after them (`search.replay`); the properties it finds violated
+    (with `only`, a step that runs as a group reports that property where it meets it)."""
+    from model_check.search.replay import replay as replay_on
+
+    def step(st: XState, stream: int) -> Outcome[XState]:
+        part, found = device_step(st.part, stream, bounds, only)
+        idle = idle_verdict(part, st.host)
+        if idle is not None and idle.prop == only:
+            found = idle  # not hidden behind the step's own verdict
+        return _outcome(XState(st.host, part), found or idle, frozenset())
+
+    def moves(st: XState) -> list[Outcome[XState]]:
+        outs = [step(st, s) for s in range(len(st.part.queues)) if runnable(st.part, s)]
+        return [*outs, resume_host(st)] if can_resume(st.part) else outs
+
+    def call(st: XState, op: str, args: tuple[object, ...], stream: int) -> Outcome[XState] | None:
+        if st.part.blocked is not None:
+            return None
+        return host_call(table, bounds, st, Action("host", op, args, stream))
+
+    def stuck(st: XState) -> Violation | None:
+        if deadlocked(st.part):
+            return Violation("P7_no_deadlock", "pending operations remain and none can run")
+        return None
+
+    return replay_on(initial_state(table, bounds), moves, call, stuck, calls)
 
 
 # ---------------------------------------------------------------- the search model

@@ -206,6 +206,7 @@ def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str
     """Run the host calls on the explicit FIFO model, every interleaving of device steps
     between and after them; the properties it finds violated (None: too many states)."""
     from model_check.device.queues import (
+        Outcome,
         State,
         can_resume,
         deadlocked,
@@ -215,48 +216,23 @@ def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str
         resume,
         runnable,
     )
+    from model_check.search.replay import replay as replay_on
 
-    found: dict[str, str] = {}
-    total = 0
+    def moves(st: State) -> list[Outcome[State]]:
+        outs = [device_step(st, sid) for sid in range(len(st.queues)) if runnable(st, sid)]
+        if st.blocked is not None and can_resume(st, bounds, table):
+            outs.append(resume(table, bounds, st))
+        return outs
 
-    def close(frontier: set[State]) -> set[State] | None:
-        nonlocal total
-        seen = set(frontier)
-        work = list(frontier)
-        while work:
-            st = work.pop()
-            if deadlocked(st):
-                found.setdefault("P7_no_deadlock", "pending operations remain and none can run")
-            outs = [device_step(st, sid) for sid in range(len(st.queues)) if runnable(st, sid)]
-            if st.blocked is not None and can_resume(st, bounds, table):
-                outs.append(resume(table, bounds, st))
-            for out in outs:
-                if out.violation is not None:
-                    found.setdefault(out.violation.prop, out.violation.detail)
-                if out.state not in seen:
-                    seen.add(out.state)
-                    work.append(out.state)
-            total += len(outs)
-            if total > REPLAY_LIMIT:
-                return None
-        return seen
+    def call(st: State, op: str, args: tuple[object, ...], stream: int) -> Outcome[State] | None:
+        return None if st.blocked is not None else host_call(table, bounds, st, op, args, stream)
 
-    frontier = {initial_state(bounds)}
-    for op, args, stream in calls:
-        states = close(frontier)
-        if states is None:
-            return None
-        frontier = set()
-        for st in states:
-            if st.blocked is not None:
-                continue
-            out = host_call(table, bounds, st, op, args, stream)
-            if out.violation is not None:
-                found.setdefault(out.violation.prop, out.violation.detail)
-            frontier.add(out.state)
-    if close(frontier) is None:
+    def stuck(st: State) -> Violation | None:
+        if deadlocked(st):
+            return Violation("P7_no_deadlock", "pending operations remain and none can run")
         return None
-    return found
+
+    return replay_on(initial_state(bounds), moves, call, stuck, calls, REPLAY_LIMIT)
 
 
 def replay(table: Table, bounds: Bounds, calls: Calls) -> dict[str, list[str]]:
