@@ -34,6 +34,7 @@ from model_check.report import (
     column_json,
     kill_matrix_text,
     kills_json,
+    search_columns,
     survivors,
     verdict_table,
 )
@@ -209,42 +210,14 @@ def run_all(
 
 
 def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinned]) -> list[Column]:
-    columns = []
-    for check, result in runs:
-        col = Column(
-            name=check.key,
-            states=result.states,
-            depth=result.max_depth_reached,
-            seconds=result.seconds,
-            decides=DECIDES[check.model],
-            violation=result.violation,
-            reached=set(result.tags),
-        )
-        pinned = manifest.get(check.key)
-        got = Pinned(result.states, result.transitions, result.max_depth_reached)
-        if pinned is None:
-            col.notes.append(f"{check.key} is not in {MANIFEST_PATH.name} ({WRITE_COMMAND})")
-        elif pinned != got:
-            col.notes.append(
-                f"{check.key}: manifest pins {pinned}, this run found {got} "
-                f"(re-pin on purpose with `{WRITE_COMMAND}`)"
-            )
-        columns.append(col)
-    # Each device model must reach every "sometimes" observation in one of its runs.
-    for model in sorted({check.model for check, _ in runs}):
-        reached: set[str] = set()
-        missing: set[str] = set()
-        for check, result in runs:
-            if check.model == model:
-                reached |= result.tags
-                missing |= set(result.missing_reachability())
-        gaps = sorted(missing - reached)
-        if gaps:
-            owner = next(
-                c for c, (check, _) in zip(columns, runs, strict=True) if check.model == model
-            )
-            owner.notes.append(f"{model}: never reached {', '.join(gaps)} (a vacuous pass?)")
-    return columns
+    return search_columns(
+        runs,
+        manifest,
+        DECIDES,
+        lambda _, result: set(result.missing_reachability()),
+        MANIFEST_PATH.name,
+        WRITE_COMMAND,
+    )
 
 
 def machine_column(table: Table, examples: int, steps: int) -> Column:

@@ -163,6 +163,12 @@ def generate(table: Table) -> str:
         f"PROVIDER_OPERATIONS: tuple[str, ...] = {_tuple(provider_ops)}",
         f"CONSUMER_OPERATIONS: tuple[str, ...] = {_tuple(consumer_ops)}",
     ]
+    return _module(out, functions)
+
+
+def _module(head: list[str], functions: list[list[str]]) -> str:
+    """The module's text: its head, then each function after two blank lines."""
+    out = list(head)
     for fn in functions:
         out += ["", "", *fn]
     text = "\n".join(out) + "\n"
@@ -300,13 +306,7 @@ def generate_device(table: DeviceTable) -> str:
         "    owner: S | None  # the owner after the call",
         "    handed_over: bool  # the handoff's steps ran",
     ]
-    for fn in functions:
-        out += ["", "", *fn]
-    text = "\n".join(out) + "\n"
-    for number, line in enumerate(text.splitlines(), 1):
-        if len(line) > MAX_LINE:
-            raise TableError(f"generated line {number} is longer than {MAX_LINE}: {line!r}")
-    return text
+    return _module(out, functions)
 
 
 def _diff(path: Path, expected: str, source: str) -> list[str]:

@@ -6,10 +6,12 @@ Shared by the host path's checks (cli.py) and the device-planned path's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from model_check.config import Check, Pinned
+from model_check.search.model import Result
 from model_check.table.properties import Violation
 
 
@@ -58,6 +60,54 @@ def verdict_table(columns: list[Column], properties: Sequence[str]) -> str:
     for label, cells in rows:
         lines.append(label.ljust(width) + "".join(x.rjust(cw + 2) for x in cells))
     return "\n".join(lines)
+
+
+def search_columns(
+    runs: Sequence[tuple[Check, Result]],
+    manifest: dict[str, Pinned],
+    decides: dict[str, list[str]],
+    unreached: Callable[[Check, Result], set[str]],
+    unpinned: str,
+    write_command: str,
+) -> list[Column]:
+    """Columns of the exhaustive searches of either path: the manifest's counts, and every
+    "sometimes" observation each model must reach (`unreached`: those a run did not) reached
+    in one of its runs."""
+    columns = []
+    for check, result in runs:
+        col = Column(
+            name=check.key,
+            states=result.states,
+            depth=result.max_depth_reached,
+            seconds=result.seconds,
+            decides=decides[check.model],
+            violation=result.violation,
+            reached=set(result.tags),
+        )
+        pinned = manifest.get(check.key)
+        got = Pinned(result.states, result.transitions, result.max_depth_reached)
+        if pinned is None:
+            col.notes.append(f"{check.key} is not in {unpinned} ({write_command})")
+        elif pinned != got:
+            col.notes.append(
+                f"{check.key}: manifest pins {pinned}, this run found {got} "
+                f"(re-pin on purpose with `{write_command}`)"
+            )
+        columns.append(col)
+    for model in sorted({check.model for check, _ in runs}):
+        reached: set[str] = set()
+        missing: set[str] = set()
+        for check, result in runs:
+            if check.model == model:
+                reached |= result.tags
+                missing |= unreached(check, result)
+        gaps = sorted(missing - reached)
+        if gaps:
+            owner = next(
+                c for c, (check, _) in zip(columns, runs, strict=True) if check.model == model
+            )
+            owner.notes.append(f"{model}: never reached {', '.join(gaps)} (a vacuous pass?)")
+    return columns
 
 
 def column_json(col: Column) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from model_check import report
 from model_check.config import DEVICE_MUTANT_CHECKS, Check, Pinned
 from model_check.device_path.core import PROPERTIES, REACHABILITY
 from model_check.device_path.explicit import ExplicitModel
@@ -65,39 +66,15 @@ def explore(
 def search_columns(
     runs: Sequence[tuple[Check, Result]], manifest: dict[str, Pinned], write_command: str
 ) -> list[Column]:
-    """Columns of the device searches: the manifest's counts, and every "sometimes"
-    observation reached by each model in one of its runs."""
-    columns = []
-    for check, result in runs:
-        col = Column(
-            check.key,
-            result.states,
-            result.max_depth_reached,
-            result.seconds,
-            DECIDES[check.model],
-            result.violation,
-            reached=set(result.tags),
-        )
-        pinned = manifest.get(check.key)
-        got = Pinned(result.states, result.transitions, result.max_depth_reached)
-        if pinned is None:
-            col.notes.append(f"{check.key} is not in the manifest ({write_command})")
-        elif pinned != got:
-            col.notes.append(
-                f"{check.key}: manifest pins {pinned}, this run found {got} "
-                f"(re-pin on purpose with `{write_command}`)"
-            )
-        columns.append(col)
-    for model, expected in EXPECTED_TAGS.items():
-        reached: set[str] = set()
-        for check, result in runs:
-            if check.model == model:
-                reached |= result.tags
-        gaps = sorted(expected - reached)
-        owner = next((c for c, (k, _) in zip(columns, runs, strict=True) if k.model == model), None)
-        if gaps and owner is not None:
-            owner.notes.append(f"{model}: never reached {', '.join(gaps)} (a vacuous pass?)")
-    return columns
+    """Columns of the device searches (`report.search_columns`)."""
+    return report.search_columns(
+        runs,
+        manifest,
+        DECIDES,
+        lambda check, result: set(EXPECTED_TAGS[check.model] - result.tags),
+        "the manifest",
+        write_command,
+    )
 
 
 def z3_column(table: DeviceTable, bounds: Bounds, depth: int, induction: bool) -> Column:

@@ -56,6 +56,7 @@ from model_check.device_path.functions import (
     run_gather,
 )
 from model_check.device_path.table import DeviceTable
+from model_check.table.properties import DEADLOCK
 from model_check.table.reference import NO_STREAM, Bounds, Counters
 
 S = TypeVar("S")
@@ -429,7 +430,7 @@ def replay(
 
     def stuck(st: XState) -> Violation | None:
         if deadlocked(st.part):
-            return Violation("P7_no_deadlock", "pending operations remain and none can run")
+            return DEADLOCK
         return None
 
     return replay_on(initial_state(table, bounds), moves, call, stuck, calls)
@@ -566,7 +567,7 @@ class ExplicitModel:
 
     def stuck(self, state: State) -> Violation | None:
         if deadlocked(self.part_of(state)):
-            return Violation("P7_no_deadlock", "pending operations remain and none can run")
+            return DEADLOCK
         return None
 
     def _device_moves(self, did: int) -> dict[Action, tuple[int, Violation | None]]:

@@ -29,14 +29,9 @@ from model_check.device_path.explicit import (
 )
 from model_check.device_path.hb import Pend, Summary, device_program
 from model_check.device_path.table import DeviceTable
+from model_check.search.machine import PropertyViolated, run
 from model_check.table.properties import Violation
 from model_check.table.reference import Bounds
-
-
-class PropertyViolated(AssertionError):
-    def __init__(self, violation: Violation, checker: str) -> None:
-        super().__init__(f"{checker}: {violation.prop}: {violation.detail}")
-        self.violation = violation
 
 
 def machine_for(table: DeviceTable, bounds: Bounds) -> type[RuleBasedStateMachine]:
@@ -164,21 +159,5 @@ def run_machine(
     table: DeviceTable, bounds: Bounds, *, max_examples: int, steps: int, derandomize: bool = True
 ) -> Violation | None:
     """Run the machine; the violation it found (after shrinking), or None."""
-    from hypothesis import HealthCheck, settings
-    from hypothesis.stateful import run_state_machine_as_test
-
-    config = settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        derandomize=derandomize,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-        report_multiple_bugs=False,
-    )
-    try:
-        run_state_machine_as_test(machine_for(table, bounds), settings=config)
-    except PropertyViolated as found:
-        return found.violation
-    return None
+    machine = machine_for(table, bounds)
+    return run(machine, max_examples=max_examples, steps=steps, derandomize=derandomize)

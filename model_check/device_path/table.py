@@ -9,11 +9,12 @@ semantics does not know.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from model_check.table import TABLE_PATH, TableError
+from model_check.table.schema import Operations, describe_step, step_fields
 
 ROLES = ("current", "owner", "capture")
 DEVICE_KINDS = (
@@ -53,18 +54,7 @@ class DeviceStep:
     graph: bool = False
 
     def describe(self) -> str:
-        parts = [self.kind]
-        if self.stream:
-            parts.append(f"on {self.stream}")
-        if self.event:
-            parts.append(f"event={self.event}")
-        if self.fn:
-            parts.append(f"fn={self.fn}")
-        if self.when != "always":
-            parts.append(f"when={self.when}")
-        if self.graph:
-            parts.append("(graph)")
-        return " ".join(parts)
+        return describe_step(self, {"fn": self.fn}, "(graph)" if self.graph else "")
 
 
 @dataclass(frozen=True)
@@ -88,39 +78,19 @@ class DeviceOp:
 
 
 @dataclass(frozen=True)
-class DeviceTable:
+class DeviceTable(Operations[DeviceOp]):
     consumer_streams: tuple[str, ...]
     capture_stream: str
     events: tuple[str, ...]
     operations: tuple[DeviceOp, ...]
-
-    def op(self, name: str) -> DeviceOp:
-        for operation in self.operations:
-            if operation.name == name:
-                return operation
-        raise KeyError(f"the device table has no operation {name!r}")
-
-    def with_op(self, operation: DeviceOp) -> DeviceTable:
-        ops = tuple(operation if o.name == operation.name else o for o in self.operations)
-        return replace(self, operations=ops)
 
     def uses_role(self, role: str) -> bool:
         return any(s.stream == role for op in self.operations for s in op.steps)
 
 
 def _step(raw: dict[str, Any], events: tuple[str, ...], where: str) -> DeviceStep:
-    known = {"kind", "stream", "event", "fn", "when", "graph"}
-    extra = set(raw) - known
-    if extra:
-        raise TableError(f"{where}: unknown keys {sorted(extra)}; allowed {sorted(known)}")
-    step = DeviceStep(
-        kind=str(raw.get("kind", "")),
-        stream=str(raw.get("stream", "")),
-        event=str(raw.get("event", "")),
-        fn=str(raw.get("fn", "")),
-        when=str(raw.get("when", "always")),
-        graph=bool(raw.get("graph", False)),
-    )
+    fields = step_fields(raw, {"kind", "stream", "event", "fn", "when", "graph"}, where)
+    step = DeviceStep(**{**fields, "graph": bool(raw.get("graph", False))})  # type: ignore[arg-type]
     validate_step(step, events, where)
     return step
 

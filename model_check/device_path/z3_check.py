@@ -58,6 +58,7 @@ from model_check.z3.host import (
     select,
     sym_plan_invalidate,
 )
+from model_check.z3.induction import excluded, houdini, inductive_per_operation, minimized
 
 R_, W_ = 0, 1
 # Followed kinds: (resource, mode); resource 4 stands for every slot, with a slot set.
@@ -1061,66 +1062,30 @@ def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
     base.add(z3_bool(conj(*eqs)))
     bad = {p: disj(*vs) for p, vs in found.items()}
     init = AbsState(NO_STREAM, False, initial_dev(n_places, 0))
+
+    def at_pre(c: Clause) -> Any:
+        return z3_bool(c.value(pre, consumers))
+
+    def at_post(c: Clause) -> Any:
+        return z3_bool(c.value(post, consumers))
+
     cands = [
         c for c in _candidates(n_streams, n_places, consumers) if _truth(c.value(init, consumers))
     ]
     n_cands = len(cands)
-    rounds = 0
-    while True:
-        rounds += 1
-        base.push()
-        base.add(*[z3_bool(c.value(pre, consumers)) for c in cands])
-        base.add(z3.Not(z3.And(*[z3_bool(c.value(post, consumers)) for c in cands])))
-        if base.check() != z3.sat:
-            base.pop()
-            break
-        model = base.model()
-        keep = [c for c in cands if z3.is_true(model.eval(z3_bool(c.value(post, consumers)), True))]
-        base.pop()
-        cands = keep
-    proved: dict[str, bool] = {}
-    cex = None
-    for prop in ORDERING:
-        base.push()
-        base.add(*[z3_bool(c.value(pre, consumers)) for c in cands])
-        base.add(z3_bool(bad.get(prop, False)))
-        result = base.check()
-        proved[prop] = result == z3.unsat
-        if result == z3.sat and cex is None:
-            m = base.model()
-            name = table.operations[m.eval(op_sel, True).as_long()].name
-            cex = f"{prop}: then {name} on s{m.eval(cur, True)}"
-        base.pop()
-    # Minimize (pairs first), keeping inductiveness and the proved properties.
-    good = [p for p, v in proved.items() if v]
-    kept = list(cands)
-    for clause in sorted(cands, key=lambda c: -len(c.atoms)):
-        trial = [c for c in kept if c is not clause]
-        base.push()
-        base.add(*[z3_bool(c.value(pre, consumers)) for c in trial])
-        base.add(
-            z3.Or(
-                z3.Not(
-                    z3.And(
-                        *[z3_bool(c.value(post, consumers)) for c in trial] or [z3.BoolVal(True)]
-                    )
-                ),
-                z3_bool(disj(*(bad.get(p, False) for p in good))),
-            )
-        )
-        if base.check() == z3.unsat:
-            kept = trial
-        base.pop()
-    per_op: dict[str, bool] = {}
-    for i, op in enumerate(table.operations):
-        base.push()
-        base.add(op_sel == i)
-        base.add(*[z3_bool(c.value(pre, consumers)) for c in kept])
-        base.add(
-            z3.Not(z3.And(*[z3_bool(c.value(post, consumers)) for c in kept] or [z3.BoolVal(True)]))
-        )
-        per_op[op.name] = base.check() == z3.unsat
-        base.pop()
+    cands, rounds = houdini(base, cands, at_pre, at_post)
+
+    def describe(m: z3.ModelRef, prop: str) -> str:
+        name = table.operations[m.eval(op_sel, True).as_long()].name
+        return f"{prop}: then {name} on s{m.eval(cur, True)}"
+
+    proved, cex = excluded(
+        base, cands, at_pre, lambda p: z3_bool(bad.get(p, False)), ORDERING, describe
+    )
+    good = z3_bool(disj(*(bad.get(p, False) for p in proved if proved[p])))
+    kept = minimized(base, cands, lambda c: len(c.atoms), at_pre, at_post, good)
+    names = [op.name for op in table.operations]
+    per_op = inductive_per_operation(base, op_sel, names, kept, at_pre, at_post)
     return InductionResult(
         proved, [c.text for c in kept], per_op, time.perf_counter() - start, n_cands, rounds, cex
     )

@@ -197,10 +197,17 @@ def run_machine(
     lockstep: bool = True,
 ) -> Violation | None:
     """Run the machine; the violation it found (after shrinking), or None."""
+    machine = machine_for(table, bounds, lockstep=lockstep)
+    return run(machine, max_examples=max_examples, steps=steps, derandomize=derandomize)
+
+
+def run(
+    machine: type[RuleBasedStateMachine], *, max_examples: int, steps: int, derandomize: bool
+) -> Violation | None:
+    """Run a machine of either path; the violation it found (after shrinking), or None."""
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    machine = machine_for(table, bounds, lockstep=lockstep)
     config = settings(
         max_examples=max_examples,
         stateful_step_count=steps,

@@ -48,7 +48,7 @@ from model_check.device.queues import (
 )
 from model_check.search.model import DeviceHalf, HostHalf, canonical_parts
 from model_check.table.host import Accepted, Rejected, begin_call
-from model_check.table.properties import PROPERTIES, REACHABILITY, Violation
+from model_check.table.properties import DEADLOCK, PROPERTIES, REACHABILITY, Violation
 from model_check.table.reference import NO_STREAM, Bounds, HostState
 from model_check.table.schema import Table
 
@@ -192,7 +192,7 @@ class QueueModel:
 
     def stuck(self, state: State) -> Violation | None:
         if deadlocked(state):
-            return Violation("P7_no_deadlock", "pending operations remain and none can run")
+            return DEADLOCK
         return None
 
 

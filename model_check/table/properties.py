@@ -45,3 +45,7 @@ REACHABILITY: dict[str, str] = {
 class Violation:
     prop: str
     detail: str
+
+
+# What every explicit model reports when pending operations remain and none can run.
+DEADLOCK = Violation("P7_no_deadlock", "pending operations remain and none can run")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
 from model_check.table.reference import EFFECTS, GUARDS, PRE_GUARD_EFFECTS
 
@@ -38,6 +38,52 @@ class TableError(ValueError):
     """The table names something the semantics does not know."""
 
 
+def describe_step(step: Any, named: dict[str, str], tail: str = "") -> str:
+    """`kind on stream event=... <named>=... when=... <tail>`: a step of either path."""
+    parts = [step.kind]
+    if step.stream:
+        parts.append(f"on {step.stream}")
+    if step.event:
+        parts.append(f"event={step.event}")
+    parts += [f"{key}={value}" for key, value in named.items() if value]
+    if step.when != "always":
+        parts.append(f"when={step.when}")
+    return " ".join([*parts, tail] if tail else parts)
+
+
+def step_fields(raw: dict[str, Any], known: set[str], where: str) -> dict[str, str]:
+    """The string fields of a raw step (or operation), rejecting keys not in `known`."""
+    extra = set(raw) - known
+    if extra:
+        raise TableError(f"{where}: unknown keys {sorted(extra)}; allowed {sorted(known)}")
+    return {k: str(raw.get(k, "always" if k == "when" else "")) for k in known}
+
+
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Op = TypeVar("Op", bound=Named)
+
+
+class Operations(Generic[Op]):
+    """The operations of a table, by name."""
+
+    operations: tuple[Op, ...]
+
+    def op(self, name: str) -> Op:
+        for operation in self.operations:
+            if operation.name == name:
+                return operation
+        raise KeyError(f"the table has no operation {name!r}")
+
+    def with_op(self, operation: Op) -> Self:
+        ops = tuple(operation if o.name == operation.name else o for o in self.operations)
+        changed: Self = replace(cast(Any, self), operations=ops)
+        return changed
+
+
 @dataclass(frozen=True)
 class Step:
     kind: str
@@ -47,16 +93,7 @@ class Step:
     when: str = "always"
 
     def describe(self) -> str:
-        parts = [self.kind]
-        if self.stream:
-            parts.append(f"on {self.stream}")
-        if self.event:
-            parts.append(f"event={self.event}")
-        if self.ring:
-            parts.append(f"ring={self.ring}")
-        if self.when != "always":
-            parts.append(f"when={self.when}")
-        return " ".join(parts)
+        return describe_step(self, {"ring": self.ring})
 
 
 @dataclass(frozen=True)
@@ -72,33 +109,13 @@ class Operation:
 
 
 @dataclass(frozen=True)
-class Table:
+class Table(Operations[Operation]):
     consumer_streams: tuple[str, ...]
     operations: tuple[Operation, ...]
 
-    def op(self, name: str) -> Operation:
-        for operation in self.operations:
-            if operation.name == name:
-                return operation
-        raise KeyError(f"the table has no operation {name!r}")
-
-    def with_op(self, operation: Operation) -> Table:
-        ops = tuple(operation if o.name == operation.name else o for o in self.operations)
-        return replace(self, operations=ops)
-
 
 def _step(raw: dict[str, Any], where: str) -> Step:
-    known = {"kind", "stream", "event", "ring", "when"}
-    extra = set(raw) - known
-    if extra:
-        raise TableError(f"{where}: unknown keys {sorted(extra)}; allowed {sorted(known)}")
-    step = Step(
-        kind=str(raw.get("kind", "")),
-        stream=str(raw.get("stream", "")),
-        event=str(raw.get("event", "")),
-        ring=str(raw.get("ring", "")),
-        when=str(raw.get("when", "always")),
-    )
+    step = Step(**step_fields(raw, {"kind", "stream", "event", "ring", "when"}, where))
     validate_step(step, where)
     return step
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import z3
 
-from model_check.table.properties import PROPERTIES, Violation
+from model_check.table.properties import DEADLOCK, PROPERTIES, Violation
 from model_check.table.reference import Bounds
 from model_check.table.schema import Table, load_table
 from model_check.z3.bmc import Unrolling, z3_bool
@@ -229,7 +229,7 @@ def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str
 
     def stuck(st: State) -> Violation | None:
         if deadlocked(st):
-            return Violation("P7_no_deadlock", "pending operations remain and none can run")
+            return DEADLOCK
         return None
 
     return replay_on(initial_state(bounds), moves, call, stuck, calls, REPLAY_LIMIT)

@@ -45,10 +45,10 @@ of the table that changes the invariant fails until the file is re-pinned on pur
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import z3
 
@@ -369,6 +369,97 @@ def check_invariant(
     return InvariantCheck(initial, per_op, excludes, unknown)
 
 
+C = TypeVar("C")
+Holds = Callable[[C], Any]  # a clause's z3 term in the pre- or the post-state
+
+
+def houdini(
+    solver: z3.Solver, cands: list[C], pre: Holds[C], post: Holds[C]
+) -> tuple[list[C], int]:
+    """Houdini: drop the clauses a step from a state satisfying all of them can falsify, until
+    the conjunction is inductive; the clauses kept and the rounds."""
+    rounds = 0
+    while True:
+        rounds += 1
+        solver.push()
+        solver.add(*[pre(c) for c in cands])
+        solver.add(z3.Not(z3.And(*[post(c) for c in cands])))
+        if solver.check() != z3.sat:
+            solver.pop()
+            return cands, rounds
+        model = solver.model()
+        keep = [c for c in cands if z3.is_true(model.eval(post(c), True))]
+        solver.pop()
+        assert len(keep) < len(cands)
+        cands = keep
+
+
+def excluded(
+    solver: z3.Solver,
+    inv: list[C],
+    pre: Holds[C],
+    bad: Callable[[str], Any],
+    props: Sequence[str],
+    describe: Callable[[z3.ModelRef, str], str],
+) -> tuple[dict[str, bool], str | None]:
+    """Which properties the invariant excludes; the first one it does not, described."""
+    proved: dict[str, bool] = {}
+    cex: str | None = None
+    for prop in props:
+        solver.push()
+        solver.add(*[pre(c) for c in inv])
+        solver.add(bad(prop))
+        result = solver.check()
+        proved[prop] = result == z3.unsat
+        if result == z3.sat and cex is None:
+            cex = describe(solver.model(), prop)
+        solver.pop()
+    return proved, cex
+
+
+def minimized(
+    solver: z3.Solver,
+    cands: list[C],
+    size: Callable[[C], int],
+    pre: Holds[C],
+    post: Holds[C],
+    bad: Any,
+) -> list[C]:
+    """Drop each clause not needed for inductiveness and for excluding `bad` (larger clauses
+    first, so that single-atom clauses are preferred)."""
+    order = sorted(range(len(cands)), key=lambda i: -size(cands[i]))
+    kept = set(range(len(cands)))
+    for i in order:
+        trial = [cands[j] for j in sorted(kept - {i})]
+        solver.push()
+        solver.add(*[pre(c) for c in trial])
+        solver.add(z3.Or(z3.Not(z3.And(*[post(c) for c in trial] or [z3.BoolVal(True)])), bad))
+        if solver.check() == z3.unsat:
+            kept.discard(i)
+        solver.pop()
+    return [cands[j] for j in sorted(kept)]
+
+
+def inductive_per_operation(
+    solver: z3.Solver,
+    op_sel: Any,
+    names: Sequence[str],
+    inv: list[C],
+    pre: Holds[C],
+    post: Holds[C],
+) -> dict[str, bool]:
+    """Per operation: a step of it from a state satisfying the invariant keeps it."""
+    out: dict[str, bool] = {}
+    for i, name in enumerate(names):
+        solver.push()
+        solver.add(op_sel == i)
+        solver.add(*[pre(c) for c in inv])
+        solver.add(z3.Not(z3.And(*[post(c) for c in inv] or [z3.BoolVal(True)])))
+        out[name] = solver.check() == z3.unsat
+        solver.pop()
+    return out
+
+
 def prove(
     table: Table,
     bounds: Bounds,
@@ -382,72 +473,31 @@ def prove(
     start = time.perf_counter()
     setup = _setup(table, bounds)
     layout, streams, init, pre, post, step, base = setup
+
+    def at_pre(c: Clause) -> Any:
+        return _as_bool(c.value(pre, streams))
+
+    def at_post(c: Clause) -> Any:
+        return _as_bool(c.value(post, streams))
+
     cands = [c for c in candidates(layout) if _truth(c.value(init, streams))]
     n_cands = len(cands)
-    # Houdini: drop clauses until the conjunction is inductive.
-    rounds = 0
-    while True:
-        rounds += 1
-        base.push()
-        base.add(*[_as_bool(c.value(pre, streams)) for c in cands])
-        base.add(z3.Not(z3.And(*[_as_bool(c.value(post, streams)) for c in cands])))
-        verdict = base.check()
-        if verdict != z3.sat:
-            base.pop()
-            break
-        model = base.model()
-        keep = [c for c in cands if z3.is_true(model.eval(_as_bool(c.value(post, streams)), True))]
-        base.pop()
-        assert len(keep) < len(cands)
-        cands = keep
+    cands, rounds = houdini(base, cands, at_pre, at_post)
 
-    def bad(props: Sequence[str]) -> Bool:
-        return disj(*(step.found.get(p, False) for p in props))
+    def describe(model: z3.ModelRef, prop: str) -> str:
+        return f"{prop}: from a state satisfying the invariant, " + _describe(
+            model, table, step, pre, layout
+        )
 
-    proved: dict[str, bool] = {}
-    cex: str | None = None
-    for prop in ORDERING:
-        base.push()
-        base.add(*[_as_bool(c.value(pre, streams)) for c in cands])
-        base.add(_as_bool(step.found.get(prop, False)))
-        result = base.check()
-        proved[prop] = result == z3.unsat
-        if result == z3.sat and cex is None:
-            cex = f"{prop}: from a state satisfying the invariant, " + _describe(
-                base.model(), table, step, pre, layout
-            )
-        base.pop()
-    # Minimize: drop each clause that is not needed for inductiveness and the proved
-    # properties (pairs first, so that single-atom clauses are preferred).
-    good_props = [p for p, ok in proved.items() if ok]
-    order = sorted(range(len(cands)), key=lambda i: -len(cands[i].atoms))
-    kept = set(range(len(cands)))
-    for i in order if minimize else ():
-        trial = [cands[j] for j in sorted(kept - {i})]
-        base.push()
-        base.add(*[_as_bool(c.value(pre, streams)) for c in trial])
-        base.add(
-            z3.Or(
-                z3.Not(
-                    z3.And(*[_as_bool(c.value(post, streams)) for c in trial] or [z3.BoolVal(True)])
-                ),
-                _as_bool(bad(good_props)),
-            )
-        )
-        if base.check() == z3.unsat:
-            kept.discard(i)
-        base.pop()
-    final = [cands[j] for j in sorted(kept)]
-    per_op: dict[str, bool] = {}
-    for i, op in enumerate(table.operations):
-        base.push()
-        base.add(step.op_sel == i)
-        base.add(*[_as_bool(c.value(pre, streams)) for c in final])
-        base.add(
-            z3.Not(z3.And(*[_as_bool(c.value(post, streams)) for c in final] or [z3.BoolVal(True)]))
-        )
-        per_op[op.name] = base.check() == z3.unsat
-        base.pop()
+    proved, cex = excluded(
+        base, cands, at_pre, lambda p: _as_bool(step.found.get(p, False)), ORDERING, describe
+    )
+    final = cands
+    if minimize:
+        good = disj(*(step.found.get(p, False) for p in proved if proved[p]))
+        final = minimized(base, cands, lambda c: len(c.atoms), at_pre, at_post, _as_bool(good))
+    names = [op.name for op in table.operations]
+    per_op = inductive_per_operation(base, step.op_sel, names, final, at_pre, at_post)
     assert all(_truth(c.value(init, streams)) for c in final)
     invariant = [c.text for c in final]
     checked = None if committed is None else check_invariant(table, bounds, committed, setup)
@@ -489,4 +539,13 @@ def _describe(
     return f"owner s{owner}, pending: {'; '.join(pending) or 'none'}; then {op.name} on s{cur}"
 
 
-__all__ = ["InductionResult", "InvariantCheck", "check_invariant", "prove"]
+__all__ = [
+    "InductionResult",
+    "InvariantCheck",
+    "check_invariant",
+    "excluded",
+    "houdini",
+    "inductive_per_operation",
+    "minimized",
+    "prove",
+]
