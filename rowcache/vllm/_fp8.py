@@ -180,7 +180,40 @@ def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
     return method
 
 
-class RowcacheFp8MoEMethod(CachedForward, Fp8MoEMethod):  # type: ignore[misc]
+class _CachedFp8Forward(CachedForward):
+    """What both FP8 methods do alike with the cache: the kernel's quant config is built over
+    the scale slots, and a forward runs through the cache; with no provider, vLLM's own. It
+    comes first in each method's bases, so ``super()`` is that method's vLLM class."""
+
+    def get_fused_moe_quant_config(self, layer: Any) -> Any:
+        base: Any = super()
+        provider = self.rowcache_provider
+        if provider is None:
+            return base.get_fused_moe_quant_config(layer)
+        return base.get_fused_moe_quant_config(_scale_slots(self, layer, provider))
+
+    def apply(
+        self,
+        layer: Any,
+        x: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        shared_experts: Any,
+        shared_experts_input: Tensor | None,
+    ) -> Tensor:
+        provider = self.rowcache_provider
+        if provider is None:
+            base: Any = super()
+            out: Tensor = base.apply(
+                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+            )
+            return out
+        return self._cached_apply(
+            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        )
+
+
+class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[misc]
     """vLLM's ``Fp8MoEMethod`` (block scales [128, 128], TRITON) with the expert cache; only
     ever made by ``adopt`` (the knob is on)."""
 
@@ -243,33 +276,8 @@ class RowcacheFp8MoEMethod(CachedForward, Fp8MoEMethod):  # type: ignore[misc]
                 "tensors as loaded"
             )
 
-    def get_fused_moe_quant_config(self, layer: Any) -> Any:
-        provider = self.rowcache_provider
-        if provider is None:
-            return super().get_fused_moe_quant_config(layer)
-        return super().get_fused_moe_quant_config(_scale_slots(self, layer, provider))
 
-    def apply(
-        self,
-        layer: Any,
-        x: Tensor,
-        topk_weights: Tensor,
-        topk_ids: Tensor,
-        shared_experts: Any,
-        shared_experts_input: Tensor | None,
-    ) -> Tensor:
-        provider = self.rowcache_provider
-        if provider is None:
-            out: Tensor = super().apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return out
-        return self._cached_apply(
-            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-        )
-
-
-class RowcacheFp8OnlineMoEMethod(CachedForward, Fp8PerTensorOnlineMoEMethod):  # type: ignore[misc]
+class RowcacheFp8OnlineMoEMethod(_CachedFp8Forward, Fp8PerTensorOnlineMoEMethod):  # type: ignore[misc]
     """vLLM's ``Fp8PerTensorOnlineMoEMethod`` (TRITON) with the expert cache; only ever made
     by ``adopt`` (the knob is on)."""
 
@@ -311,29 +319,4 @@ class RowcacheFp8OnlineMoEMethod(CachedForward, Fp8PerTensorOnlineMoEMethod):  #
             views[w2_name],
             None,
             None,
-        )
-
-    def get_fused_moe_quant_config(self, layer: Any) -> Any:
-        provider = self.rowcache_provider
-        if provider is None:
-            return super().get_fused_moe_quant_config(layer)
-        return super().get_fused_moe_quant_config(_scale_slots(self, layer, provider))
-
-    def apply(
-        self,
-        layer: Any,
-        x: Tensor,
-        topk_weights: Tensor,
-        topk_ids: Tensor,
-        shared_experts: Any,
-        shared_experts_input: Tensor | None,
-    ) -> Tensor:
-        provider = self.rowcache_provider
-        if provider is None:
-            out: Tensor = super().apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return out
-        return self._cached_apply(
-            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
         )
