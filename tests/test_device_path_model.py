@@ -417,3 +417,16 @@ def test_explain_and_diagram_show_the_device_path(capsys: pytest.CaptureFixture[
     assert "check_errors() on stream 0" in out and "P9_device_errors_reported" in out
     assert main(["diagram"]) == 0
     assert "replay(ids)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn", ["plan_pass_protects_pass_only_hits_first"])
+def test_pass_only_protection_is_equivalent_once_the_hits_come_first(fn: str) -> None:
+    """With the step's hits exposed by its first pass, protecting only the pass's own experts
+    leaves no victim choice to differ: the planner that does so holds every property,
+    convergence to the step-wide reference (P4) included, at the mutants' bounds. (The same
+    protection with the passes in id order, `dp_protects_pass_only`, is killed above.)"""
+    from model_check.device_path.mutants import FORWARDS, _fn, _steps
+
+    table = _steps(FORWARDS, _fn("plan", fn))(TABLE)
+    for check in DEVICE_MUTANT_CHECKS:
+        assert explore(table, check).violation is None, check.key
