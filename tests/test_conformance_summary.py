@@ -126,6 +126,57 @@ def test_an_undetected_mutant_fails_the_run(tmp_path: Path) -> None:
     assert any("undetected:" in line and "without_handoff" in line for line in lines)
 
 
+def _split_suite(logs: Path, *, second: str = "passed", collected: tuple[str, ...] = ()) -> None:
+    """The suite as two parts (``machine`` and ``rest``) with the whole step's test ids."""
+    (logs / "suite.xml").unlink()
+    (logs / "suite.rc").unlink()
+    _write_step(logs, "suite.machine", [("tests.cuda.test_cuda_machine", "test_machine", "passed")])
+    rest = [("tests.cuda.test_device_planner_cuda", "test_lockstep[bf16-separate]", second)]
+    _write_step(logs, "suite.rest", rest, rc=0 if second == "passed" else 1)
+    ids = (
+        "tests/cuda/test_cuda_machine.py::test_machine",
+        "tests/cuda/test_device_planner_cuda.py::test_lockstep[bf16-separate]",
+        *collected,
+    )
+    (logs / "suite.collected").write_text("\n".join(ids) + "\n")
+
+
+def test_a_step_split_into_parts_is_merged(tmp_path: Path) -> None:
+    _complete(tmp_path)
+    _split_suite(tmp_path)
+    ok, lines = summarize(tmp_path)
+    assert ok, "\n".join(lines)
+    assert "suite:     2 passed, 0 failed, 0 skipped in parts machine, rest" in lines
+
+
+def test_a_failure_in_one_part_fails_the_step(tmp_path: Path) -> None:
+    _complete(tmp_path)
+    _split_suite(tmp_path, second="failed")
+    step = read_step(tmp_path, "suite")
+    assert step.rc == 1 and step.count("failed") == 1 and not step.clean
+    assert not summarize(tmp_path)[0]
+
+
+def test_a_test_no_part_ran_fails_the_run(tmp_path: Path) -> None:
+    _complete(tmp_path)
+    _split_suite(tmp_path, collected=("tests/cuda/test_sanitizer_cuda.py::test_forgotten[a]",))
+    ok, lines = summarize(tmp_path)
+    assert not ok
+    assert (
+        "problem: step suite: tests.cuda.test_sanitizer_cuda::test_forgotten[a] ran in no part"
+        in lines
+    )
+    assert "1 run in no part" in lines[-1]
+
+
+def test_a_part_without_its_status_makes_the_step_missing(tmp_path: Path) -> None:
+    _complete(tmp_path)
+    _split_suite(tmp_path)
+    (tmp_path / "suite.rest.rc").unlink()
+    assert read_step(tmp_path, "suite").ran is False
+    assert "problem: step suite is missing" in summarize(tmp_path)[1]
+
+
 def test_missing_environment_and_mixed_commits_fail(tmp_path: Path) -> None:
     _complete(tmp_path)
     (tmp_path / "environment.mutants.txt").write_text(
@@ -190,3 +241,16 @@ def test_the_script_refuses_an_unknown_step(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "unknown step 'nonsense'" in result.stderr
+
+
+def test_the_script_refuses_a_part_name_that_is_not_a_file_name(tmp_path: Path) -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "tools" / "run_cuda_conformance.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable, "ROWCACHE_PART": "a/b c"},
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "ROWCACHE_PART='a/b c'" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,10 @@ commit, GPU and torch of the run; each step also leaves ``environment.<step>.txt
 step's ``<step>.xml`` (JUnit) and ``<step>.rc`` (pytest's exit status), and the race fixtures'
 records (``<step>.fixtures.jsonl``, or ``fixtures.jsonl`` of an older run). The steps may have
 run in separate calls, even on separate machines, and been copied into one folder: a step
-whose XML or exit status is absent is reported as missing, and the run as FAIL. Writes
+whose XML or exit status is absent is reported as missing, and the run as FAIL. A step may
+also be split into parts (``ROWCACHE_PART``): ``<step>.<part>.xml`` and ``<step>.<part>.rc``
+per part, merged here, and ``<step>.collected``, the test ids of the whole step; a collected
+test that no part ran fails the run, so a split cannot drop a test unnoticed. Writes
 ``summary.txt`` and prints it; exit status 0 only when every step ran and passed with nothing
 skipped, every GPU mutant was detected, and the steps ran at one commit on one kind of GPU
 with one torch.
@@ -22,7 +25,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["STEPS", "StepResult", "main", "read_environment", "read_step", "summarize"]
+__all__ = [
+    "STEPS",
+    "StepResult",
+    "collected_key",
+    "main",
+    "read_environment",
+    "read_step",
+    "summarize",
+]
 
 STEPS = ("suite", "mutants", "sanitizer")
 SHORT = {"wrong_read": "R", "wrong_map": "M", "host_block": "H"}
@@ -41,6 +52,8 @@ class StepResult:
     rc: int | None
     cases: dict[str, str] = field(default_factory=dict)
     ran: bool = True
+    parts: list[str] = field(default_factory=list)
+    uncovered: list[str] = field(default_factory=list)
 
     def count(self, outcome: str) -> int:
         return sum(v == outcome for v in self.cases.values())
@@ -48,9 +61,11 @@ class StepResult:
     def text(self) -> str:
         if not self.ran:
             return "MISSING (did not run, or its XML or exit status is not in the folder)"
+        parts = f" in parts {', '.join(self.parts)}" if self.parts else ""
+        uncovered = f", {len(self.uncovered)} run in no part" if self.uncovered else ""
         return (
             f"{self.count('passed')} passed, {self.count('failed')} failed, "
-            f"{self.count('skipped')} skipped"
+            f"{self.count('skipped')} skipped{uncovered}{parts}"
         )
 
     @property
@@ -61,6 +76,7 @@ class StepResult:
             and self.count("failed") == 0
             and self.count("skipped") == 0
             and self.count("passed") > 0
+            and not self.uncovered
         )
 
 
@@ -82,16 +98,13 @@ def _rc(path: Path) -> int | None:
         return 1  # an unreadable status is a failure, never a pass
 
 
-def read_step(logs: Path, name: str) -> StepResult:
-    rc = _rc(logs / f"{name}.rc")
-    path = logs / f"{name}.xml"
-    if rc is None or not path.exists():
-        return StepResult(name, rc, ran=False)
-    cases: dict[str, str] = {}
+def _cases(path: Path) -> dict[str, str] | None:
+    """Every test case's outcome in a JUnit file (None when it cannot be parsed)."""
     try:
         root = ET.parse(path).getroot()
     except ET.ParseError:
-        return StepResult(name, rc, ran=False)
+        return None
+    cases: dict[str, str] = {}
     for case in root.iter("testcase"):
         key = f"{case.get('classname')}::{case.get('name')}"
         if case.find("failure") is not None or case.find("error") is not None:
@@ -100,7 +113,41 @@ def read_step(logs: Path, name: str) -> StepResult:
             cases[key] = "skipped"
         else:
             cases[key] = "passed"
-    return StepResult(name, rc, cases)
+    return cases
+
+
+def collected_key(test_id: str) -> str:
+    """A ``pytest --collect-only -q`` id (``tests/cuda/test_x.py::test_y[p]``) as the JUnit
+    key this summary uses (``tests.cuda.test_x::test_y[p]``)."""
+    path, _, name = test_id.partition("::")
+    return f"{path.removesuffix('.py').replace('/', '.')}::{name}"
+
+
+def read_step(logs: Path, name: str) -> StepResult:
+    """The step's whole record (``<step>.xml``) and its parts (``<step>.<part>.xml``), merged:
+    a test failed in any part failed; the status is the first non-zero one; a part without
+    its XML or status makes the step missing."""
+    parts = sorted(p.name[len(name) + 1 : -len(".xml")] for p in logs.glob(f"{name}.*.xml"))
+    stems = ([name] if (logs / f"{name}.xml").exists() or not parts else []) + [
+        f"{name}.{part}" for part in parts
+    ]
+    cases: dict[str, str] = {}
+    status = 0
+    for stem in stems:
+        rc = _rc(logs / f"{stem}.rc")
+        found = _cases(logs / f"{stem}.xml") if (logs / f"{stem}.xml").exists() else None
+        if rc is None or found is None:
+            return StepResult(name, rc, ran=False, parts=parts)
+        status = status or rc
+        for key, outcome in found.items():
+            if cases.get(key) != "failed":
+                cases[key] = outcome
+    uncovered: list[str] = []
+    collected = logs / f"{name}.collected"
+    if collected.exists():
+        every = [collected_key(line.strip()) for line in collected.read_text().splitlines()]
+        uncovered = [key for key in every if "::" in key and key not in cases]
+    return StepResult(name, status, cases, parts=parts, uncovered=uncovered)
 
 
 def _fixture_rows(logs: Path) -> list[dict[str, object]]:
@@ -160,13 +207,15 @@ def summarize(logs: Path) -> tuple[bool, list[str]]:
     for name, step in steps.items():
         if not step.ran:
             problems.append(f"step {name} is missing")
-        other = read_environment(logs / f"environment.{name}.txt")
-        for key in ENVIRONMENT_KEYS:
-            if other and env and other.get(key) != env.get(key):
-                problems.append(
-                    f"step {name} ran with {key} {other.get(key)!r}, environment.txt says "
-                    f"{env.get(key)!r}"
-                )
+        for stem in [name] + [f"{name}.{part}" for part in step.parts]:
+            other = read_environment(logs / f"environment.{stem}.txt")
+            for key in ENVIRONMENT_KEYS:
+                if other and env and other.get(key) != env.get(key):
+                    problems.append(
+                        f"step {stem} ran with {key} {other.get(key)!r}, environment.txt says "
+                        f"{env.get(key)!r}"
+                    )
+        problems += [f"step {name}: {key} ran in no part" for key in step.uncovered]
     if mutants.ran and not race:
         problems.append("no race-fixture mutant test in the mutants step")
     if mutants.ran and not device:

@@ -20,8 +20,12 @@
 #   ROWCACHE_SANITIZER_EXAMPLES  the same, in the sanitizer pass (default 50)
 #   ROWCACHE_STEP_TIMEOUT        seconds allowed for each of the three pytest runs (default 900)
 #   ROWCACHE_COMMIT              the commit to report (default: git rev-parse HEAD)
-#   ROWCACHE_PYTEST_ARGS         more pytest arguments for every step (e.g. -k to split a step
-#                                across calls; give each part its own LOG_DIR)
+#   ROWCACHE_PYTEST_ARGS         more pytest arguments for every step (e.g. -k to split a step)
+#   ROWCACHE_PART                a name for this part of a split step (letters, digits, - and _):
+#                                its files are <step>.<part>.xml/.rc/.log, and <step>.collected
+#                                lists the whole step's tests, so the summary of the parts in one
+#                                folder fails when a test ran in no part. Parts may run one after
+#                                another or at once (separate LOG_DIRs, copied together after)
 #   ROWCACHE_ARCHIVE             a .tar.gz path: the whole LOG_DIR packed there at the end
 #   ROWCACHE_MUTANT_EXAMPLES     the CUDA machine's examples per length when it kills the host
 #                                path's GPU mutants (default 200)
@@ -54,6 +58,10 @@ done
 if [ -z "${ROWCACHE_STEPS:-}" ] && [ "$STEPS" != summary ]; then
   RUN_SUMMARY=1  # the default run: all three steps, then the summary
 fi
+PART=${ROWCACHE_PART:-}
+if [ -n "$PART" ] && ! [[ $PART =~ ^[A-Za-z0-9_-]+$ ]]; then
+  echo "cuda-conformance: ROWCACHE_PART='$PART' may hold only letters, digits, - and _" >&2; exit 2
+fi
 LOGS=${1:-out/cuda-conformance}
 if [ ${#PYTEST_STEPS[@]} -eq 0 ]; then  # the summary alone: pure Python over LOG_DIR
   [ -d "$LOGS" ] || { echo "cuda-conformance: no folder $LOGS" >&2; exit 2; }
@@ -62,9 +70,11 @@ fi
 mkdir -p "$LOGS"
 LOGS=$(cd "$LOGS" && pwd)
 rm -f "$LOGS"/summary.txt "$LOGS"/fixtures.jsonl
+stem_of() { echo "$1${PART:+.$PART}"; }  # a step's file stem: <step> or <step>.<part>
 for name in "${PYTEST_STEPS[@]}"; do
-  rm -f "$LOGS/$name".xml "$LOGS/$name".log "$LOGS/$name".rc "$LOGS/$name".fixtures.jsonl \
-    "$LOGS/environment.$name.txt"
+  stem=$(stem_of "$name")
+  rm -f "$LOGS/$stem".xml "$LOGS/$stem".log "$LOGS/$stem".rc "$LOGS/$stem".fixtures.jsonl \
+    "$LOGS/environment.$stem.txt"
 done
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export ROWCACHE_CONFORMANCE_LOGS="$LOGS"
@@ -111,24 +121,29 @@ cat "$LOGS/environment.txt"
 
 # -- the three runs ----------------------------------------------------------------------
 step() {  # step NAME [env assignments...] -- pytest arguments...
-  local name=$1
+  local name=$1 stem
+  stem=$(stem_of "$1")
   shift
   local assignments=()
   while [ "$1" != "--" ]; do assignments+=("$1"); shift; done
   shift
-  echo "== $name: pytest tests/cuda $*"
+  echo "== $stem: pytest tests/cuda $* ${ROWCACHE_PYTEST_ARGS:-}"
+  if [ -n "$PART" ]; then  # the whole step's tests, for the summary's check of the parts
+    "$PY" -m pytest tests/cuda -p no:cacheprovider -q --collect-only "$@" 2>/dev/null \
+      | grep '::' > "$LOGS/$name.collected"
+  fi
   # SIGINT first: pytest then ends the session and still writes the JUnit XML of the tests
   # it ran (a step cut by its limit keeps its partial record; its status stays non-zero).
   # shellcheck disable=SC2086  # ROWCACHE_PYTEST_ARGS is split on purpose
   env "${assignments[@]}" timeout --signal=INT --kill-after=30 "$STEP_TIMEOUT" "$PY" -m pytest \
-    tests/cuda -p no:cacheprovider -q -rA --junitxml="$LOGS/$name.xml" "$@" \
-    ${ROWCACHE_PYTEST_ARGS:-} > "$LOGS/$name.log" 2>&1
+    tests/cuda -p no:cacheprovider -q -rA --durations=25 --junitxml="$LOGS/$stem.xml" "$@" \
+    ${ROWCACHE_PYTEST_ARGS:-} > "$LOGS/$stem.log" 2>&1
   local rc=$?
-  echo $rc > "$LOGS/$name.rc"
+  echo $rc > "$LOGS/$stem.rc"
   [ $rc -eq 0 ] || STEPS_RC=1
-  cp "$LOGS/environment.txt" "$LOGS/environment.$name.txt"
-  if [ -f "$LOGS/fixtures.jsonl" ]; then mv "$LOGS/fixtures.jsonl" "$LOGS/$name.fixtures.jsonl"; fi
-  tail -n 1 "$LOGS/$name.log"
+  cp "$LOGS/environment.txt" "$LOGS/environment.$stem.txt"
+  if [ -f "$LOGS/fixtures.jsonl" ]; then mv "$LOGS/fixtures.jsonl" "$LOGS/$stem.fixtures.jsonl"; fi
+  tail -n 1 "$LOGS/$stem.log"
 }
 STEPS_RC=0
 for name in "${PYTEST_STEPS[@]}"; do

@@ -40,6 +40,7 @@ import torch
 from cuda_support import sanitizer_enabled
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 from race_verdict import Observation, Outcome, Role, log_outcomes, settle
 from torch import Tensor
@@ -578,8 +579,18 @@ MUTANTS = {
 @pytest.mark.gpu_mutant
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_device_mutant_is_detected(name: str) -> None:
-    with pytest.raises(AssertionError):
-        run_machine("nvfp4", "separate", 50, mutant=MUTANTS[name])
+    # Mutant 3's stale copies race the step's own copies into the same slot inside one gather,
+    # so whether a stale write lands last is the device's scheduling: a run can miss it, and a
+    # failure hypothesis found may not repeat when it replays it (``Flaky``). A failure seen in
+    # any of three runs, each larger, is a detection; three runs without one fail the test.
+    sizes = (50, 100, 200)
+    for examples in sizes:
+        try:
+            run_machine("nvfp4", "separate", examples, mutant=MUTANTS[name])
+        except (AssertionError, Flaky) as found:
+            print(f"mutant {name} detected at {examples} examples: {type(found).__name__}")
+            return
+    pytest.fail(f"device mutant {name} went undetected in runs of {sizes} examples")
 
 
 @pytest.mark.gpu_mutant
