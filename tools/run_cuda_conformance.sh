@@ -21,6 +21,9 @@
 #   ROWCACHE_STEP_TIMEOUT        seconds allowed for each of the three pytest runs (default 900)
 #   ROWCACHE_COMMIT              the commit to report (default: git rev-parse HEAD)
 #   ROWCACHE_PYTEST_ARGS         more pytest arguments for every step (e.g. -k to split a step)
+#   ROWCACHE_PYTEST_K            a pytest -k expression for every step, passed as one argument
+#                                (spaces and parentheses kept; ROWCACHE_PYTEST_ARGS is split on
+#                                spaces)
 #   ROWCACHE_PART                a name for this part of a split step (letters, digits, - and _):
 #                                its files are <step>.<part>.xml/.rc/.log, and <step>.collected
 #                                lists the whole step's tests, so the summary of the parts in one
@@ -127,7 +130,9 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   local assignments=()
   while [ "$1" != "--" ]; do assignments+=("$1"); shift; done
   shift
-  echo "== $stem: pytest tests/cuda $* ${ROWCACHE_PYTEST_ARGS:-}"
+  local select=()
+  if [ -n "${ROWCACHE_PYTEST_K:-}" ]; then select=(-k "$ROWCACHE_PYTEST_K"); fi
+  echo "== $stem: pytest tests/cuda $* ${select[*]} ${ROWCACHE_PYTEST_ARGS:-}"
   if [ -n "$PART" ]; then  # the whole step's tests, for the summary's check of the parts
     "$PY" -m pytest tests/cuda -p no:cacheprovider -q --collect-only "$@" 2>/dev/null \
       | grep '::' > "$LOGS/$name.collected"
@@ -137,7 +142,7 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   # shellcheck disable=SC2086  # ROWCACHE_PYTEST_ARGS is split on purpose
   env "${assignments[@]}" timeout --signal=INT --kill-after=30 "$STEP_TIMEOUT" "$PY" -m pytest \
     tests/cuda -p no:cacheprovider -q -rA --durations=25 --junitxml="$LOGS/$stem.xml" "$@" \
-    ${ROWCACHE_PYTEST_ARGS:-} > "$LOGS/$stem.log" 2>&1
+    "${select[@]}" ${ROWCACHE_PYTEST_ARGS:-} > "$LOGS/$stem.log" 2>&1
   local rc=$?
   echo $rc > "$LOGS/$stem.rc"
   [ $rc -eq 0 ] || STEPS_RC=1
