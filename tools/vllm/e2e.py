@@ -12,6 +12,9 @@ and ``export`` line, see docs/VLLM.md), each under its own deadline and writing 
     python3 tools/vllm/e2e.py run --out $OUT --phases tiny,mp,story --deadline $((540 - SECONDS))
     # call B: the 8-layer Qwen3-30B-A3B-shaped engines, with profiles of (b) and (c)
     python3 tools/vllm/e2e.py run --out $OUT --phases qwen8 --profile --deadline $((540 - SECONDS))
+    # budgeted phases (steps, curve, fp8, ...): the same command again on the warm machine
+    # runs only the engines not yet complete
+    python3 tools/vllm/e2e.py run --out $OUT --phases curve --resume --deadline $((540 - SECONDS))
 
 and, here, one summary of both: ``python3 tools/vllm/e2e.py merge --out merged
 A/results.json B/results.json`` (``merge`` needs no GPU and no vLLM).
@@ -58,6 +61,21 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
   same machine completed). Each engine's record goes to OUTDIR/records.jsonl as it ends; the
   summary compares tokens sequence by sequence and marks issue 18's targets
   (``harness/steps_report.py``).
+* ``curve``, ``curve_skew``: the curve users choose from (issue 21, item 3) on the 8-layer
+  checkpoint, plain and skewed: one engine at a time (budgeted as ``steps``), each measuring
+  b1 decode of 256 greedy tokens (medians of three) in full graphs: no offload; vLLM's UVA
+  offload keeping 0, 2.25, 4.5 and 6.75 of the 9.0 GiB of experts on the GPU
+  (``cpu_offload_gb`` 9.0, 6.75, 4.5, 2.25); ``row`` with the device planner at 8, 16, 32, 64
+  and 128 slots (``engines.curve``, most important first: no offload, row 32, UVA 6.75, then
+  the ends). The skewed checkpoint runs its two plotted points (row 32, UVA 6.75) and its no
+  offload. ``tools/vllm/plot_curve.py`` draws the records.
+* ``fp8``, ``fp8_skew``: FP8 experts (issue 22) on the 8-layer checkpoint stored in FP8 with
+  128 x 128 block scales (``make_moe_checkpoint.py --fp8-block``), plain and skewed: no
+  offload, UVA at the expert memory of 32 slots (3.375 GiB offloaded), ``row`` with the device
+  planner at 32 and 128 slots, each measuring b1 and b8 decode (``engines.fp8``); on the plain
+  one also online FP8 (``quantization="fp8"`` on the bf16 checkpoint) at b1, no offload and
+  ``row`` 32. Every record carries the MoE backend vLLM chose (``probe.moe_backend`` from the
+  method, ``moe_backend_log`` from vLLM's log line); the summary marks issue 22's targets.
 * ``archs``: random Mixtral and Qwen2-MoE checkpoints (``make_moe_checkpoint.py --arch``) in
   full graphs: no offload and ``row`` with the device planner at a slot count that misses and
   one whose decode steps need more than one pass (``engines.archs``), tokens against the same
@@ -129,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default="",
-        help="steps, steps_skew: these engines only, by label ("
-        + ", ".join(engines.STEPS_LABELS)
-        + ")",
+        help="budgeted phases (steps, curve, fp8 and their _skew): these engines only, by "
+        "label (" + ", ".join(engines.BUDGETED_LABELS) + ")",
     )
     ap.add_argument(
         "--resume",
         action="store_true",
-        help="steps, steps_skew: skip the engines whose complete records an earlier call on "
-        "this machine left in WORK/records.jsonl (and include them)",
+        help="budgeted phases (steps, curve, fp8 and their _skew): skip the engines whose "
+        "complete records an earlier call on this machine left in WORK/records.jsonl (and "
+        "include them)",
     )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
@@ -145,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("merge needs one or more results.json or records.jsonl files")
         return orchestrate.merge(ns.inputs, ns.out)
     only = tuple(label for label in ns.only.split(",") if label)
-    unknown = sorted(set(only) - set(engines.STEPS_LABELS))
+    unknown = sorted(set(only) - set(engines.BUDGETED_LABELS))
     if unknown:
-        ap.error(f"--only: unknown engines {unknown}; known: {', '.join(engines.STEPS_LABELS)}")
+        known = ", ".join(engines.BUDGETED_LABELS)
+        ap.error(f"--only: unknown engines {unknown}; known: {known}")
     return orchestrate.run(
         Path(ns.out),
         Path(ns.work),

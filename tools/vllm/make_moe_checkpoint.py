@@ -7,6 +7,9 @@
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8
         Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, moe_intermediate 768)
     ... --router-skew ALPHA   scale every layer's router rows by Zipf factors (router_skew.py)
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8 --fp8-block
+        the same Qwen3-MoE layout stored in FP8 with 128 x 128 block scales, as Qwen3-30B-A3B-FP8
+        and DeepSeek ship it (``--fp8-bf16-attention``: attention projections left in bf16)
     python3 tools/vllm/make_moe_checkpoint.py --estimate --qwen3-30b-a3b --router-skew ALPHA
         print the simulated LRU hit rate at 32 slots (isotropic hidden states; no checkpoint)
 
@@ -24,6 +27,20 @@ drawn N(0, 0.08) after the default init (from ``torch.manual_seed(seed)``), so t
 decoding is not decided by ties; without ``--router-skew`` the checkpoint is the same as the
 GPU bundle's builder makes from the same seed. The skew is applied after, from its own seeds,
 and recorded in ``rowcache_router_skew.json`` beside the weights.
+
+``--fp8-block`` writes the Qwen3-MoE layout directly too (no transformers), in the format vLLM
+0.25.0's ``Fp8Config`` / ``Fp8MoEMethod`` load (``vllm/model_executor/layers/quantization/
+fp8.py``): ``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [128, 128],
+"activation_scheme": "dynamic", "modules_to_not_convert": [...]}``; every expert matrix
+(``mlp.experts.E.gate_proj/up_proj/down_proj.weight``) and attention projection
+(``self_attn.q/k/v/o_proj.weight``) stored as float8_e4m3fn with a float32
+``<name>.weight_scale_inv`` of ``[ceil(rows / 128), ceil(cols / 128)]``, one scale per 128 x 128
+block (the block's absolute maximum / 448; the weight is ``fp8 x scale``, the DeepSeek
+convention). The routers (``mlp.gate``, a ``ReplicatedLinear`` vLLM would otherwise quantize),
+the embeddings, norms and ``lm_head`` stay bf16, the routers and ``lm_head`` listed in
+``modules_to_not_convert`` as Qwen3-30B-A3B-FP8 lists them. Values are drawn in name order from
+``torch.Generator().manual_seed(seed)`` (matrices N(0, 0.08) in float32, then quantized), so
+the bytes depend only on the seed; the router skew is applied to the routers as they are drawn.
 """
 
 from __future__ import annotations
@@ -82,6 +99,28 @@ def shapes(qwen: bool, layers: int | None) -> dict[str, Any]:
 
 
 ARCHS = ("qwen3", "mixtral", "qwen2moe")
+FP8_BLOCK = (128, 128)
+"""``weight_block_size``: (rows, columns) of the weight a scale covers (block_n, block_k)."""
+FP8_MAX = 448.0
+"""The largest float8_e4m3fn value (``torch.finfo(torch.float8_e4m3fn).max``)."""
+QWEN3_DIRECT = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_only_layers": [],
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "dtype": "bfloat16",
+}
+"""What ``transformers``' ``Qwen3MoeConfig`` would add to ``shapes`` for a directly written
+Qwen3-MoE (the fields vLLM 0.25.0's ``qwen3_moe.py`` reads beyond the shapes)."""
 _SMALL = {
     "vocab_size": 512,
     "hidden_size": 512,
@@ -141,6 +180,79 @@ def arch_config(arch: str, layers: int | None) -> dict[str, Any]:
     return {**base, "num_hidden_layers": layers or 4}
 
 
+def fp8_config(qwen: bool, layers: int | None, bf16_attention: bool = False) -> dict[str, Any]:
+    """The ``config.json`` of an FP8 block-scaled Qwen3-MoE (``--fp8-block``)."""
+    config = {**shapes(qwen, layers), **QWEN3_DIRECT}
+    keep = ["lm_head"]
+    for i in range(config["num_hidden_layers"]):
+        keep.append(f"model.layers.{i}.mlp.gate")
+        if bf16_attention:
+            keep += [f"model.layers.{i}.self_attn.{p}_proj" for p in ("q", "k", "v", "o")]
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(FP8_BLOCK),
+        "modules_to_not_convert": keep,
+    }
+    return config
+
+
+def fp8_quantized(name: str, config: dict[str, Any]) -> bool:
+    """Whether ``name`` (a tensor of ``load_plan("qwen3", config)``) is stored in FP8: the
+    weights of every linear layer vLLM quantizes, i.e. every expert matrix and attention
+    projection whose module is not in ``modules_to_not_convert``."""
+    if not name.endswith("_proj.weight"):
+        return False
+    module = name.removesuffix(".weight")
+    return module not in config["quantization_config"]["modules_to_not_convert"]
+
+
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The ``weight_scale_inv`` shape of a ``[rows, cols]`` weight: one per 128 x 128 block."""
+    rows, cols = shape
+    return (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+
+
+def fp8_plan(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the ``--fp8-block`` checkpoint: its shape and dtype."""
+    plan: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, shape in load_plan("qwen3", config).items():
+        if fp8_quantized(name, config):
+            plan[name] = (shape, torch.float8_e4m3fn)
+            plan[name + "_scale_inv"] = (fp8_scale_shape(shape), torch.float32)
+        else:
+            plan[name] = (shape, torch.bfloat16)
+    return plan
+
+
+def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ([rows, cols], any float dtype) as float8_e4m3fn and its float32 block
+    scales: each 128 x 128 block (the last ones cut short) divided by its absolute maximum /
+    448, so that ``fp8 x scale`` restores it to FP8 precision."""
+    rows, cols = weight.shape
+    bn, bk = FP8_BLOCK
+    nr, nc = fp8_scale_shape((rows, cols))
+    if (rows, cols) == (nr * bn, nc * bk):
+        padded = weight.to(torch.float32, copy=True)
+    else:
+        padded = torch.zeros(nr * bn, nc * bk, dtype=torch.float32)
+        padded[:rows, :cols] = weight
+    blocks = padded.view(nr, bn, nc, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)  # in place: padded's copy
+    quantized = padded[:rows, :cols].to(torch.float8_e4m3fn)
+    return quantized.contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_block(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``quantized x scale`` per block, in float32 (the inverse of ``quantize_fp8_block``)."""
+    rows, cols = quantized.shape
+    full = scale.repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1)
+    return quantized.float() * full[:rows, :cols]
+
+
 def experts_of(config: dict[str, Any]) -> tuple[int, int]:
     """(experts per MoE layer, top_k) of any of the builder's configs."""
     experts = (
@@ -152,7 +264,9 @@ def experts_of(config: dict[str, Any]) -> tuple[int, int]:
 def load_plan(arch: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor the vLLM 0.25.0 model class of ``arch`` loads, with its shape.
 
-    From ``vllm/model_executor/models/mixtral.py`` and ``qwen2_moe.py``: q/k/v are stacked into
+    From ``vllm/model_executor/models/mixtral.py``, ``qwen2_moe.py`` and ``qwen3_moe.py`` (for
+    ``qwen3``: no attention biases, ``q_norm``/``k_norm`` of ``head_dim``, no shared expert;
+    used by ``--fp8-block``): q/k/v are stacked into
     ``qkv_proj`` (``hf_to_vllm_mapper``), experts are loaded one by one through the FusedMoE
     layer's expert mapping (``RoutedExperts.build_expert_params_mapping``: names
     ``experts.E.<gate>``, ``.<up>``, ``.<down>``; Mixtral's ``ckpt_names=("w1", "w2",
@@ -160,8 +274,9 @@ def load_plan(arch: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """
     h, v = config["hidden_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    # Mixtral's class takes head_dim from the config where set; Qwen2-MoE's hidden / heads.
-    hd = int(config.get("head_dim") or h // heads) if arch == "mixtral" else h // heads
+    # Mixtral's and Qwen3-MoE's classes take head_dim from the config where set; Qwen2-MoE's
+    # hidden / heads.
+    hd = int(config.get("head_dim") or h // heads) if arch != "qwen2moe" else h // heads
     plan: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (v, h),
         "model.norm.weight": (h,),
@@ -184,6 +299,17 @@ def load_plan(arch: str, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 plan[f"{moe}experts.{e}.w1.weight"] = (inter, h)
                 plan[f"{moe}experts.{e}.w2.weight"] = (h, inter)
                 plan[f"{moe}experts.{e}.w3.weight"] = (inter, h)
+            continue
+        if arch == "qwen3":
+            inter = config["moe_intermediate_size"]
+            mlp = p + "mlp."
+            plan[p + "self_attn.q_norm.weight"] = (hd,)
+            plan[p + "self_attn.k_norm.weight"] = (hd,)
+            plan[mlp + "gate.weight"] = (experts, h)
+            for e in range(experts):
+                plan[f"{mlp}experts.{e}.gate_proj.weight"] = (inter, h)
+                plan[f"{mlp}experts.{e}.up_proj.weight"] = (inter, h)
+                plan[f"{mlp}experts.{e}.down_proj.weight"] = (h, inter)
             continue
         plan[p + "self_attn.q_proj.bias"] = (heads * hd,)
         plan[p + "self_attn.k_proj.bias"] = (kv * hd,)
@@ -210,7 +336,12 @@ def router_names(arch: str, config: dict[str, Any]) -> list[str]:
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """The safetensors format by hand (8-byte little-endian header size, JSON header, data):
     the checkpoint needs no safetensors package to be written."""
-    dtypes = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+    dtypes = {
+        torch.bfloat16: "BF16",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.float8_e4m3fn: "F8_E4M3",
+    }
     header: dict[str, Any] = {"__metadata__": meta}
     blobs: list[bytes] = []
     offset = 0
@@ -266,6 +397,38 @@ def build_direct(out: Path, arch: str, config: dict[str, Any], seed: int, skew: 
     print(f"saved {out} ({arch}) params {params} in {time.time() - started:.1f}s")
 
 
+def build_fp8(out: Path, config: dict[str, Any], seed: int, skew: float) -> None:
+    """Write the ``--fp8-block`` checkpoint (see the module docstring): each tensor drawn,
+    skewed (routers) and quantized in turn, so that at most one float32 matrix is alive."""
+    started = time.time()
+    generator = torch.Generator().manual_seed(seed)
+    routers = {name: i for i, name in enumerate(router_names("qwen3", config))}
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, Any]] = []
+    params = 0
+    for name, shape in sorted(load_plan("qwen3", config).items()):
+        if name.endswith("norm.weight"):
+            value = torch.ones(shape)
+        else:
+            value = torch.randn(shape, generator=generator) * 0.08
+        params += value.numel()
+        if name in routers and skew > 0:
+            index = routers[name]
+            scales = skew_router_(value, skew, seed=1000 * (seed + 1) + index)
+            layers.append({"layer": index, "max_scale": float(scales.max())})
+        if fp8_quantized(name, config):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_block(value)
+        else:
+            tensors[name] = value.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    layers.sort(key=lambda entry: int(entry["layer"]))
+    record = {"router_skew": skew, "seed": seed, "layers": layers, "arch": "qwen3", "fp8": True}
+    (out / "rowcache_router_skew.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"saved {out} (qwen3, FP8 block) params {params} in {time.time() - started:.1f}s")
+
+
 def build(out: Path, config: dict[str, Any], seed: int, skew: float) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -298,15 +461,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--router-skew", type=float, default=0.0, metavar="ALPHA")
+    parser.add_argument(
+        "--fp8-block",
+        action="store_true",
+        help="Qwen3-MoE in FP8 with 128 x 128 block scales (vLLM's Fp8Config format)",
+    )
+    parser.add_argument(
+        "--fp8-bf16-attention",
+        action="store_true",
+        help="with --fp8-block: attention projections in bf16 (modules_to_not_convert)",
+    )
     parser.add_argument("--estimate", action="store_true", help="print the simulated hit rate")
     parser.add_argument("--slots", type=int, default=32, help="slots for --estimate")
     args = parser.parse_args(argv)
     direct = args.arch != "qwen3"
     if direct and args.qwen3_30b_a3b:
         parser.error("--qwen3-30b-a3b is a Qwen3-MoE shape; leave it out with --arch " + args.arch)
-    config = (
-        arch_config(args.arch, args.layers) if direct else shapes(args.qwen3_30b_a3b, args.layers)
-    )
+    if args.fp8_block and direct:
+        parser.error("--fp8-block writes a Qwen3-MoE; leave out --arch " + args.arch)
+    if args.fp8_bf16_attention and not args.fp8_block:
+        parser.error("--fp8-bf16-attention needs --fp8-block")
+    if args.fp8_block:
+        config = fp8_config(args.qwen3_30b_a3b, args.layers, args.fp8_bf16_attention)
+    elif direct:
+        config = arch_config(args.arch, args.layers)
+    else:
+        config = shapes(args.qwen3_30b_a3b, args.layers)
     if args.router_skew < 0:
         parser.error(f"--router-skew must be >= 0, got {args.router_skew}")
     if args.estimate:
@@ -319,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("OUTDIR is required unless --estimate is given")
-    if direct:
+    if args.fp8_block:
+        build_fp8(args.out, config, args.seed, args.router_skew)
+    elif direct:
         build_direct(args.out, args.arch, config, args.seed, args.router_skew)
     else:
         build(args.out, config, args.seed, args.router_skew)

@@ -99,6 +99,8 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
         kw["hf_overrides"] = {"max_position_embeddings": spec.max_position_embeddings}
     if spec.prefix_caching is not None:
         kw["enable_prefix_caching"] = spec.prefix_caching
+    if spec.quantization is not None:
+        kw["quantization"] = spec.quantization
     return kw
 
 

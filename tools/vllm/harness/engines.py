@@ -1,5 +1,5 @@
-"""The engines of the phases ``tiny``, ``mp``, ``qwen8``, ``story``, ``steps`` and ``archs``,
-and their checkpoints.
+"""The engines of the phases ``tiny``, ``mp``, ``qwen8``, ``story``, ``steps``, ``archs``,
+``curve`` and ``fp8``, and their checkpoints.
 
 The phases that repeat earlier runs (``split``, ``qwen8seq``, ``rerun``) pick from these in
 :mod:`tools.vllm.harness.reruns`.
@@ -328,3 +328,210 @@ def archs() -> list[EngineSpec]:
             )
             specs.append(replace(spec, checkpoint=checkpoint))
     return specs
+
+
+# -- the curve users choose from (issue 21, item 3) --------------------------------------------
+
+EXPERT_GIB = 9.0
+"""GiB of experts of the 8-layer bf16 checkpoint: 8 layers x 128 experts x 3 x 768 x 2048 x 2
+bytes (1.125 GiB a layer, 9 MiB an expert)."""
+CURVE_PREFIX = {QWEN8: "curve.plain", QWEN8_SKEW: "curve.skew"}
+CURVE_WORKLOAD = Workload(batches=(1,), prefill_prompts=0, ttft_reserve_s=0.0)
+"""Batch-1 decode only: 256 greedy tokens, medians of three (the recorded runs' measure)."""
+
+
+def uva_label(offloaded_gib: float) -> str:
+    """``uva675.full`` for 6.75 GiB of experts offloaded (the steps phases' name)."""
+    return f"uva{round(offloaded_gib * 100)}.full"
+
+
+def row_label(slots: int) -> str:
+    return f"row{slots}dev.full"
+
+
+# (label, UVA GiB offloaded or slots, (start and everything once, with every repeat) seconds),
+# in run order: the line and the two recorded points first, then the ends, then the rest. A
+# compiled engine starts in 70 to 95 s (UVA 70 to 95 s too); a b1 generation of 256 tokens
+# takes 0.4 s (no offload) to 3.3 s (every expert offloaded, about 80 tok/s).
+CURVE_PLAIN: tuple[tuple[str, float | int | None, tuple[float, float]], ...] = (
+    ("none.full", None, (90, 100)),
+    (row_label(32), 32, (100, 110)),
+    (uva_label(6.75), 6.75, (105, 115)),
+    (row_label(128), 128, (95, 105)),
+    (uva_label(9.0), 9.0, (110, 125)),
+    (row_label(8), 8, (110, 125)),
+    (uva_label(4.5), 4.5, (100, 110)),
+    (row_label(64), 64, (100, 110)),
+    (uva_label(2.25), 2.25, (100, 110)),
+    (row_label(16), 16, (105, 120)),
+)
+CURVE_SKEW: tuple[tuple[str, float | int | None, tuple[float, float]], ...] = (
+    (row_label(32), 32, (100, 110)),
+    (uva_label(6.75), 6.75, (105, 115)),
+    ("none.full", None, (90, 100)),
+)
+"""The skewed checkpoint's two points of the plot, and its no-offload engine (their tokens'
+reference) last."""
+
+
+def curve_labels() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(label for label, _, _ in CURVE_PLAIN + CURVE_SKEW))
+
+
+def curve(checkpoint: Checkpoint = QWEN8) -> list[EngineSpec]:
+    """The curve's engines on ``checkpoint`` (``QWEN8`` or ``QWEN8_SKEW``), each measuring
+    ``CURVE_WORKLOAD`` in vLLM's default full graphs: no offload; vLLM's UVA offload of some
+    of the 9.0 GiB of experts (``cpu_offload_gb``, ``cpu_offload_params={"experts"}``; 9.0:
+    every expert); ``row`` with the device planner at a number of slots per layer (each slot
+    one expert's 9 MiB a layer: ``slots / 128 x 9.0`` GiB on the GPU). Tokens against the same
+    checkpoint's ``none.full``. Settings as the recorded ``qwen8`` runs: one sequence, graphs
+    captured for 1 and 2, 2 GiB of KV cache."""
+    prefix = CURVE_PREFIX[checkpoint]
+    table = CURVE_SKEW if checkpoint.router_skew else CURVE_PLAIN
+    specs = []
+    for label, value, (once, full) in table:
+        knob, offload = None, None
+        if label.startswith("uva"):
+            assert isinstance(value, float)
+            offload = Offload(
+                OffloadBackend.UVA, cpu_offload_gb=value, cpu_offload_params=("experts",)
+            )
+        elif label.startswith("row"):
+            assert isinstance(value, int)
+            knob = Knob(size=value, provider=Provider.ROW, planner=Planner.DEVICE)
+        specs.append(
+            EngineSpec(
+                name=f"{prefix}.{label}",
+                checkpoint=checkpoint,
+                prompts=(QWEN_PROMPT,),
+                max_tokens=CURVE_WORKLOAD.decode_tokens,
+                mode=Mode.DEFAULT,
+                knob=knob,
+                repeats=CURVE_WORKLOAD.repeats,
+                max_num_seqs=1,
+                capture_sizes=(1, 2),
+                kv_bytes=2 << 30,
+                compare_with=(f"{prefix}.none.full",),
+                offload=offload,
+                workload=CURVE_WORKLOAD,
+                time_once_s=once,
+                time_full_s=full,
+            )
+        )
+    return specs
+
+
+def expert_gib_on_gpu(spec: EngineSpec, total_gib: float = EXPERT_GIB) -> float:
+    """GiB of experts an engine keeps on the GPU, from its spec: all of them without offload,
+    ``total - cpu_offload_gb`` with UVA offload, ``slots / experts`` of them with the cache."""
+    if spec.knob is not None and spec.knob.size:
+        return total_gib * spec.knob.size / QWEN_EXPERTS
+    if spec.offload is not None and spec.offload.backend is OffloadBackend.UVA:
+        return max(0.0, total_gib - spec.offload.cpu_offload_gb)
+    return total_gib
+
+
+# -- FP8 experts (issue 22) ---------------------------------------------------------------------
+
+QWEN8_FP8 = Checkpoint("qwen8-fp8", qwen3_30b_a3b=True, layers=8, fp8_block=True)
+QWEN8_FP8_SKEW = Checkpoint(
+    "qwen8-fp8-skew", qwen3_30b_a3b=True, layers=8, router_skew=1.0, fp8_block=True
+)
+FP8_PREFIX = {QWEN8_FP8: "fp8.plain", QWEN8_FP8_SKEW: "fp8.skew"}
+FP8_WORKLOAD = Workload(batches=(1, 8), prefill_prompts=0, ttft_reserve_s=0.0)
+FP8_ONLINE_WORKLOAD = Workload(batches=(1,), prompt_tokens=1, prefill_prompts=0, ttft_reserve_s=0.0)
+"""Online per-tensor FP8 at batch 1, from a one-token prompt: its activation scale is taken
+over each kernel call's whole input, so only steps that fit the slots in one call can give no
+offload's bits. An 8-token prompt's step routes to up to 64 experts, more than 32 slots (cut
+into passes: not bit-exact); a one-token step routes to 8, so every step of this workload
+fits, and its tokens can be compared exactly."""
+FP8_EXPERT_BYTES = 3 * 768 * 2048 + (2 * 6 * 16 + 16 * 6) * 4
+"""One block-scaled FP8 expert of a layer: ``w13`` [1536, 2048] and ``w2`` [2048, 768] in one
+byte each, their float32 ``weight_scale_inv`` [12, 16] and [16, 6] (4.5 MiB + 1,152 bytes)."""
+FP8_EXPERT_GIB = 8 * QWEN_EXPERTS * FP8_EXPERT_BYTES / 2**30
+"""About 4.501 GiB of FP8 experts in the 8-layer checkpoint."""
+FP8_UVA_GIB = 3.375
+"""UVA offload at the expert memory of 32 slots: 96 of 128 experts' 4.5 MiB a layer x 8 layers
+offloaded (vLLM offloads parameter by parameter up to this many bytes, in module order: the
+weights of layers 0 to 5, 1.125 GiB of experts left on the GPU as 32 slots hold)."""
+FP8_UVA_LABEL = "uva3375.full"
+FP8_LABELS = (
+    "none.full",
+    row_label(32),
+    FP8_UVA_LABEL,
+    row_label(128),
+    "online.none.full",
+    "online." + row_label(32),
+)
+# Estimated seconds as in _TIMES (b1 and b8 decode of 256 tokens, three times each); online
+# quantization adds to the start. b8 at 32 slots misses most experts (64 a step), UVA at b8
+# reads about 0.56 GiB of experts a step over the host link.
+_FP8_TIMES: dict[str, tuple[float, float]] = {
+    "none.full": (100, 110),
+    row_label(32): (140, 200),
+    FP8_UVA_LABEL: (130, 180),
+    row_label(128): (110, 120),
+    "online.none.full": (110, 120),
+    "online." + row_label(32): (130, 150),
+}
+
+
+def fp8(checkpoint: Checkpoint = QWEN8_FP8) -> list[EngineSpec]:
+    """The FP8 engines of ``checkpoint`` (``QWEN8_FP8`` or ``QWEN8_FP8_SKEW``: block-scaled
+    FP8, vLLM's ``Fp8MoEMethod``), in full graphs, each measuring ``FP8_WORKLOAD`` (b1 and b8
+    decode of 256 greedy tokens, medians of three, every sequence's ids): no offload, vLLM's
+    UVA offload at the expert memory of 32 slots (``FP8_UVA_GIB``), ``row`` with the device
+    planner at 32 and 128 slots, tokens against ``none.full``. On the plain checkpoint also
+    online FP8 (``quantization="fp8"`` on the bf16 ``QWEN8``: ``Fp8PerTensorOnlineMoEMethod``)
+    at batch 1, no offload and ``row`` 32 with the device planner, tokens against the former.
+    Each record carries the MoE backend vLLM chose (``probe.moe_backend``, ``moe_backend_log``)."""
+    prefix = FP8_PREFIX[checkpoint]
+
+    def engine(
+        label: str,
+        knob: Knob | None = None,
+        offload: Offload | None = None,
+        online: bool = False,
+    ) -> EngineSpec:
+        once, full = _FP8_TIMES[label]
+        work = FP8_ONLINE_WORKLOAD if online else FP8_WORKLOAD
+        ref = "online.none.full" if online else "none.full"
+        return EngineSpec(
+            name=f"{prefix}.{label}",
+            checkpoint=QWEN8 if online else checkpoint,
+            prompts=(QWEN_PROMPT,),
+            max_tokens=work.decode_tokens,
+            mode=Mode.DEFAULT,
+            knob=knob,
+            repeats=work.repeats,
+            max_num_seqs=max(work.batches),
+            capture_sizes=(1, 2, 4, 8),
+            kv_bytes=2 << 30,
+            compare_with=(f"{prefix}.{ref}",),
+            offload=offload,
+            workload=work,
+            quantization="fp8" if online else None,
+            time_once_s=once,
+            time_full_s=full,
+        )
+
+    def row(slots: int) -> Knob:
+        return Knob(size=slots, provider=Provider.ROW, planner=Planner.DEVICE)
+
+    uva = Offload(OffloadBackend.UVA, cpu_offload_gb=FP8_UVA_GIB, cpu_offload_params=("experts",))
+    specs = [
+        engine("none.full"),
+        engine(row_label(32), row(32)),
+        engine(FP8_UVA_LABEL, offload=uva),
+        engine(row_label(128), row(QWEN_EXPERTS)),
+    ]
+    if not checkpoint.router_skew:
+        specs += [
+            engine("online.none.full", online=True),
+            engine("online." + row_label(32), row(32), online=True),
+        ]
+    return specs
+
+
+BUDGETED_LABELS = tuple(dict.fromkeys(STEPS_LABELS + curve_labels() + FP8_LABELS))
+"""Every label ``run --only`` takes (the budgeted phases' engines after their prefix)."""

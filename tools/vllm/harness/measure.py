@@ -219,6 +219,9 @@ class Measurement:
     def ttft(self) -> None:
         entry = self.record["ttft"]
         w = self.workload
+        if not w.prefill_prompts:
+            entry["skipped"] = "not measured (no prefill prompts in the workload)"
+            return
         prompts = prefill_prompts(w)
         if self.left() <= 0:
             entry["skipped"] = "deadline: no time left"

@@ -244,14 +244,16 @@ class Run:
 
 
 def _label(spec: EngineSpec) -> str:
-    """A steps engine's label: its name after ``steps.<checkpoint>.``."""
+    """A budgeted engine's label: its name after ``<phase>.<checkpoint>.`` (``steps.plain.``,
+    ``curve.skew.``, ``fp8.plain.``, ...)."""
     return spec.name.split(".", 2)[-1]
 
 
 def log_facts(log: str) -> dict[str, Any]:
     """What an engine's log says beyond its result: vLLM's model loading line, its replay
-    address check, the plugin's lines (settings, lowered graphs, an inexact route) and the
-    offloader's."""
+    address check, the plugin's lines (settings, lowered graphs, an inexact route), the
+    offloader's and the MoE backend vLLM chose (``Using TRITON Fp8 MoE backend out of
+    potential backends: [...]``, ``oracle/fp8.py`` and ``oracle/unquantized.py``)."""
     facts: dict[str, Any] = {}
     plugin: list[str] = []
     for line in log.splitlines():
@@ -263,6 +265,10 @@ def log_facts(log: str) -> dict[str, Any]:
             plugin.append(line.strip()[-300:])
         if "Offloader set to" in line or "Total GPU memory saved" in line:
             facts.setdefault("offload_log", []).append(line.strip()[-300:])
+        if "MoE backend out of potential backends" in line:  # vLLM's backend choice
+            found = facts.setdefault("moe_backend_log", [])
+            if line.strip()[-300:] not in found:
+                found.append(line.strip()[-300:])
     if plugin:
         facts["plugin_log"] = plugin
     return facts

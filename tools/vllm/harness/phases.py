@@ -96,6 +96,40 @@ PHASES = (
         budgeted=True,
     ),
     Phase(
+        "curve",
+        "the curve users choose from, one engine at a time on the 8-layer checkpoint, b1 "
+        "decode: no offload, UVA offload keeping 0 to 6.75 GiB of the 9.0 GiB of experts, row "
+        "with the device planner at 8 to 128 slots (full graphs)",
+        lambda _results: engines.curve(engines.QWEN8),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "curve_skew",
+        "the curve's two points on the skewed checkpoint (UVA 6.75 GiB offloaded, row 32), "
+        "then its no offload",
+        lambda _results: engines.curve(engines.QWEN8_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "fp8",
+        "FP8 experts on the 8-layer checkpoint stored with 128 x 128 block scales, b1 and b8 "
+        "decode: no offload, UVA at the expert memory of 32 slots, row device planner at 32 "
+        "and 128 slots (full graphs); then online FP8 of the bf16 checkpoint at b1: no "
+        "offload, row 32",
+        lambda _results: engines.fp8(engines.QWEN8_FP8),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "fp8_skew",
+        "the block-scaled FP8 engines on the skewed checkpoint (--router-skew 1.0)",
+        lambda _results: engines.fp8(engines.QWEN8_FP8_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
         "archs",
         "random Mixtral and Qwen2-MoE (gated shared expert) in full graphs: no offload, row "
         "with the device planner at a slot count that misses and one that needs two passes",

@@ -45,7 +45,32 @@ def probe(model: Any) -> dict[str, Any]:
                 if hasattr(m, "w13_weight")
             }
         ),
+        "moe_backend": moe_backends(model),
     }
+
+
+def backend_of(method: Any) -> str:
+    """The MoE backend a method chose and the experts class its kernel runs, e.g.
+    ``TRITON/TritonExperts``: vLLM 0.25.0's ``Fp8MoEMethod`` and ``Fp8PerTensorOnlineMoEMethod``
+    keep it in ``fp8_backend``, ``UnquantizedFusedMoEMethod`` in ``unquantized_backend``
+    (each beside ``experts_cls``); the kernel's ``fused_experts`` is what runs."""
+    backend = getattr(method, "fp8_backend", None) or getattr(method, "unquantized_backend", None)
+    kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    experts = type(kernel) if kernel is not None else getattr(method, "experts_cls", None)
+    name = getattr(backend, "name", None) or ("?" if backend is None else str(backend))
+    return f"{name}/{getattr(experts, '__name__', '?')}"
+
+
+def moe_backends(model: Any) -> dict[str, int]:
+    """:func:`backend_of` every MoE layer's method, counted."""
+    counts: dict[str, int] = {}
+    for _name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or not hasattr(module, "w13_weight"):
+            continue
+        found = backend_of(method)
+        counts[found] = counts.get(found, 0) + 1
+    return counts
 
 
 def identity_expert_map(model: Any) -> int:

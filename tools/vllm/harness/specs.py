@@ -191,7 +191,7 @@ class Workload:
     """Decode prompts: sequence 0 is the recorded runs' 8-token prompt, the others seeded."""
     prefill_tokens: int = 2048
     prefill_prompts: int = 3
-    """Timed distinct long prompts (a further one warms up)."""
+    """Timed distinct long prompts (a further one warms up); 0: no time to first token."""
     vocab: int = 4096
     seed: int = 0
     ttft_reserve_s: float = 20.0
@@ -225,11 +225,15 @@ class Checkpoint:
     arch: str = "qwen3"
     """The builder's ``--arch``: ``qwen3`` (Qwen3-MoE), ``mixtral`` or ``qwen2moe`` (random
     Mixtral and Qwen2-MoE layouts, 4 layers, 32 experts, written without transformers)."""
+    fp8_block: bool = False
+    """The builder's ``--fp8-block``: stored in FP8 with 128 x 128 block scales (vLLM loads it
+    with its ``Fp8MoEMethod``; no ``quantization`` argument needed)."""
 
     def builder_args(self) -> list[str]:
         """The builder's arguments after the output directory."""
         args = [] if self.arch == "qwen3" else ["--arch", self.arch]
         args += ["--qwen3-30b-a3b"] if self.qwen3_30b_a3b else []
+        args += ["--fp8-block"] if self.fp8_block else []
         if self.layers is not None:
             args += ["--layers", str(self.layers)]
         if self.router_skew:
@@ -283,6 +287,9 @@ class EngineSpec:
     prompt plus its first token exceeds (vLLM rejects a prompt of ``max_model_len`` tokens)."""
     prefix_caching: bool | None = None
     """``enable_prefix_caching``; None: vLLM's default."""
+    quantization: str | None = None
+    """``quantization`` (``"fp8"``: a bf16 checkpoint quantized online while loading); None:
+    what the checkpoint's ``quantization_config`` says, if anything."""
     time_once_s: float = 0.0
     """Estimated seconds to start and run every measurement once (an engine is not started
     with less time left; 0: no estimate)."""

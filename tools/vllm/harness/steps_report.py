@@ -110,9 +110,19 @@ def _hits(record: dict[str, Any]) -> str:
 
 def _route(record: dict[str, Any]) -> str:
     routes = (record.get("route") or {}).get("routes") or {}
-    if not routes:
-        return "-"
-    return "; ".join(f"{route} ({n} layers)" for route, n in routes.items())
+    backend = backend_of(record)
+    found = "; ".join(f"{route} ({n} layers)" for route, n in routes.items())
+    if backend is not None and backend != "TRITON/TritonExperts":  # only the unusual ones
+        found = f"{found}; " if found else ""
+        found += f"MoE backend {backend}"
+    return found or "-"
+
+
+def backend_of(record: dict[str, Any]) -> str | None:
+    """The MoE backend and experts class of an engine's MoE layers (``probes.moe_backends``),
+    e.g. ``TRITON/TritonExperts``; several joined by ``+``; None where not recorded."""
+    found = ((record.get("probe") or {}).get("moe_backend")) or {}
+    return "+".join(sorted(found)) if found else None
 
 
 def prefixes(results: Results) -> list[str]:
@@ -132,12 +142,19 @@ def reference(results: Results, name: str) -> str:
     return str(refs[0]) if refs else ""
 
 
+def _title(prefix: str) -> str:
+    phase = prefix.split(".")[0]
+    return {"steps": "steps comparison", "curve": "the curve", "fp8": "FP8 experts"}.get(
+        phase, phase
+    )
+
+
 def report(results: Results) -> list[str]:
     lines: list[str] = []
     for prefix in prefixes(results):
         lines += [
             "",
-            f"steps comparison, {prefix} (tok/s; TTFT ms of a 2,048-token prompt; "
+            f"{_title(prefix)}, {prefix} (tok/s; TTFT ms of a 2,048-token prompt; "
             "(n): medians of n < 3; tokens against the same-mode no-offload engine: "
             "'=' identical sequences, else sequences diverging and first positions):",
         ]
@@ -170,10 +187,16 @@ def report(results: Results) -> list[str]:
 
 
 def _ratio(
-    results: Results, prefix: str, measure: str, other: str, factor: float, higher: bool
+    results: Results,
+    prefix: str,
+    measure: str,
+    other: str,
+    factor: float,
+    higher: bool,
+    label: str = ROW,
 ) -> str | None:
-    """``row32dev.full``'s ``measure`` against ``factor`` x ``other``'s: a target line."""
-    mine = speed(results.get(f"{prefix}.{ROW}", {}), measure)
+    """``label``'s ``measure`` against ``factor`` x ``other``'s: a target line."""
+    mine = speed(results.get(f"{prefix}.{label}", {}), measure)
     theirs = speed(results.get(f"{prefix}.{other}", {}), measure)
     if mine is None or theirs is None or not theirs:
         return None
@@ -182,13 +205,68 @@ def _ratio(
     sign = ">=" if higher else "<="
     unit = "ms" if measure == "ttft" else "tok/s"
     return (
-        f"  {measure} {ROW} {sign} {factor:g} x {other}: {mine:g} / {theirs:g} {unit} = "
+        f"  {measure} {label} {sign} {factor:g} x {other}: {mine:g} / {theirs:g} {unit} = "
         f"{ratio:.3f} ({'met' if met else 'MISSED'})"
     )
 
 
+def _tokens(results: Results, prefix: str, label: str, measures: tuple[str, ...]) -> str | None:
+    """Whether ``label``'s tokens are identical to its reference's in ``measures``: a target
+    line (None where the engine has no record)."""
+    name = f"{prefix}.{label}"
+    if name not in results or not steps_of(results[name]):
+        return None
+    ref = reference(results, name)
+    div = {m: d for m, d in compare(results, name, ref).items() if m in measures}
+    known = [d for d in div.values() if d is not None]
+    same = all(p is None for d in known for p in d)
+    missing = [m for m, d in div.items() if d is None]
+    verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
+    extra = f" (not measured: {', '.join(missing)})" if missing else ""
+    where = ", ".join(measures)
+    return f"  tokens {label} identical to {ref[len(prefix) + 1 :]} ({where}): {verdict}{extra}"
+
+
+FP8_UVA = "uva3375.full"
+FP8_ROW128 = "row128dev.full"
+
+
+def fp8_targets(results: Results, prefix: str) -> list[str]:
+    """Issue 22's targets for an FP8 checkpoint: 128 slots >= 0.9 x no offload; 32 slots >=
+    1.3 x UVA at the same expert memory (plain), >= 3 x (skewed); tokens identical to no
+    offload (block scales at b1 and b8, online per-tensor at b1); the MoE backend of each
+    engine."""
+    factor = 3.0 if prefix.endswith("skew") else 1.3
+    wanted = []
+    for measure in ("b1", "b8"):
+        wanted += [
+            (measure, "none.full", 0.9, True, FP8_ROW128),
+            (measure, FP8_UVA, factor, True, ROW),
+        ]
+    lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
+    for label in (ROW, FP8_ROW128, FP8_UVA):
+        line = _tokens(results, prefix, label, ("b1", "b8"))
+        lines += [line] if line is not None else []
+    line = _tokens(results, prefix, "online." + ROW, ("b1",))
+    lines += [line] if line is not None else []
+    for name, record in results.items():
+        if name.startswith(prefix + "."):
+            logged = "; ".join(record.get("moe_backend_log") or []) or "no log line"
+            lines.append(
+                f"  MoE backend {name[len(prefix) + 1 :]}: {backend_of(record) or '?'} "
+                f"(vLLM: {logged[:200]})"
+            )
+    return [f"targets ({prefix}, issue 22):", *lines] if lines else []
+
+
 def targets(results: Results, prefix: str) -> list[str]:
-    """Issue 18's targets for this checkpoint, where both engines have the figure."""
+    """The targets for this checkpoint, where both engines have the figure: issue 18's for the
+    steps comparison, issue 22's for FP8 (:func:`fp8_targets`); the curve has none (its plot
+    is ``tools/vllm/plot_curve.py``)."""
+    if prefix.startswith("fp8."):
+        return fp8_targets(results, prefix)
+    if not prefix.startswith("steps."):
+        return []
     if prefix.endswith("skew"):
         wanted = [("b8", UVA, 2.0, True), ("b32", UVA, 2.0, True), ("b1", UVA, 4.0, True)]
     else:
