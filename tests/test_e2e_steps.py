@@ -364,7 +364,11 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     clock[0] = 0.0
     again = orchestrate.Run(out, work, 600.0, False, lambda: True, done=done)
     results = again.phase(phase, phase.engines({}))
-    assert [n for n, _ in given][:2] == ["steps.plain.prefetch.full", "steps.plain.row32dev.full"]
+    assert [n for n, _ in given][:3] == [
+        "steps.plain.none2.full",
+        "steps.plain.prefetch.full",
+        "steps.plain.row32dev.full",
+    ]
     assert results["steps.plain.none.full"] is done["steps.plain.none.full"]
     names = [json.loads(x)["name"] for x in (out / orchestrate.RECORDS).read_text().splitlines()]
     assert names[:2] == ["steps.plain.none.full", "steps.plain.uva675.full"]
@@ -495,3 +499,54 @@ def test_command_line_checks_only(tmp_path: Path) -> None:
         check=False,
     )
     assert "steps_skew:" in helped.stdout and "--resume" in helped.stdout
+
+
+def test_an_engine_with_the_cache_on_needs_the_plugins_entry_point(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Without rowcache's entry point vLLM ignores additional_config: the harness stops before
+    such an engine starts, never measuring vLLM without the cache under the cache's name."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_kw: [])
+    with pytest.raises(
+        SystemExit, match=re.escape("no rowcache entry point in 'vllm.general_plugins'")
+    ):
+        orchestrate.require_plugin()
+    spec = next(s for s in engines.steps() if s.caches)
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    run = orchestrate.Run(tmp_path / "out", work, 600.0, False, lambda: True)
+    job = run.job(spec, work / "barrier")
+    with pytest.raises(SystemExit):
+        run.launch(job)
+    assert not (work / "logs" / f"{spec.name}.log").exists()
+
+    class Entry:
+        value = "rowcache.vllm:register"
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_kw: [Entry()])
+    orchestrate.require_plugin()
+
+
+def test_every_engine_compiles_in_inductors_deterministic_mode() -> None:
+    assert orchestrate.env({})["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    assert (
+        orchestrate.env({"TORCHINDUCTOR_DETERMINISTIC": "1"})["TORCHINDUCTOR_DETERMINISTIC"] == "1"
+    )
+
+
+def test_the_control_engine_is_reported_against_the_reference() -> None:
+    specs = {s.name: s for s in engines.steps()}
+    assert list(specs)[:2] == ["steps.plain.none.full", "steps.plain.none2.full"]
+    control = specs["steps.plain.none2.full"]
+    assert control.knob is None and control.offload is None
+    assert control.compare_with == ("steps.plain.none.full",)
+    tokens = [[1, 2, 3]] * 32
+    results = {n: _fake_result(specs[n], tokens) for n in ("steps.plain.none.full",)}
+    results["steps.plain.none2.full"] = _fake_result(control, [[1, 2, 4]] * 32)
+    lines = steps_report.targets(results, "steps.plain")
+    assert any(
+        "tokens none2.full identical to no offload (the control" in line and "MISSED" in line
+        for line in lines
+    ), lines

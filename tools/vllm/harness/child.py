@@ -217,6 +217,14 @@ def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) 
         }
 
 
+def inductor_deterministic() -> bool:
+    """Whether inductor compiled without timing kernel choices on the device (the harness sets
+    ``TORCHINDUCTOR_DETERMINISTIC=1``; see ``orchestrate.env``)."""
+    import torch._inductor.config as inductor
+
+    return bool(getattr(inductor, "deterministic", False))
+
+
 def run(job: Job, save: Any = None) -> dict[str, Any]:
     spec = job.spec
     result: dict[str, Any] = {"name": spec.name, "spec": spec.to_json(), "ok": False}
@@ -255,6 +263,13 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         result["cudagraph_mode"] = str(cc_final.cudagraph_mode.name)
         result["moe_split"] = [op for op in (cc_final.splitting_ops or []) if op in MOE_OPS]
         result["probe"] = rpc(probes.probe, {})
+        result["inductor_deterministic"] = inductor_deterministic()
+        if spec.caches and not result["probe"].get("cached_layers"):
+            raise RuntimeError(
+                "the cache is configured (additional_config rowcache) but no MoE layer is "
+                f"cached (probe: {result['probe']}): the plugin did not load; this engine "
+                "would measure vLLM without the cache"
+            )
         if spec.offload is not None:
             result["offloader"] = rpc(probes.offloader, None)
         if spec.workload is not None:

@@ -219,6 +219,7 @@ STEPS_PREFIX = {QWEN8: "steps.plain", QWEN8_SKEW: "steps.skew"}
 STEPS_WORKLOAD = Workload()
 STEPS_LABELS = (
     "none.full",
+    "none2.full",
     "uva675.full",
     "prefetch.full",
     "row32dev.full",
@@ -242,6 +243,7 @@ GiB resident and 1.125 GiB in flight, the 2.25 GiB of 32 slots per layer."""
 _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     # label: ((plain once, plain full), (skewed once, skewed full))
     "none.full": ((90, 100), (90, 100)),
+    "none2.full": ((90, 100), (90, 100)),
     "uva675.full": ((150, 250), (150, 250)),
     "prefetch.full": ((240, 500), (240, 500)),
     "row32dev.full": ((160, 280), (120, 180)),
@@ -254,9 +256,10 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
     """One checkpoint's engines of the steps comparison, each measuring ``STEPS_WORKLOAD``
     (b1, b8 and b32 decode of 256 greedy tokens, medians of three; the time to first token of
     three distinct 2,048-token prompts, each one step): no offload (vLLM's default full and
-    piecewise graphs); vLLM's UVA offload of 6.75 GiB of experts; vLLM's prefetch offloader
-    at the same expert memory; ``row`` with the device planner at 32 slots; no offload and the
-    device planner again in eager mode. Full-graph engines are compared with ``none.full``,
+    piecewise graphs), twice (the second engine is the control of the token comparison);
+    vLLM's UVA offload of 6.75 GiB of experts; vLLM's prefetch offloader at the same expert
+    memory; ``row`` with the device planner at 32 slots; no offload and the device planner
+    again in eager mode. Full-graph engines are compared with ``none.full``,
     eager ones with ``none.eager``. ``only``: these labels (``STEPS_LABELS``), in run order."""
     prefix = STEPS_PREFIX[checkpoint]
     skewed = 1 if checkpoint.router_skew else 0
@@ -291,6 +294,9 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
 
     specs = [
         engine("none.full", Mode.DEFAULT),
+        # The control: a second engine of the reference's configuration. Its tokens must equal
+        # the reference's, or no engine's difference from the reference means anything.
+        engine("none2.full", Mode.DEFAULT),
         engine("uva675.full", Mode.DEFAULT, offload=UVA_OFFLOAD),
         engine("prefetch.full", Mode.DEFAULT, offload=PREFETCH_OFFLOAD),
         engine("row32dev.full", Mode.DEFAULT, knob=row32),

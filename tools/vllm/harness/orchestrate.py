@@ -70,7 +70,13 @@ def resumable(records: list[dict[str, Any]]) -> Results:
 
 def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]:
     """The environment of a child: in-process engine core (unless ``extra`` says otherwise),
-    ``apply_model`` allowed, no usage stats, two inductor compile threads."""
+    ``apply_model`` allowed, no usage stats, two inductor compile threads, and inductor's
+    deterministic mode: each engine compiles its model afresh, and inductor otherwise picks
+    among kernel configurations (a reduction's block sizes, its summation order) by timing
+    them on the device, so two engines of one configuration could round differently and
+    greedy tokens diverge with no cache at all (two such engines did, at position 8 of the
+    8-layer checkpoint's batch-1 decode). Every engine of a comparison compiles the same
+    kernels this way."""
     out = dict(os.environ)
     out.update(
         {
@@ -79,6 +85,7 @@ def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]
             "VLLM_USE_FLASHINFER_SAMPLER": "0",
             "VLLM_NO_USAGE_STATS": "1",
             "TORCHINDUCTOR_COMPILE_THREADS": "2",
+            "TORCHINDUCTOR_DETERMINISTIC": "1",
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -127,6 +134,8 @@ class Run:
 
     def launch(self, job: Job) -> subprocess.Popen[bytes]:
         name = job.spec.name
+        if job.spec.caches:
+            require_plugin()
         path = self.logs / f"{name}{JOB_SUFFIX}"
         path.write_text(json.dumps(job.to_json()))
         # An earlier call on the same (warm) machine may have left a result under this name.
@@ -241,6 +250,26 @@ class Run:
             for r in self.engines([spec]):
                 results[r["name"]] = r
         return results
+
+
+PLUGIN_GROUP = "vllm.general_plugins"
+
+
+def require_plugin() -> None:
+    """Stop before an engine with the cache on starts without the plugin: vLLM loads rowcache
+    only through its entry point, so a checkout on PYTHONPATH alone gives an engine that
+    ignores ``additional_config`` and measures vLLM without the cache under the cache's name.
+    Install the wheel of the commit under test where vLLM finds it (see
+    ../shared/gpu/VLLM_ON_DEVICE.md: ``pip install --no-deps --target /tmp/site``)."""
+    from importlib.metadata import entry_points
+
+    found = [e.value for e in entry_points(group=PLUGIN_GROUP) if e.value.startswith("rowcache")]
+    if not found:
+        raise SystemExit(
+            f"rowcache e2e: no rowcache entry point in {PLUGIN_GROUP!r}: an engine with the "
+            "cache on would run without it. Install the rowcache wheel of the commit under "
+            "test (pip install --no-deps --target DIR rowcache-*.whl, DIR on PYTHONPATH)."
+        )
 
 
 def _label(spec: EngineSpec) -> str:

@@ -278,7 +278,7 @@ def targets(results: Results, prefix: str) -> list[str]:
             ("b1", UVA, 1.3, True),
         ]
     lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
-    for label in ("row32dev.full", "row32dev.eager"):
+    for label in ("none2.full", "row32dev.full", "row32dev.eager"):
         name = f"{prefix}.{label}"
         if name not in results or not steps_of(results[name]):
             continue
@@ -288,5 +288,8 @@ def targets(results: Results, prefix: str) -> list[str]:
         missing = [m for m, d in div.items() if d is None]
         verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
         extra = f" (not measured: {', '.join(missing)})" if missing else ""
-        lines.append(f"  tokens {label} identical to no offload: {verdict}{extra}")
+        what = "(the control: a second no-offload engine)" if label == "none2.full" else ""
+        lines.append(
+            f"  tokens {label} identical to no offload{what and ' ' + what}: {verdict}{extra}"
+        )
     return [f"targets ({prefix}, issue 18):", *lines] if lines else []
