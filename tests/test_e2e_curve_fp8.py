@@ -101,7 +101,10 @@ def test_curve_engine_arguments() -> None:
         "max_num_batched_tokens": 512,
         "kv_cache_memory_bytes": 2 << 30,
         "gpu_memory_utilization": 0.02,
-        "compilation_config": {"cudagraph_capture_sizes": [1, 2]},
+        "compilation_config": {
+            "cudagraph_capture_sizes": [1, 2],
+            "inductor_compile_config": child.deterministic_inductor(),
+        },
     }
     assert child.engine_kwargs(by["none.full"], "/w/qwen8") == common
     assert child.engine_kwargs(by["uva900.full"], "/w/qwen8") == common | {

@@ -340,7 +340,10 @@ def test_engine_kwargs() -> None:
         },
     }
     c = child.engine_kwargs(_spec("qwen8.c.row128"), "/w/qwen8")
-    assert c["compilation_config"] == {"cudagraph_capture_sizes": [1, 2]}
+    assert c["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2],
+        "inductor_compile_config": child.deterministic_inductor(),
+    }
     assert c["kv_cache_memory_bytes"] == 2 << 30 and c["max_num_seqs"] == 1
     assert c["additional_config"] == {
         "rowcache": {"moe_expert_cache_size": 128, "moe_expert_cache_provider": "row"}
@@ -351,6 +354,7 @@ def test_engine_kwargs() -> None:
     assert piecewise["compilation_config"] == {
         "cudagraph_capture_sizes": [1, 2, 4],
         "cudagraph_mode": "PIECEWISE",
+        "inductor_compile_config": child.deterministic_inductor(),
     }
     assert "additional_config" not in piecewise
     story = child.engine_kwargs(_spec("story.none"), "/w/qwen24")

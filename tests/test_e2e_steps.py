@@ -61,7 +61,12 @@ def test_steps_engines_and_their_arguments() -> None:
         "hf_overrides": {"max_position_embeddings": 4096},
         "enable_prefix_caching": False,
     }
-    graphs = {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
+    graphs = {
+        "compilation_config": {
+            "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32],
+            "inductor_compile_config": child.deterministic_inductor(),
+        }
+    }
     assert child.engine_kwargs(by["none.full"], "/w/qwen8") == common | graphs
     assert child.engine_kwargs(by["none.eager"], "/w/qwen8") == common | {"enforce_eager": True}
     uva = child.engine_kwargs(by["uva675.full"], "/w/qwen8")
@@ -550,3 +555,14 @@ def test_the_control_engine_is_reported_against_the_reference() -> None:
         "tokens none2.full identical to no offload (the control" in line and "MISSED" in line
         for line in lines
     ), lines
+
+
+def test_compiled_engines_choose_no_kernel_by_timing() -> None:
+    options = child.deterministic_inductor()
+    assert options["triton.autotune_pointwise"] is False
+    assert options["max_autotune"] is False and options["coordinate_descent_tuning"] is False
+    import torch._inductor.config as inductor
+
+    assert options.get("deterministic") is (True if hasattr(inductor, "deterministic") else None)
+    eager = next(s for s in engines.steps() if s.name.endswith("none.eager"))
+    assert "compilation_config" not in child.engine_kwargs(eager, "/w/qwen8")

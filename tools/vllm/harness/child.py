@@ -90,6 +90,7 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
                 "vllm::unified_mla_kv_cache_update",
                 *MOE_OPS,
             ]
+        cc["inductor_compile_config"] = deterministic_inductor()
         kw["compilation_config"] = cc
     if spec.knob is not None:
         kw["additional_config"] = {"rowcache": spec.knob.config()}
@@ -215,6 +216,23 @@ def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) 
             "split": after_layers[0]["split"],
             "since_start": after,
         }
+
+
+def deterministic_inductor() -> dict[str, Any]:
+    """Inductor options of every compiled engine: no kernel choice by timing on the device
+    (pointwise and reduction configurations, max-autotune, coordinate descent), so that every
+    engine of a comparison compiles the same kernels (see ``orchestrate.env``). ``deterministic``
+    only where this torch has it (vLLM passes unknown options on, and inductor rejects them)."""
+    import torch._inductor.config as inductor
+
+    options: dict[str, Any] = {
+        "triton.autotune_pointwise": False,
+        "max_autotune": False,
+        "coordinate_descent_tuning": False,
+    }
+    if hasattr(inductor, "deterministic"):
+        options["deterministic"] = True
+    return options
 
 
 def inductor_deterministic() -> bool:
