@@ -96,7 +96,8 @@ FAKE_FP8 = {
                                       swiglu_limit=None, gemm1_alpha=None, gemm1_beta=None,
                                       layer=None):
             return SimpleNamespace(w1_scale=w1_scale, w2_scale=w2_scale, a1_scale=a1_scale,
-                                   a2_scale=a2_scale, block_shape=block_shape)
+                                   a2_scale=a2_scale, block_shape=block_shape,
+                                   config_name=lambda dtype: "fp8_w8a8")
 
         def make_fp8_moe_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend,
                                 routing_tables=None, layer=None):

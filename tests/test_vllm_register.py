@@ -93,9 +93,37 @@ FAKE_VLLM = {
     "vllm/model_executor/layers/__init__.py": "",
     # As vLLM's: the package imports the method's module midway.
     "vllm/model_executor/layers/fused_moe/__init__.py": """
+        from contextlib import contextmanager
+
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
             UnquantizedFusedMoEMethod,
         )
+
+        # As vLLM's: a module-level override of the kernel configuration lookup.
+        _config = None
+
+        @contextmanager
+        def override_config(config):
+            global _config
+            old_config = _config
+            _config = config
+            yield
+            _config = old_config
+
+        def get_config():
+            return _config
+        """,
+    "vllm/model_executor/layers/fused_moe/fused_moe.py": """
+        def try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape=None):
+            # As vLLM's: the override first, else a choice by expert count (a tuned file is
+            # looked up by E and N) and rows.
+            from vllm.model_executor.layers.fused_moe import get_config
+
+            override = get_config()
+            if override:
+                return override
+            return {"E": w2_shape[0], "N": w2_shape[2], "M": M, "top_k": top_k,
+                    "dtype": dtype, "block_shape": block_shape}
         """,
     "vllm/model_executor/layers/fused_moe/routed_experts.py": """
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
@@ -118,8 +146,22 @@ FAKE_VLLM = {
         """,
     "vllm/model_executor/layers/fused_moe/experts/__init__.py": "",
     "vllm/model_executor/layers/fused_moe/experts/triton_moe.py": """
+        class _QuantConfig:
+            block_shape = None
+
+            def config_name(self, dtype):
+                return None  # as vLLM's for unquantized bf16
+
         class TritonExperts:
-            # As vLLM's: apply (here the test's kernel) reduces [M, top_k, H] through it.
+            # As vLLM's: apply (here the test's kernel) looks its tiles up and reduces
+            # [M, top_k, H] through moe_sum.
+            def __init__(self):
+                self.quant_config = _QuantConfig()
+
+            @property
+            def block_shape(self):
+                return self.quant_config.block_shape
+
             def moe_sum(self, input, output):
                 output.copy_(input.sum(dim=1))
         """,
@@ -835,10 +877,12 @@ class TritonKernel:
         self.fused_experts = TritonExperts()
         self.calls = 0
         self.shared_calls: list[object] = []
+        self.configs: list[dict[str, Any]] = []
 
     def apply(self, **kw: Any) -> Any:
         import torch
         from moe_reference import UnreducedKernel
+        from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
         from rowcache.types import ExpertWeightResult
 
@@ -846,6 +890,18 @@ class TritonKernel:
         if kw["shared_experts"] is not None:
             self.shared_calls.append(kw["shared_experts"])
         x, ids, expert_map = kw["hidden_states"], kw["topk_ids"], kw["expert_map"]
+        experts = self.fused_experts
+        if hasattr(experts, "quant_config"):  # TritonExperts (a test may swap in another)
+            self.configs.append(
+                try_get_optimal_moe_config(
+                    kw["w1"].size(),
+                    kw["w2"].size(),
+                    ids.shape[1],
+                    experts.quant_config.config_name(x.dtype),
+                    x.shape[0],
+                    block_shape=experts.block_shape,
+                )
+            )
         if expert_map is None:
             expert_map = torch.arange(kw["w1"].shape[0])
         entries = UnreducedKernel(self.layer, x, ids, kw["topk_weights"])
@@ -928,6 +984,54 @@ def test_a_cut_step_is_bit_identical_to_one_call(fake_vllm: Any, planner: str) -
     # Outside a cut step the tap calls vLLM's moe_sum as it is.
     fits = method.apply(layer, x[:1], topk_weights[:1], ids[:1], None, None)
     assert len(reductions) == 3 and fits.shape == (1, HIDDEN)
+
+
+@pytest.mark.parametrize(
+    ("planner", "split"), [("device", "expert"), ("host", "expert"), ("host", "token")]
+)
+def test_every_kernel_call_of_a_cached_forward_uses_the_full_sets_configuration(
+    fake_vllm: Any, planner: str, split: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM looks its tiles up by expert count and rows: a call over 3 slots would pick another
+    configuration than the call over all 8 experts without the cache (and round differently).
+    Every kernel call of a cached forward, each pass and each chunk, runs under the one the
+    whole forward gets with every expert resident; with the pin removed they do not."""
+    from rowcache.row_provider import RowCacheWeightProvider
+    from rowcache.vllm import _method as method_module
+
+    section: dict[str, object] = {"moe_expert_cache_size": 3, "moe_expert_cache_split": split}
+    if planner == "device":
+        section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    weights, layer, x, ids, topk_weights = _bf16_layer_and_inputs(tokens=6)
+    reference = TritonKernel(weights)
+    reference.apply(
+        hidden_states=x,
+        w1=layer.w13_weight,
+        w2=layer.w2_weight,
+        topk_ids=ids,
+        topk_weights=topk_weights,
+        expert_map=None,
+        shared_experts=None,
+    )
+    (wanted,) = reference.configs
+    assert wanted["E"] == E and wanted["M"] == 6
+
+    def cached_configs() -> list[dict[str, Any]]:
+        method = _method(fake_vllm, section)
+        kernel = TritonKernel(weights)
+        method.moe_kernel = kernel
+        kw: dict[str, Any] = {"capacity": 3, "device": "cpu", "planner": planner}
+        if planner == "host":
+            kw["split"] = split
+        method.rowcache_provider = RowCacheWeightProvider(layer.w13_weight, layer.w2_weight, **kw)
+        method.apply(layer, x, topk_weights, ids, None, None)
+        assert kernel.calls > 1  # a cut forward: several kernel calls
+        return kernel.configs
+
+    assert cached_configs() == [wanted] * len(cached_configs())
+    monkeypatch.setattr(method_module, "full_set_config", lambda *_args: None)
+    unpinned = cached_configs()
+    assert all(c["E"] == 3 for c in unpinned) and wanted not in unpinned
 
 
 def test_the_float32_sum_of_a_cut_step_is_not_bit_identical(

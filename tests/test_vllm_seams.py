@@ -127,6 +127,9 @@ from .other import reexported
 
 LIMIT = 3
 
+def lookup(w1_shape, w2_shape, M, block_shape=None):
+    return {}
+
 class Method(Base):
     field: int = 0
 
@@ -159,6 +162,7 @@ direct_register_custom_op(op_name="moe_forward", op_func=f)
         "op:moe_forward",
         "Method.run -> moe_sum",
         "Method.finish -> moe_sum",
+        "lookup(w1_shape, w2_shape, M, block_shape)",
     ],
 )
 def test_checker_accepts(name: str) -> None:
@@ -177,6 +181,8 @@ def test_checker_accepts(name: str) -> None:
         ("Method.apply -> moe_sum", "Method.apply never calls self.moe_sum(...)"),
         ("Method.gone -> moe_sum", "Method.gone is not a method"),
         ("LIMIT.run -> moe_sum", "'LIMIT' is not a class"),
+        ("lookup(w1_shape, top_k)", "lookup has no parameter(s) top_k"),
+        ("LIMIT(x)", "'LIMIT' is not a function defined in the module"),
     ],
 )
 def test_checker_rejects_naming_the_seam(name: str, reason: str) -> None:

@@ -53,7 +53,9 @@ from torch import Tensor
 from vllm.config.compilation import CUDAGraphMode
 from vllm.config.vllm import get_current_vllm_config
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.layers.fused_moe import override_config
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod,
@@ -258,6 +260,33 @@ def _graph_rows(config: Any) -> int:
     return int(cc.max_cudagraph_capture_size or 0)
 
 
+def full_set_config(
+    kernel: Any, layer: Any, x: Tensor, topk_ids: Tensor, weights: ExpertWeightResult
+) -> dict[str, Any] | None:
+    """The tile configuration vLLM's Triton experts choose for this forward with every expert
+    resident: ``try_get_optimal_moe_config`` over the whole layer's weight shapes (the global
+    expert count, not the slot count) and the forward's rows (not a chunk's). vLLM looks the
+    configuration up by expert count and rows (a tuned file for E=128 on the H200, defaults
+    for a slot count it has none for), and the tiles fix each output's summation order, so a
+    kernel call over the slots with its own choice rounds differently from the call without
+    the cache. Every kernel call of a cached forward runs under this configuration
+    (``override_config``, vLLM's own override). None where the kernel's experts are not
+    ``TritonExperts`` (their configuration is not vLLM's lookup)."""
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, TritonExperts):
+        return None
+    experts_total = int(layer.global_num_experts)
+    config: dict[str, Any] = try_get_optimal_moe_config(
+        (experts_total, *weights.w1.shape[1:]),
+        (experts_total, *weights.w2.shape[1:]),
+        int(topk_ids.shape[1]),
+        experts.quant_config.config_name(x.dtype),
+        int(x.shape[0]),
+        block_shape=experts.block_shape,
+    )
+    return config
+
+
 class CachedForward:
     """What every cached MoE method shares: the forward through the provider.
 
@@ -318,6 +347,7 @@ class CachedForward:
         self.rowcache_forwards += 1
         pending_shared = [shared_experts]
         every_row = slice(0, topk_ids.shape[0])
+        pinned: list[dict[str, Any] | None] = []
 
         def run(weights: ExpertWeightResult, rows: slice, include_shared: bool) -> Tensor:
             # vLLM's shared-expert object computes all rows at once: hand it to the first
@@ -327,19 +357,22 @@ class CachedForward:
             # pass vLLM's tensors as they are, as its own apply does, instead of three views
             # whose slicing dispatches cost host time on every layer.
             whole = rows == every_row
-            result: Tensor = kernel.apply(
-                hidden_states=x if whole else x[rows],
-                w1=weights.w1,
-                w2=weights.w2,
-                topk_weights=topk_weights if whole else topk_weights[rows],
-                topk_ids=topk_ids if whole else topk_ids[rows],
-                activation=layer.activation,
-                global_num_experts=layer.global_num_experts,
-                expert_map=weights.expert_map,
-                apply_router_weight_on_input=layer.apply_router_weight_on_input,
-                shared_experts=shared,
-                shared_experts_input=shared_experts_input if shared is not None else None,
-            )
+            if not pinned:
+                pinned.append(full_set_config(kernel, layer, x, topk_ids, weights))
+            with override_config(pinned[0]):
+                result: Tensor = kernel.apply(
+                    hidden_states=x if whole else x[rows],
+                    w1=weights.w1,
+                    w2=weights.w2,
+                    topk_weights=topk_weights if whole else topk_weights[rows],
+                    topk_ids=topk_ids if whole else topk_ids[rows],
+                    activation=layer.activation,
+                    global_num_experts=layer.global_num_experts,
+                    expert_map=weights.expert_map,
+                    apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                    shared_experts=shared,
+                    shared_experts_input=shared_experts_input if shared is not None else None,
+                )
             return result
 
         # A step cut by experts is exact through the unreduced route (module docstring); a

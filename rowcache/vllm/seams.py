@@ -13,6 +13,8 @@ Name forms:
   (def, assignment, annotated field) or assigns ``self.attr`` in one of its methods.
 * ``"Class.method(a, b)"``: ``Class`` defines ``method`` and it takes parameters ``a`` and
   ``b`` by those names (among others).
+* ``"function(a, b)"``: the module defines ``function`` at top level and it takes parameters
+  ``a`` and ``b`` by those names (among others).
 * ``"op:name"``: the module registers a custom op named ``name`` (a call with the keyword
   ``op_name="name"``).
 * ``"Class.method -> attr"``: ``Class`` defines ``method``, and its body calls
@@ -159,6 +161,37 @@ SEAMS: tuple[Seam, ...] = (
         "apply reduces through self.moe_sum (in 0.33.0 via self._finalize_expert_output), so "
         "the tap sees every call's unreduced output",
         "a cut step fails (RowcacheError: apply returned without calling moe_sum)",
+    ),
+    # The kernel configuration of a cached forward: the one vLLM picks with every expert
+    # resident (rowcache.vllm._method.full_set_config).
+    Seam(
+        _MOE,
+        "override_config",
+        "every kernel call of a cached forward runs under the configuration vLLM picks for "
+        "the layer with every expert resident (vLLM's own override of its lookup)",
+        "cached forwards fail at import (ImportError); without it, a kernel call over the "
+        "slots picks tiles by the slot count and rounds differently from no offload",
+    ),
+    Seam(
+        f"{_MOE}.fused_moe",
+        "try_get_optimal_moe_config(w1_shape, w2_shape, top_k, dtype, M, block_shape)",
+        "the lookup TritonExperts.apply runs per call with its weights' shapes and rows "
+        "(tuned file by expert count and N, else defaults by rows and expert count; it "
+        "honours override_config), asked here with the whole layer's shapes",
+        "cached forwards fail at import or with a TypeError",
+    ),
+    Seam(
+        f"{_MOE}.modular_kernel",
+        "FusedMoEExperts.block_shape",
+        "the block shape of the experts' quantization, an argument of the lookup",
+        "cached forwards fail with an AttributeError",
+    ),
+    Seam(
+        f"{_MOE}.config",
+        "FusedMoEQuantConfig.config_name(dtype)",
+        "the dtype name of the lookup (None for bf16, fp8_w8a8 for FP8), from the experts' "
+        "quant config",
+        "cached forwards fail with an AttributeError",
     ),
     # FP8 experts (docs/VLLM.md, "FP8 experts"): what vLLM builds for quantization="fp8".
     Seam(
@@ -628,6 +661,14 @@ def check_seam(seam: Seam, source: str | None) -> str | None:
     if head not in top:
         return f"{where}: {head!r} is not defined at the top level of the module"
     if not attr:
+        if not is_method:
+            return None
+        defined = top[head]
+        if not isinstance(defined, ast.FunctionDef | ast.AsyncFunctionDef):
+            return f"{where}: {head!r} is not a function defined in the module"
+        missing = [p for p in params if p not in _parameters(defined)]
+        if missing:
+            return f"{where}: {head} has no parameter(s) {', '.join(missing)}"
         return None
     cls = top[head]
     if not isinstance(cls, ast.ClassDef):
