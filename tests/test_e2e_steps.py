@@ -566,3 +566,22 @@ def test_compiled_engines_choose_no_kernel_by_timing() -> None:
     assert options.get("deterministic") is (True if hasattr(inductor, "deterministic") else None)
     eager = next(s for s in engines.steps() if s.name.endswith("none.eager"))
     assert "compilation_config" not in child.engine_kwargs(eager, "/w/qwen8")
+
+
+def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
+    found = {
+        "rows": [1, 8, 2048],
+        "layers": 8,
+        "equal": {"1": 8, "8": 8, "2048": 8},
+        "max_abs": {"1": 0.0, "8": 0.0, "2048": 0.0},
+        "skipped": 0,
+    }
+    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    assert line is not None and line.endswith(": met") and "2048: 8/8" in line
+    found["equal"]["2048"] = 7
+    found["max_abs"]["2048"] = 0.0078125
+    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    assert line is not None and line.endswith(": MISSED") and "2048: 7/8 (max |d| 0.00781)" in line
+    assert steps_report.exactness_line({}, "row32dev.full") is None
+    assert steps_report.exactness_line(None, "row32dev.full") is None
+    assert probes.EXACTNESS_ROWS[-1] == 2048  # a prefill step: every expert, several passes

@@ -166,6 +166,9 @@ def workload(
                 "provider": after[0].get("provider"),
                 "split": after[0].get("split"),
             }
+        # Last: its random forwards move the cache (after the stats above are taken).
+        if time.time() < deadline:
+            result["exactness"] = rpc(probes.exactness, None)
 
 
 def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) -> None:

@@ -174,3 +174,74 @@ def offloader(model: Any) -> dict[str, Any]:
     if layers is not None:
         out["offloaded_layers"] = len(layers)
     return out
+
+
+EXACTNESS_ROWS = (1, 8, 32, 512, 2048)
+"""Rows of the random forwards :func:`exactness` compares: decode batches, and prefill steps
+that route to every expert (more passes than one at any slot count below the expert count)."""
+
+
+def exactness(model: Any) -> dict[str, Any]:
+    """Each cached layer's forward against vLLM's own kernel with every expert resident, in the
+    engine, bit for bit: random hidden states and routings of :data:`EXACTNESS_ROWS` rows, the
+    cached forward through the plugin (its passes, the tapped ``moe_sum``, the pinned tile
+    configuration), the reference through the layer's kernel over the whole expert set copied
+    from the host to the GPU. Independent of how two engines compile (their tokens can differ
+    without any cache). Unquantized layers only (``RowcacheMoEMethod``: ``_host`` is its
+    ``(w13, w2)`` in pinned host memory); other layers are counted as skipped.
+
+    ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
+    largest difference}, "skipped": n}``."""
+    import torch
+
+    equal: dict[str, int] = {str(m): 0 for m in EXACTNESS_ROWS}
+    max_abs: dict[str, float] = {str(m): 0.0 for m in EXACTNESS_ROWS}
+    layers = skipped = 0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _name, module in model.named_modules():
+        method: Any = getattr(module, "quant_method", None)
+        provider = getattr(method, "rowcache_provider", None)
+        host = getattr(method, "_host", None)
+        if method is None or provider is None:
+            continue
+        if host is None:
+            skipped += 1
+            continue
+        layers += 1
+        w13, w2 = (t.to("cuda", non_blocking=False) for t in host)
+        experts_total, hidden = w13.shape[0], w13.shape[2]
+        top_k = int(method.moe.experts_per_token)
+        for rows in EXACTNESS_ROWS:
+            x = torch.randn(rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            logits = torch.randn(rows, experts_total, device="cuda", generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            ids = ids.to(torch.int32)
+            reference = method.moe_kernel.apply(
+                hidden_states=x,
+                w1=w13,
+                w2=w2,
+                topk_weights=weights,
+                topk_ids=ids,
+                activation=module.activation,
+                global_num_experts=module.global_num_experts,
+                expert_map=None,
+                apply_router_weight_on_input=module.apply_router_weight_on_input,
+                shared_experts=None,
+                shared_experts_input=None,
+            ).clone()
+            cached = method._cached_apply(provider, module, x, weights, ids, None, None).clone()
+            torch.cuda.synchronize()
+            if torch.equal(reference.view(torch.int16), cached.view(torch.int16)):
+                equal[str(rows)] += 1
+            difference = (reference.float() - cached.float()).abs().max().item()
+            max_abs[str(rows)] = max(max_abs[str(rows)], float(difference))
+        del w13, w2
+        torch.cuda.empty_cache()
+    return {
+        "rows": list(EXACTNESS_ROWS),
+        "layers": layers,
+        "equal": equal,
+        "max_abs": max_abs,
+        "skipped": skipped,
+    }

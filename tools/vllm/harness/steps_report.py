@@ -292,4 +292,31 @@ def targets(results: Results, prefix: str) -> list[str]:
         lines.append(
             f"  tokens {label} identical to no offload{what and ' ' + what}: {verdict}{extra}"
         )
+    for label in ("row32dev.full", "row32dev.eager"):
+        line = exactness_line(results.get(f"{prefix}.{label}"), label)
+        if line is not None:
+            lines.append(line)
     return [f"targets ({prefix}, issue 18):", *lines] if lines else []
+
+
+def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
+    """The in-engine comparison (``probes.exactness``): every cached layer's forward against
+    vLLM's kernel with every expert resident, bit for bit, at each row count."""
+    found = (record or {}).get("exactness")
+    if not found or not found.get("layers"):
+        return None
+    layers = int(found["layers"])
+    cells = [
+        f"{rows}: {found['equal'][str(rows)]}/{layers}"
+        + (
+            ""
+            if found["equal"][str(rows)] == layers
+            else f" (max |d| {found['max_abs'][str(rows)]:.3g})"
+        )
+        for rows in found["rows"]
+    ]
+    every = all(found["equal"][str(rows)] == layers for rows in found["rows"])
+    return (
+        f"  layers of {label} bit-identical to vLLM's kernel with every expert resident, by rows "
+        f"({', '.join(cells)}): {'met' if every else 'MISSED'}"
+    )
