@@ -371,8 +371,8 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     results = again.phase(phase, phase.engines({}))
     assert [n for n, _ in given][:3] == [
         "steps.plain.none2.full",
-        "steps.plain.prefetch.full",
         "steps.plain.row32dev.full",
+        "steps.plain.none.eager",
     ]
     assert results["steps.plain.none.full"] is done["steps.plain.none.full"]
     names = [json.loads(x)["name"] for x in (out / orchestrate.RECORDS).read_text().splitlines()]
