@@ -34,19 +34,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeAlias
 
-import torch
 from torch import Tensor
 
 from rowcache.device_plan.forward import (
     PassPlanned,
+    check_rows,
     check_unreduced,
-    exposed_entries,
-    merge_pass,
+    merge_passes,
     reduce_once,
     run_passes,
     run_passes_unreduced,
+    sum_passes,
 )
-from rowcache.errors import InvalidInputError, RowCacheError
+from rowcache.errors import InvalidInputError
 from rowcache.planning import plan_chunks, plan_expert_groups
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 
@@ -66,14 +66,6 @@ UnreducedRunFn: TypeAlias = Callable[[ExpertWeightResult, slice, bool], Tensor]
 
 ReduceFn: TypeAlias = Callable[[Tensor, Tensor], None]
 """``reduce(unreduced [M, top_k, H], output [M, H])``: writes each token's reduction."""
-
-
-def _check_rows(output: Tensor, rows: slice, expected: int) -> None:
-    if output.dim() == 0 or output.shape[0] != expected:
-        raise RowCacheError(
-            f"run_with_expert_cache: run returned shape {tuple(output.shape)} for rows "
-            f"{rows.start}:{rows.stop}, expected a first dimension of {expected}"
-        )
 
 
 def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run: RunFn) -> Tensor:
@@ -109,7 +101,14 @@ def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run:
         groups = _step_groups(provider, topk_ids)
         if len(groups) <= 1:
             return run(provider.prepare(topk_ids), slice(0, topk_ids.shape[0]), True)
-        return _expert_split(provider, topk_ids, run, groups)
+        # Reduced outputs summed in float32: not bit-identical to one call (see the module
+        # docstring); run_unreduced_with_expert_cache is the exact route.
+        return sum_passes(
+            lambda index: provider.prepare(topk_ids, unique_ids=groups[index]),
+            len(groups),
+            topk_ids,
+            run,
+        )
     raise InvalidInputError(f"run_with_expert_cache: unknown split {split!r}")
 
 
@@ -156,18 +155,13 @@ def run_unreduced_with_expert_cache(
         return reduce_once(reduce, step)
     if split == "expert":
         groups = _step_groups(provider, topk_ids)
-        step = None
-        for index, group in enumerate(groups):
-            weights = provider.prepare(topk_ids, unique_ids=group)
-            part = run_unreduced(weights, every_row, index == 0)
-            check_unreduced(part, topk_ids, every_row)
-            if len(groups) <= 1:
-                return reduce_once(reduce, part)
-            if step is None:
-                step = torch.zeros_like(part, memory_format=torch.contiguous_format)
-            merge_pass(step, part, exposed_entries(weights.expert_map, topk_ids))
-        assert step is not None
-        return reduce_once(reduce, step)
+        return merge_passes(
+            lambda index: provider.prepare(topk_ids, unique_ids=groups[index]),
+            len(groups),
+            topk_ids,
+            run_unreduced,
+            reduce,
+        )
     raise InvalidInputError(f"run_unreduced_with_expert_cache: unknown split {split!r}")
 
 
@@ -193,33 +187,9 @@ def _token_split(
     for start, stop in chunks:
         rows = slice(start, stop)
         part = run(provider.prepare(topk_ids[rows]), rows, True)
-        _check_rows(part, rows, stop - start)
+        check_rows(part, rows, stop - start)
         if out is None:
             out = part.new_empty((topk_ids.shape[0], *part.shape[1:]))
         out[rows] = part
     assert out is not None
     return out
-
-
-def _expert_split(
-    provider: ExpertWeightProvider,
-    topk_ids: Tensor,
-    run: RunFn,
-    groups: list[list[int]],
-) -> Tensor:
-    # Reduced outputs summed in float32: not bit-identical to one call (see the module
-    # docstring); run_unreduced_with_expert_cache is the exact route.
-    every_row = slice(0, topk_ids.shape[0])
-    total: Tensor | None = None
-    dtype = torch.float32
-    for index, group in enumerate(groups):
-        part = run(provider.prepare(topk_ids, unique_ids=group), every_row, index == 0)
-        _check_rows(part, every_row, topk_ids.shape[0])
-        if total is None:
-            dtype = part.dtype
-            # A copy even for float32 output: run may return a buffer it reuses.
-            total = part.to(torch.float32, copy=True)
-        else:
-            total.add_(part)
-    assert total is not None
-    return total.to(dtype)

@@ -31,12 +31,15 @@ from rowcache.types import ExpertWeightResult
 
 __all__ = [
     "PassPlanned",
+    "check_rows",
     "check_unreduced",
     "exposed_entries",
     "merge_pass",
+    "merge_passes",
     "reduce_once",
     "run_passes",
     "run_passes_unreduced",
+    "sum_passes",
 ]
 
 
@@ -54,6 +57,14 @@ class PassPlanned(Protocol):
     ) -> ExpertWeightResult: ...
 
 
+def _passes(
+    provider: PassPlanned, topk_ids: Tensor
+) -> tuple[Callable[[int], ExpertWeightResult], int]:
+    """The ``prepare`` of each pass of this step (by index), and the number of passes."""
+    total = provider.num_passes(topk_ids)
+    return lambda index: provider.prepare(topk_ids, pass_index=index, passes=total), total
+
+
 def run_passes(
     provider: PassPlanned,
     topk_ids: Tensor,
@@ -61,27 +72,48 @@ def run_passes(
 ) -> Tensor:
     """``run(weights, rows, include_shared)`` once per pass; see the module docstring (a
     multi-pass step is summed in float32: not bit-identical to one call)."""
-    call = run
-    rows = slice(0, topk_ids.shape[0])
-    total = provider.num_passes(topk_ids)
+    prepare, total = _passes(provider, topk_ids)
     if total == 1:
-        return call(provider.prepare(topk_ids, pass_index=0, passes=1), rows, True)
+        return run(prepare(0), slice(0, topk_ids.shape[0]), True)
+    return sum_passes(prepare, total, topk_ids, run)
+
+
+def sum_passes(
+    prepare: Callable[[int], ExpertWeightResult],
+    count: int,
+    topk_ids: Tensor,
+    run: Callable[[ExpertWeightResult, slice, bool], Tensor],
+) -> Tensor:
+    """``run(prepare(index), every row, index == 0)`` for each of ``count`` passes, in order,
+    the outputs summed in float32 and cast back to the first output's dtype.
+
+    Shared by ``run_passes`` and the host planner's expert split
+    (``rowcache.forward.run_with_expert_cache``). Not bit-identical to one call that reduces
+    each token's top-k outputs once; the unreduced route (``merge_passes``) is.
+    """
+    rows = slice(0, topk_ids.shape[0])
     summed: Tensor | None = None
     dtype = torch.float32
-    for index in range(total):
-        part = call(provider.prepare(topk_ids, pass_index=index, passes=total), rows, index == 0)
-        if part.dim() == 0 or part.shape[0] != topk_ids.shape[0]:
-            raise RowCacheError(
-                f"run_with_expert_cache: run returned shape {tuple(part.shape)} for "
-                f"{topk_ids.shape[0]} rows"
-            )
+    for index in range(count):
+        part = run(prepare(index), rows, index == 0)
+        check_rows(part, rows, topk_ids.shape[0])
         if summed is None:
             dtype = part.dtype
+            # A copy even for float32 output: run may return a buffer it reuses.
             summed = part.to(torch.float32, copy=True)
         else:
             summed.add_(part)
     assert summed is not None
     return summed.to(dtype)
+
+
+def check_rows(output: Tensor, rows: slice, expected: int) -> None:
+    """Raise unless ``output``'s first dimension is ``expected`` (the rows ``run`` was given)."""
+    if output.dim() == 0 or output.shape[0] != expected:
+        raise RowCacheError(
+            f"run_with_expert_cache: run returned shape {tuple(output.shape)} for rows "
+            f"{rows.start}:{rows.stop}, expected a first dimension of {expected}"
+        )
 
 
 def check_unreduced(part: Tensor, topk_ids: Tensor, rows: slice) -> None:
@@ -129,21 +161,36 @@ def run_passes_unreduced(
     run_unreduced: Callable[[ExpertWeightResult, slice, bool], Tensor],
     reduce: Callable[[Tensor, Tensor], None],
 ) -> Tensor:
-    """The exact route of the module docstring; returns the output ``reduce`` wrote.
+    """The exact route of the module docstring; returns the output ``reduce`` wrote
+    (``merge_passes`` over the provider's passes)."""
+    return merge_passes(*_passes(provider, topk_ids), topk_ids, run_unreduced, reduce)
 
-    One pass: ``reduce(part, output)`` over that pass's output as it is. More: a zeroed step
-    buffer of the first pass's shape and dtype, each pass's exposed entries merged into it
-    (entries no pass exposes, such as padding, stay +0), then ``reduce(step, output)`` once.
+
+def merge_passes(
+    prepare: Callable[[int], ExpertWeightResult],
+    count: int,
+    topk_ids: Tensor,
+    run_unreduced: Callable[[ExpertWeightResult, slice, bool], Tensor],
+    reduce: Callable[[Tensor, Tensor], None],
+) -> Tensor:
+    """``run_unreduced(prepare(index), every row, index == 0)`` for each of ``count`` passes,
+    in order, merged into one step buffer and reduced once; returns the output ``reduce``
+    wrote.
+
+    Shared by ``run_passes_unreduced`` and the host planner's expert split
+    (``rowcache.forward.run_unreduced_with_expert_cache``). One pass: ``reduce(part,
+    output)`` over that pass's output as it is. More: a zeroed step buffer of the first
+    pass's shape and dtype, each pass's exposed entries merged into it (``merge_pass``;
+    entries no pass exposes, such as padding, stay +0), then ``reduce(step, output)`` once.
     ``output`` is allocated here, ``[M, *part.shape[2:]]`` in ``part``'s dtype.
     """
     rows = slice(0, topk_ids.shape[0])
-    total = provider.num_passes(topk_ids)
     step: Tensor | None = None
-    for index in range(total):
-        weights = provider.prepare(topk_ids, pass_index=index, passes=total)
+    for index in range(count):
+        weights = prepare(index)
         part = run_unreduced(weights, rows, index == 0)
         check_unreduced(part, topk_ids, rows)
-        if total == 1:
+        if count == 1:
             return reduce_once(reduce, part)
         if step is None:
             step = torch.zeros_like(part, memory_format=torch.contiguous_format)
