@@ -9,13 +9,15 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from model_check.config import (
+    B32,
     CHECKS,
     DEVICE_CHECKS,
+    DEVICE_MUTANT_CHECKS,
     MANIFEST_PATH,
     MUTANT_CHECKS,
     WRITE_COMMAND,
@@ -24,10 +26,6 @@ from model_check.config import (
     load_manifest,
     manifest_text,
 )
-from model_check.device.program import NotExpressible
-from model_check.device_path import checks as device_checks
-from model_check.device_path.mutants import DEVICE_MUTANTS, device_mutant
-from model_check.device_path.table import DeviceTable, load_device_table
 from model_check.report import (
     Column,
     Kill,
@@ -39,17 +37,25 @@ from model_check.report import (
     verdict_table,
 )
 from model_check.search import Result, explore
-from model_check.table.mutants import MUTANTS, Mutant, mutant
-from model_check.table.properties import PROPERTIES
+from model_check.streams.program import NotExpressible
+from model_check.table.mutants import DEVICE_MUTANTS, MUTANTS, Mutant, device_mutant, mutant
+from model_check.table.properties import DEVICE_PROPERTIES, PROPERTIES
 from model_check.table.reference import Bounds
-from model_check.table.schema import Table, load_table
+from model_check.table.schema import DeviceTable, Table, load_device_table, load_table
 
-# Properties each explorer decides (the summary leaves P7 to the explicit model).
-DECIDES = {
-    "hb": [p for p in PROPERTIES if p != "P7_no_deadlock"],
-    "interleavings": list(PROPERTIES),
-}
 MACHINE_BOUNDS = Bounds(num_experts=4, capacity=3)
+
+
+def properties_of(table: Table | DeviceTable) -> dict[str, str]:
+    return DEVICE_PROPERTIES if isinstance(table, DeviceTable) else PROPERTIES
+
+
+def decides(properties: Sequence[str]) -> dict[str, list[str]]:
+    """Properties each explorer decides (the summary leaves P7 to the explicit model)."""
+    return {
+        "hb": [p for p in properties if p != "P7_no_deadlock"],
+        "interleavings": list(properties),
+    }
 
 
 # One unit of a full run, done in a worker process: an exhaustive exploration ("explore"), the
@@ -80,17 +86,7 @@ ESTIMATES: dict[tuple[str, str], float] = {
 
 def _run_job(job: Job) -> Result | Column:
     kind, table, check, examples, steps = job
-    if kind.startswith("device_"):
-        assert isinstance(table, DeviceTable)
-        if kind == "device_machine":
-            return device_checks.machine_column(table, examples, steps)
-        assert check is not None
-        if kind == "device_z3":
-            # The induction does not depend on the bounds: once, with the smaller ones.
-            induction = check.bounds == device_checks.B32
-            return device_checks.z3_column(table, check.bounds, check.depth, induction)
-        return device_checks.explore(table, check)
-    assert isinstance(table, Table)
+    kind = kind.removeprefix("device_")  # the same job on the [device] section
     if kind == "machine":
         return machine_column(table, examples, steps)
     assert check is not None
@@ -135,14 +131,12 @@ def _schedule(
     return jobs + sorted(rest, key=estimate)
 
 
-@dataclass
-class FullRun:
+class PathRun(NamedTuple):
+    """One path's part of a full run: its searches, z3 columns and machine column."""
+
     explorers: list[tuple[Check, Result]]
     z3: list[Column]
     machine: Column | None
-    device_explorers: list[tuple[Check, Result]] = field(default_factory=list)
-    device_z3: list[Column] = field(default_factory=list)
-    device_machine: Column | None = None
 
 
 def run_all(
@@ -155,12 +149,13 @@ def run_all(
     machine: bool = True,
     device_table: DeviceTable | None = None,
     device: Sequence[Check] = (),
-) -> FullRun:
+) -> dict[str, PathRun]:
     """Every checker of `python -m model_check`, spread over two processes; the results do not
     depend on the order they finish in. `device`: the device-planned path's checks to run too
-    (on `device_table`, by default the table's [device] section)."""
+    (on `device_table`, by default the table's [device] section). Per path ("host", "device")."""
+    tables: dict[str, Table | DeviceTable | None] = {"": table, "device_": device_table}
     if device and device_table is None:
-        device_table = load_device_table()
+        tables["device_"] = load_device_table()
     plan = [
         (kind, check)
         for kind, check in _schedule(checks, device)
@@ -168,114 +163,112 @@ def run_all(
     ]
     jobs: list[Job] = []
     for kind, check in plan:
-        source: Table | DeviceTable = table
-        if kind.startswith("device_"):
-            assert device_table is not None
-            source = device_table
+        source = tables["device_" if kind.startswith("device_") else ""]
+        assert source is not None
         jobs.append((kind, source, check, examples, steps))
     results = _pool_map(jobs)
     done = {
         (kind, None if c is None else c.key): r for (kind, c), r in zip(plan, results, strict=True)
     }
 
-    def searches(kind: str, of: Sequence[Check]) -> list[tuple[Check, Result]]:
-        out = []
+    def path_run(prefix: str, of: Sequence[Check]) -> PathRun:
+        searches: list[tuple[Check, Result]] = []
         for c in of:
-            result = done[(kind, c.key)]
+            result = done[(prefix + "explore", c.key)]
             assert isinstance(result, Result)
-            out.append((c, result))
-        return out
+            searches.append((c, result))
+        columns = [col for c in of if isinstance(col := done.get((prefix + "z3", c.key)), Column)]
+        found = done.get((prefix + "machine", None))
+        assert found is None or isinstance(found, Column)
+        return PathRun(searches, columns, found)
 
-    def columns(kind: str, of: Sequence[Check]) -> list[Column]:
-        out = []
-        for c in of:
-            col = done.get((kind, c.key))
-            if col is not None:
-                assert isinstance(col, Column)
-                out.append(col)
-        return out
-
-    found = done.get(("machine", None))
-    assert found is None or isinstance(found, Column)
-    found_device = done.get(("device_machine", None))
-    assert found_device is None or isinstance(found_device, Column)
-    return FullRun(
-        searches("explore", checks),
-        columns("z3", checks),
-        found,
-        searches("device_explore", device),
-        columns("device_z3", device),
-        found_device,
-    )
+    return {"host": path_run("", checks), "device": path_run("device_", device)}
 
 
-def explorer_columns(runs: list[tuple[Check, Result]], manifest: dict[str, Pinned]) -> list[Column]:
+def explorer_columns(
+    runs: list[tuple[Check, Result]],
+    manifest: dict[str, Pinned],
+    properties: Sequence[str] = tuple(PROPERTIES),
+) -> list[Column]:
+    """The exhaustive searches' columns of either path (`properties`: the path's)."""
     return search_columns(
         runs,
         manifest,
-        DECIDES,
+        decides(properties),
         lambda _, result: set(result.missing_reachability()),
         MANIFEST_PATH.name,
         WRITE_COMMAND,
     )
 
 
-def machine_column(table: Table, examples: int, steps: int) -> Column:
+def _prefix(table: Table | DeviceTable) -> str:
+    return "device/" if isinstance(table, DeviceTable) else ""
+
+
+def machine_column(table: Table | DeviceTable, examples: int, steps: int) -> Column:
     from model_check.search.machine import run_machine
 
     start = time.perf_counter()
     found = run_machine(table, MACHINE_BOUNDS, max_examples=examples, steps=steps)
+    b = MACHINE_BOUNDS
     return Column(
-        name=f"hypothesis/{MACHINE_BOUNDS.num_experts}e{MACHINE_BOUNDS.capacity}c",
+        name=f"{_prefix(table)}hypothesis/{b.num_experts}e{b.capacity}c",
         states=None,
         depth=steps,
         seconds=time.perf_counter() - start,
-        decides=list(PROPERTIES),
+        decides=list(properties_of(table)),
         violation=found,
     )
 
 
-def z3_column(table: Table, check: Check) -> Column:
+def z3_column(table: Table | DeviceTable, check: Check) -> Column:
     from model_check.z3 import check as z3_check
+    from model_check.z3 import device_path as z3_device
 
-    report = z3_check.check_table(table, check.bounds, check.depth)
-    col = Column(
-        name=f"z3/{check.bounds.num_experts}e{check.bounds.capacity}c/d{check.depth}",
-        states=None,
-        depth=check.depth,
-        seconds=report.seconds,
-        decides=list(report.decides),
-        violation=report.violation,
-    )
+    b = check.bounds
+    name = f"{_prefix(table)}z3/{b.num_experts}e{b.capacity}c/d{check.depth}"
+    notes: list[str] = []
+    if isinstance(table, DeviceTable):
+        # The induction does not depend on the bounds: once, with the smaller ones.
+        device = z3_device.check(table, b, check.depth, induction=b == B32)
+        report: z3_check.Z3Report | z3_device.Z3Report = device
+        unknown = [p for p, v in device.verdicts.items() if v == "unknown"]
+        if unknown:
+            notes.append(f"{name}: unknown: {', '.join(unknown)}")
+        ind = device.induction
+        if ind is not None and not ind.ok:
+            notes.append(
+                f"{name}: induction failed: {ind.proved}, {ind.per_operation}, {ind.counterexample}"
+            )
+    else:
+        report = host = z3_check.check_table(table, b, check.depth)
+        if not host.ok and host.violation is None:
+            notes.append(f"{name}: not proved:\n{host.text()}")
+    col = Column(name, None, check.depth, report.seconds, list(report.decides), report.violation)
     if report.vacuous:
-        col.notes.append(f"{col.name}: never reached {', '.join(report.vacuous)}")
-    if not report.ok and report.violation is None:
-        col.notes.append(f"{col.name}: not proved:\n{report.text()}")
+        col.notes.append(f"{name}: never reached {', '.join(report.vacuous)}")
+    col.notes += notes
     return col
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from model_check.device_path.core import PROPERTIES as DEVICE_PROPERTIES
-
-    table = load_table()
     manifest = load_manifest()
-    full = run_all(table, examples=args.examples, steps=args.steps, device=DEVICE_CHECKS)
-    runs = full.explorers
+    full = run_all(load_table(), examples=args.examples, steps=args.steps, device=DEVICE_CHECKS)
     if args.write_manifest:
         rows = [
             (c, Pinned(r.states, r.transitions, r.max_depth_reached))
-            for c, r in [*runs, *full.device_explorers]
+            for run in full.values()
+            for c, r in run.explorers
         ]
         MANIFEST_PATH.write_text(manifest_text(rows))
         manifest = load_manifest()
-    columns = explorer_columns(runs, manifest)
-    columns += full.z3
-    assert full.machine is not None
-    columns.append(full.machine)
-    device = device_checks.search_columns(full.device_explorers, manifest, WRITE_COMMAND)
-    device += full.device_z3
-    assert full.device_machine is not None
-    device.append(full.device_machine)
+    props = {"host": PROPERTIES, "device": DEVICE_PROPERTIES}
+    tables: dict[str, list[Column]] = {}
+    for path, run in full.items():
+        assert run.machine is not None
+        searches = explorer_columns(run.explorers, manifest, tuple(props[path]))
+        tables[path] = [*searches, *run.z3, run.machine]
+    columns, device = tables["host"], tables["device"]
     ok = all(c.ok for c in [*columns, *device])
     if args.json:
         print(
@@ -301,10 +294,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -> list[Kill]:
+def kill_row(
+    m: Mutant[Any], table: Table | DeviceTable, examples: int, steps: int, use_z3: bool
+) -> list[Kill]:
+    """The mutant's row of the kill matrix, of either path: both searches, the explicit model
+    on the intended property, z3 (first counterexample at either bound) and the machine."""
     mutated = m.apply(table)
     row: list[Kill] = []
-    for check in MUTANT_CHECKS:
+    checks = DEVICE_MUTANT_CHECKS if isinstance(table, DeviceTable) else MUTANT_CHECKS
+    for check in checks:
         start = time.perf_counter()
         try:
             result = explore(mutated, check.bounds, check.depth, model=check.model)
@@ -315,7 +313,7 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
         row.append(Kill(check.key, found, time.perf_counter() - start))
     # The bug breaks the property it was seeded against, not just some property.
     start = time.perf_counter()
-    target = next(c for c in MUTANT_CHECKS if c.model == "interleavings")
+    target = next(c for c in checks if c.model == "interleavings")
     result = explore(mutated, target.bounds, target.depth, model=target.model, only=m.breaks)
     row.append(
         Kill(
@@ -334,45 +332,51 @@ def kill_row(m: Mutant, table: Table, examples: int, steps: int, use_z3: bool) -
     return row
 
 
-def z3_kill(mutated: Table) -> Kill:
+def z3_kill(mutated: Table | DeviceTable) -> Kill:
+    """z3's first violation at either bound (`z3.check.CONFIGURATIONS`), in one query each."""
     from model_check.z3 import check as z3_check
+    from model_check.z3 import device_path as z3_device
 
     start = time.perf_counter()
     found_z3: str | None = None
-    for check in CHECKS:
-        if check.model == "hb":
+    for bounds, depth in z3_check.CONFIGURATIONS:
+        report: z3_check.Z3Report | z3_device.Z3Report
+        if isinstance(mutated, DeviceTable):
+            report = z3_device.check(
+                mutated, bounds, depth, induction=False, reachability=False, stop_at_first=True
+            )
+        else:
             report = z3_check.check_table(
                 mutated,
-                check.bounds,
-                check.depth,
+                bounds,
+                depth,
                 induction=False,
                 reachability=False,
                 replay_counterexamples=False,
                 stop_at_first=True,
             )
-            if report.violation is not None:
-                found_z3 = report.violation.prop
-                break
+        if report.violation is not None:
+            found_z3 = report.violation.prop
+            break
     return Kill("z3", found_z3, time.perf_counter() - start)
 
 
-def _kill_job(job: tuple[str, str, Table, int, int, bool]) -> list[Kill]:
+def _kill_job(job: tuple[str, str, Table | DeviceTable, int, int, bool]) -> list[Kill]:
     path, name, table, examples, steps, use_z3 = job
-    if path == "device":
-        return device_checks.kill_row(device_mutant(name), examples, steps, use_z3)
-    return kill_row(mutant(name), table, examples, steps, use_z3)
+    m: Mutant[Any] = device_mutant(name) if path == "device" else mutant(name)
+    return kill_row(m, table, examples, steps, use_z3)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    table = load_table()
+    tables: dict[str, Table | DeviceTable] = {"host": load_table(), "device": load_device_table()}
     use_z3 = not args.no_z3
     # Rows are independent and printed in catalogue order. Each runs in a fresh process, with
     # one worker too: which property z3's first counterexample shows depends on the queries
     # the process made before, and a fresh process makes the matrix the same from run to run.
-    # The device-planned path's mutants (model_check/device_path/mutants.py) follow.
+    # The device-planned path's mutants (`table.mutants.DEVICE_MUTANTS`) follow.
     names = [("host", m.name) for m in MUTANTS] + [("device", m.name) for m in DEVICE_MUTANTS]
     workers = min(len(names), os.cpu_count() or 1, 2)
-    jobs = [(path, name, table, args.examples, args.steps, use_z3) for path, name in names]
+    jobs = [(path, name, tables[path], args.examples, args.steps, use_z3) for path, name in names]
     with ProcessPoolExecutor(
         max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1
     ) as pool:
@@ -411,7 +415,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from model_check.render import swimlane_svg, swimlane_text
 
     if args.mutant in {m.name for m in DEVICE_MUTANTS}:
-        print(device_checks.explain(args.mutant, args.depth))
+        print(explain_device(args.mutant, args.depth))
         if args.out:
             print("\n(no drawing for the device path's mutants: the text above is the trace)")
         return 0
@@ -431,9 +435,37 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def explain_device(name: str, depth: int = 3) -> str:
+    """The shortest counterexample of a device mutant on the explicit model, as text: every
+    host call and device step, each host call with the device operations it enqueued."""
+    from model_check.search.bfs import bfs
+    from model_check.search.device_models import DeviceQueueModel
+
+    m = device_mutant(name)
+    model = DeviceQueueModel(m.apply(load_device_table()), B32, m.breaks)
+    result = bfs(model, depth, only=m.breaks, symmetry=False)
+    if result.violation is None:
+        return f"{m.name}: no violation of {m.breaks} within {depth} host calls"
+    lines = [f"{m.name}: {m.description}", ""]
+    for action, outcome in result.trace:
+        if action.kind != "host":
+            lines.append(f"    {action}")
+            continue
+        lines.append(f"  {action}")
+        state = outcome.state
+        part = model.part_of(state) if isinstance(state, tuple) else None
+        if part is not None:
+            for sid, queue in enumerate(part.queues):
+                if queue:
+                    shown = ", ".join(op.kind for op in queue)
+                    lines.append(f"      pending on stream {sid}: {shown}")
+    assert result.violation is not None
+    lines.append(f"  => {result.violation.prop}: {result.violation.detail}")
+    return "\n".join(lines)
+
+
 def cmd_diagram(args: argparse.Namespace) -> int:
-    from model_check.device_path.table import table_text as device_table_text
-    from model_check.render import table_diagram, table_text
+    from model_check.render import device_table_text, table_diagram, table_text
 
     table = load_table()
     print(table_text(table))

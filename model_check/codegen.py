@@ -31,8 +31,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from model_check.device_path.table import DeviceOp, DeviceTable, load_device_table
-from model_check.table.schema import TABLE_PATH, Operation, Step, Table, TableError, load_table
+from model_check.table.schema import (
+    TABLE_PATH,
+    DeviceOp,
+    DeviceTable,
+    Operation,
+    Step,
+    Table,
+    TableError,
+    load_device_table,
+    load_table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED_PATH = ROOT / "rowcache" / "schedules" / "_generated.py"

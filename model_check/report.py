@@ -1,7 +1,7 @@
 """What `python -m model_check` prints: checker columns by property, and kill matrices.
 
 Shared by the host path's checks (cli.py) and the device-planned path's
-(device_path/checks.py), whose properties differ.
+(the same runner, on the `[device]` section), whose properties differ.
 """
 
 from __future__ import annotations

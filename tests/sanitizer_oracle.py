@@ -3,7 +3,7 @@
 ``torch.cuda._sanitizer.EventHandler`` is the analysis half of CSAN (``TORCH_CUDA_SANITIZER``):
 pure Python, vector clocks per stream and per recorded event, and an access log per data
 pointer; it needs no GPU. Each line of a trace in the model's recording format (the format of
-``rowcache.backends.RecordingBackend`` and ``model_check.device.queues``) becomes the sanitizer
+``rowcache.backends.RecordingBackend`` and ``model_check.streams.queues``) becomes the sanitizer
 call that a real run would have produced:
 
   record <event> on <s>                 event record (one synthetic event id per name)

@@ -1,7 +1,7 @@
 """The provider conforms to the model: host state, counters and device calls, step by step.
 
 A hypothesis state machine drives a ``RowCacheWeightProvider`` (on the recording backend) and
-the model (``model_check.device.queues``, the table's executable semantics) side by side with the
+the model (``model_check.streams.queues``, the table's executable semantics) side by side with the
 same host calls: prepares and invalidates on two consumer streams, bad inputs of every kind,
 and, model side, consumer reads, device steps and host synchronizations. After every call it
 compares what both can observe: the LRU order, each expert's slot, the forward map, the
@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 from sanitizer_oracle import races
 
 from model_check import codegen
-from model_check.device.queues import (
+from model_check.streams.queues import (
     State,
     device_step,
     host_call,

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from model_check import codegen
-from model_check.device_path.mutants import device_mutant
-from model_check.device_path.table import DeviceTable, load_device_table
 from model_check.table import TableError
+from model_check.table.mutants import device_mutant
+from model_check.table.schema import DeviceTable, load_device_table
 from rowcache.schedules import _device_generated
 
 TABLE = load_device_table()

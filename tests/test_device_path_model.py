@@ -8,14 +8,17 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from model_check.config import DEVICE_CHECKS, DEVICE_MUTANT_CHECKS, Check, Pinned, load_manifest
-from model_check.device_path.checks import EXPECTED_TAGS, Z3_CONFIGS, explore
-from model_check.device_path.core import (
-    PROPERTIES,
-    REACHABILITY,
+from model_check.search import Result
+from model_check.search import explore as search_explore
+from model_check.search.device_models import DeviceHbModel, DeviceQueueModel
+from model_check.search.replay import Call
+from model_check.streams.device_hb import Summary, device_program
+from model_check.streams.device_program import (
     HostPart,
     Interpreter,
     call,
@@ -23,23 +26,31 @@ from model_check.device_path.core import (
     initial_host,
     interpret,
 )
-from model_check.device_path.explicit import execute, host_call, initial_state, replay, runnable
-from model_check.device_path.functions import (
+from model_check.streams.device_queues import execute, host_call, initial_state, replay, runnable
+from model_check.table import TableError
+from model_check.table.device_functions import (
     FUNCTIONS,
     SAME_STATE_AS_REFERENCE,
     initial_dev,
     plan_pass,
     select,
 )
-from model_check.device_path.hb import HbModel, Summary, device_program
-from model_check.device_path.mutants import DEVICE_MUTANTS, DeviceMutant, device_mutant
-from model_check.device_path.table import DeviceStep, load_device_table, parse_device_table
-from model_check.search.replay import Call
-from model_check.table import TableError
+from model_check.table.mutants import DEVICE_MUTANTS, Mutant, device_mutant
+from model_check.table.properties import DEVICE_PROPERTIES as PROPERTIES
+from model_check.table.properties import DEVICE_REACHABILITY as REACHABILITY
 from model_check.table.reference import Bounds
+from model_check.table.schema import DeviceStep, DeviceTable, load_device_table, parse_device_table
+from model_check.z3.check import CONFIGURATIONS
 
 B32 = Bounds(num_experts=3, capacity=2)
 TABLE = load_device_table()
+# Observations each model must reach in one of its runs.
+EXPECTED_TAGS = {"hb": DeviceHbModel.expected_tags, "interleavings": DeviceQueueModel.expected_tags}
+
+
+def explore(table: DeviceTable, check: Check, **how: Any) -> Result:
+    """One exhaustive check of a device table (`search.explore`)."""
+    return search_explore(table, check.bounds, check.depth, model=check.model, **how)
 
 
 # ---------------------------------------------------------------- the table
@@ -129,7 +140,7 @@ def test_record_snapshots_work_enqueued_so_far_and_wait_copies_the_snapshot() ->
     state = initial_state(TABLE, B32)
     state = host_call(TABLE, B32, state, call("device_prepare", ((0,), 0), 0)).state
     queue = state.part.queues[0]
-    assert [op.kind for op in queue] == ["plan", "gather"] and queue[1].glue
+    assert [op.kind for op in queue] == ["plan", "gather"] and queue[1].glued
     # A prepare from stream 1: the handoff event holds stream 0's two operations.
     after = host_call(TABLE, B32, state, call("device_prepare", ((1,), 0), 1)).state
     wait = after.part.queues[1][0]
@@ -207,7 +218,7 @@ def test_calls_made_on_stream_zero_only_cannot_depend_on_the_stream() -> None:
 
 def _host_parts(depth: int) -> set[HostPart]:
     """Every host part the summary reaches within `depth` calls."""
-    model = HbModel(TABLE, B32)
+    model = DeviceHbModel(TABLE, B32)
     level = {model.initial()}
     seen = set(level)
     for _ in range(depth):
@@ -224,7 +235,7 @@ def _host_parts(depth: int) -> set[HostPart]:
 def test_functions_said_to_keep_the_reference_state_do_so() -> None:
     """z3_check ties the shadow's cache state to the reference's when every function of the
     table is in SAME_STATE_AS_REFERENCE: check the claim on every reachable host part."""
-    from model_check.device_path.functions import num_passes, plan_fn
+    from model_check.table.device_functions import num_passes, plan_fn
 
     plans = [f for f in SAME_STATE_AS_REFERENCE if f in FUNCTIONS["plan"]]
     assert plans
@@ -269,9 +280,7 @@ def test_catalogue_covers_every_property_but_deadlock() -> None:
 
 @pytest.mark.parametrize("m", DEVICE_MUTANTS, ids=lambda m: m.name)
 def test_every_mutant_is_killed_by_both_searches_and_breaks_its_property(m: object) -> None:
-    from model_check.device_path.mutants import DeviceMutant
-
-    assert isinstance(m, DeviceMutant)
+    assert isinstance(m, Mutant)
     table = m.apply(TABLE)
     for check in DEVICE_MUTANT_CHECKS:
         assert explore(table, check).violation is not None, check.key
@@ -290,7 +299,7 @@ def test_mutant_lookup_names_the_known_ones() -> None:
 
 
 def test_z3_holds_on_the_real_table_and_the_induction_proves_the_ordering() -> None:
-    from model_check.device_path.z3_check import check
+    from model_check.z3.device_path import check
 
     report = check(TABLE, B32, 3)
     assert report.ok, (report.verdicts, report.induction)
@@ -305,7 +314,7 @@ def test_z3_holds_on_the_real_table_and_the_induction_proves_the_ordering() -> N
     ["dp_gather_past_count", "dp_replay_wait_on_capture_stream", "dp_errors_reset_by_plan"],
 )
 def test_z3_kills_mutants(name: str) -> None:
-    from model_check.device_path.z3_check import check
+    from model_check.z3.device_path import check
 
     table = device_mutant(name).apply(TABLE)
     report = check(table, B32, 4, induction=False, reachability=False, stop_at_first=True)
@@ -317,14 +326,20 @@ def _tuples(x: object) -> object:
 
 
 def z3_kill_fresh(name: str) -> tuple[Bounds, str, list[Call]] | None:
-    """`checks.z3_kill` of a mutant in a fresh process, as the kill matrix runs each row (which
-    counterexample z3 finds first depends on the queries its process made before)."""
+    """z3's first counterexample of a mutant at either bound, in a fresh process, as the kill
+    matrix's z3 column (`cli.z3_kill`) runs each row (which counterexample z3 finds first
+    depends on the queries its process made before)."""
     code = (
-        "import json; from model_check.device_path.checks import Z3_CONFIGS, z3_kill; "
-        "from model_check.device_path.mutants import device_mutant; "
-        "from model_check.device_path.table import load_device_table; "
-        f"k = z3_kill(device_mutant({name!r}).apply(load_device_table())); "
-        "print(json.dumps(k and [[b for b, _ in Z3_CONFIGS].index(k[0]), k[1], k[2]]))"
+        "import json; from model_check.z3.check import CONFIGURATIONS; "
+        "from model_check.z3.device_path import check; "
+        "from model_check.table.mutants import device_mutant; "
+        "from model_check.table.schema import load_device_table; "
+        f"t = device_mutant({name!r}).apply(load_device_table()); k = None\n"
+        "for i, (b, d) in enumerate(CONFIGURATIONS):\n"
+        "    r = check(t, b, d, induction=False, reachability=False, stop_at_first=True)\n"
+        "    if r.violation is not None:\n"
+        "        p = r.violation.prop; k = [i, p, r.calls[p]]; break\n"
+        "print(json.dumps(k))"
     )
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
@@ -334,11 +349,11 @@ def z3_kill_fresh(name: str) -> tuple[Bounds, str, list[Call]] | None:
     if found is None:
         return None
     index, prop, calls = found
-    return Z3_CONFIGS[index][0], prop, [(op, _tuples(args), s) for op, args, s in calls]  # type: ignore[misc]
+    return CONFIGURATIONS[index][0], prop, [(op, _tuples(args), s) for op, args, s in calls]  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("m", DEVICE_MUTANTS, ids=lambda m: m.name)
-def test_z3_counterexamples_replay_on_the_explicit_model(m: DeviceMutant) -> None:
+def test_z3_counterexamples_replay_on_the_explicit_model(m: Mutant[DeviceTable]) -> None:
     """Every mutant, killed by z3 as the kill matrix runs it: the explicit model, run on the
     counterexample's host calls with every interleaving, meets the same property (with
     `only`: a pass's plan, gather and read run as one step, and z3 may name the read's). One
@@ -359,21 +374,21 @@ def test_z3_counterexamples_replay_on_the_explicit_model(m: DeviceMutant) -> Non
 
 
 def test_induction_fails_without_the_handoff() -> None:
-    from model_check.device_path.z3_check import prove
+    from model_check.z3.device_path import prove
 
     result = prove(device_mutant("dp_prepare_skips_handoff").apply(TABLE), B32)
     assert not result.proved["P10_ordered_device_state"]
 
 
 def test_machine_passes_on_the_real_table() -> None:
-    from model_check.device_path.machine import run_machine
+    from model_check.search.machine import run_machine
 
     assert run_machine(TABLE, Bounds(4, 3), max_examples=60, steps=30) is None
 
 
 @pytest.mark.parametrize("name", ["dp_prepare_skips_handoff", "dp_check_errors_without_sync"])
 def test_machine_kills_mutants(name: str) -> None:
-    from model_check.device_path.machine import run_machine
+    from model_check.search.machine import run_machine
 
     table = device_mutant(name).apply(TABLE)
     assert run_machine(table, Bounds(4, 3), max_examples=200, steps=30) is not None
@@ -425,7 +440,7 @@ def test_pass_only_protection_is_equivalent_once_the_hits_come_first(fn: str) ->
     leaves no victim choice to differ: the planner that does so holds every property,
     convergence to the step-wide reference (P4) included, at the mutants' bounds. (The same
     protection with the passes in id order, `dp_protects_pass_only`, is killed above.)"""
-    from model_check.device_path.mutants import FORWARDS, _fn, _steps
+    from model_check.table.mutants import FORWARDS, _fn, _steps
 
     table = _steps(FORWARDS, _fn("plan", fn))(TABLE)
     for check in DEVICE_MUTANT_CHECKS:

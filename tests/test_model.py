@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from model_check.config import CHECKS, MUTANT_CHECKS, Check, Pinned, load_manifest
-from model_check.device.hb import NotExpressible, packing
-from model_check.device.program import Packing, Pending, Recorder, run_program
-from model_check.device.queues import QueueCall, host_call, initial_state
 from model_check.search import explore
 from model_check.search.machine import run_machine
+from model_check.streams.hb import NotExpressible, packing
+from model_check.streams.program import Packing, Pending, Recorder, run_program
+from model_check.streams.queues import QueueCall, host_call, initial_state
 from model_check.table import Step, Table, TableError, load_table, parse_table
 from model_check.table.mutants import MUTANTS, Mutant, mutant
 from model_check.table.properties import PROPERTIES, REACHABILITY

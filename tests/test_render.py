@@ -9,13 +9,6 @@ from typing import NamedTuple
 
 import pytest
 
-from model_check.device.interpreter import Action
-from model_check.device.queues import (
-    device_step,
-    host_call,
-    initial_state,
-    runnable,
-)
 from model_check.render import (
     HOST,
     LaneEvent,
@@ -29,6 +22,13 @@ from model_check.render import (
     trace_summary,
 )
 from model_check.search import explore
+from model_check.streams.interpreter import Action
+from model_check.streams.queues import (
+    device_step,
+    host_call,
+    initial_state,
+    runnable,
+)
 from model_check.table import Table, load_table
 from model_check.table.properties import Violation
 from model_check.table.reference import Bounds

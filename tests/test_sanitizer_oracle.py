@@ -17,7 +17,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from sanitizer_oracle import races
 from test_conformance import MUTANT_SETTINGS, Conformance, no_release_wait, schedules_from
 
-from model_check.device.queues import host_call, initial_state
+from model_check.streams.queues import host_call, initial_state
 from model_check.table import Step, Table, load_table
 from model_check.table.reference import Bounds
 from rowcache import RowCacheWeightProvider

@@ -44,7 +44,6 @@ from model_check.z3.check import (
     check_table,
     replay_hb,
 )
-from model_check.z3.device import P1, P2, P4, P6, P7, P8
 from model_check.z3.host import (
     EFFECT_FACTS,
     SYM_EFFECTS,
@@ -61,6 +60,7 @@ from model_check.z3.host import (
 )
 from model_check.z3.induction import ORDERING, check_invariant, prove
 from model_check.z3.invariant import differences, load_invariant
+from model_check.z3.streams import P1, P2, P4, P6, P7, P8
 
 TABLE = load_table()
 Call = tuple[str, tuple[object, ...], int]

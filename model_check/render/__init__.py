@@ -12,13 +12,14 @@ from model_check.render.swimlane import (
     swimlane_text,
     trace_summary,
 )
-from model_check.render.table import table_diagram, table_text
+from model_check.render.table import device_table_text, table_diagram, table_text
 
 __all__ = [
     "HOST",
     "LaneEvent",
     "OutcomeLike",
     "TraceSteps",
+    "device_table_text",
     "stream_names",
     "swimlane_events",
     "swimlane_svg",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from model_check.device.interpreter import Action
 from model_check.render.draw import COLORS, clip, new_figure, save, staircase
+from model_check.streams.interpreter import Action
 from model_check.table.properties import Violation
 
 __all__ = [

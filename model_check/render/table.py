@@ -1,4 +1,5 @@
-"""The transition table as text (`table_text`) and as a picture (`table_diagram`)."""
+"""The transition table as text (`table_text`, `device_table_text` for its `[device]` section)
+and as a picture (`table_diagram`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from model_check.render.draw import COLORS, lane_width, new_figure, save, staircase
-from model_check.table.schema import HOST_ONLY_KINDS, Operation, Step, Table
+from model_check.table.schema import HOST_ONLY_KINDS, DeviceTable, Operation, Step, Table
 
 ROLE_LANES = ("host", "current", "owner", "copy")
 
@@ -208,3 +209,40 @@ def table_diagram(table: Table, path: str | Path) -> Path:
                 )
     save(fig, path)
     return path
+
+
+def device_table_text(table: DeviceTable) -> str:
+    """The device section at a glance (spec/README.md shows it)."""
+    consumers = ", ".join(table.consumer_streams)
+    lines = [
+        f"device streams: consumer {consumers}; capture {table.capture_stream} (graphs are "
+        "captured there)",
+        "roles: current = the calling stream; owner = the stream of the previous eager prepare "
+        "or handoff",
+        "  (current when none); capture = the capture stream",
+    ]
+    for op in table.operations:
+        args = ", ".join(op.args)
+        marks = [m for m, on in (("hot", op.hot), ("consumer", not op.provider)) if on]
+        head = f"{op.name}({args})   guard {op.guard}"
+        if marks:
+            head += f"   ({', '.join(marks)})"
+        if op.set_owner == "current":
+            head += "   then owner := current"
+        elif op.set_owner == "current_if_none":
+            head += "   then owner := current if none"
+        lines += ["", head]
+        for i, step in enumerate(op.steps):
+            text = step.kind
+            if step.stream:
+                text += f" on {step.stream}"
+            if step.event:
+                text += f" {step.event}"
+            if step.fn:
+                text += f" ({step.fn})"
+            if step.when != "always":
+                text += f" [{step.when}]"
+            if step.graph:
+                text += "   captured, every pass"
+            lines.append(f"  {i + 1:2d}  {text}")
+    return "\n".join(lines)

@@ -1,9 +1,10 @@
 """Searches over models of the table.
 
 `model.Model` (and `model.FactoredModel`) is the interface a search needs; `models` makes the
-two device models of `model_check.device` into models; `bfs.bfs` explores any model,
-`memo.memo_search` any factored one with memoized halves; `explore.explore` runs one check by
-model name; `machine` drives both device models in lockstep with hypothesis.
+two device models of `model_check.streams` into models (`device_models`: the device-planned
+path's); `bfs.bfs` explores any model, `memo.memo_search` any factored one with memoized
+halves; `explore.explore` runs one check of either path's table by model name; `machine`
+drives both device models in lockstep with hypothesis (`device_machine`: the device path's).
 """
 
 from model_check.search.explore import explore

@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Hashable, Iterator
 from typing import Any, TypeVar
 
-from model_check.device.interpreter import Action, Outcome
 from model_check.search.model import Model, Result, without_cycle_collection
+from model_check.streams.interpreter import Action, Outcome
 
 S = TypeVar("S", bound=Hashable)
 Parents = dict[Any, tuple[Any, Action, Outcome[Any]] | None]

@@ -13,9 +13,10 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from model_check.device.interpreter import Outcome
-from model_check.device_path.core import HostPart, call, initial_host, interpret
-from model_check.device_path.explicit import (
+from model_check.search.machine import PropertyViolated
+from model_check.streams.device_hb import Pend, Summary, device_program
+from model_check.streams.device_program import HostPart, call, initial_host, interpret
+from model_check.streams.device_queues import (
     XState,
     deadlocked,
     device,
@@ -24,14 +25,13 @@ from model_check.device_path.explicit import (
     resume_host,
     runnable,
 )
-from model_check.device_path.explicit import (
+from model_check.streams.device_queues import (
     can_resume as part_can_resume,
 )
-from model_check.device_path.hb import Pend, Summary, device_program
-from model_check.device_path.table import DeviceTable
-from model_check.search.machine import PropertyViolated, run
+from model_check.streams.interpreter import Outcome
 from model_check.table.properties import Violation
 from model_check.table.reference import Bounds
+from model_check.table.schema import DeviceTable
 
 
 def machine_for(table: DeviceTable, bounds: Bounds) -> type[RuleBasedStateMachine]:
@@ -153,11 +153,3 @@ def machine_for(table: DeviceTable, bounds: Bounds) -> type[RuleBasedStateMachin
 
     DeviceMachine.__name__ = "DeviceMachine"
     return DeviceMachine
-
-
-def run_machine(
-    table: DeviceTable, bounds: Bounds, *, max_examples: int, steps: int, derandomize: bool = True
-) -> Violation | None:
-    """Run the machine; the violation it found (after shrinking), or None."""
-    machine = machine_for(table, bounds)
-    return run(machine, max_examples=max_examples, steps=steps, derandomize=derandomize)

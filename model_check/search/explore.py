@@ -1,19 +1,25 @@
-"""`explore`: one exhaustive check of a table, by device model name."""
+"""`explore`: one exhaustive check of either path's table, by device model name."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Any, TypeVar
+
 from model_check.search.bfs import bfs
+from model_check.search.device_models import DeviceHbModel, DeviceQueueModel
 from model_check.search.memo import memo_search
-from model_check.search.model import Result
+from model_check.search.model import FactoredModel, Model, Result
 from model_check.search.models import HbModel, QueueModel
 from model_check.table.reference import Bounds
-from model_check.table.schema import Table
+from model_check.table.schema import DeviceTable, Table
 
 MODELS = ("interleavings", "hb")
+S = TypeVar("S", bound=Hashable)
+H = TypeVar("H", bound=Hashable)
 
 
 def explore(
-    table: Table,
+    table: Table | DeviceTable,
     bounds: Bounds,
     depth: int,
     *,
@@ -24,7 +30,8 @@ def explore(
     fast: bool = True,
 ) -> Result:
     """Explore every host-call sequence of up to `depth` calls with the device model `model`
-    ("interleavings": `QueueModel`; "hb": `HbModel`).
+    ("interleavings": `QueueModel`, or `DeviceQueueModel` for the device-planned path's
+    table; "hb": `HbModel` or `DeviceHbModel`).
 
     With `only`, violations of other properties are ignored (used to show that a mutant
     breaks the property it was seeded against, not just some property).
@@ -34,15 +41,24 @@ def explore(
     `fast=False` runs the plain search (`bfs.bfs`) instead (the tests compare the two)."""
     if model not in MODELS:
         raise ValueError(f"model {model!r} is not one of {MODELS}")
+    how = (model, depth, stop_at_first, symmetry, only, fast)
+    if isinstance(table, DeviceTable):
+        return _search(DeviceQueueModel(table, bounds, only), DeviceHbModel(table, bounds), *how)
+    return _search(QueueModel(table, bounds), HbModel(table, bounds), *how)
+
+
+def _search(
+    queues: Model[S],
+    hb: FactoredModel[H, Any, Any, Any],
+    model: str,
+    depth: int,
+    stop_at_first: bool,
+    symmetry: bool,
+    only: str | None,
+    fast: bool,
+) -> Result:
     if model == "interleavings":
-        return bfs(
-            QueueModel(table, bounds),
-            depth,
-            stop_at_first=stop_at_first,
-            symmetry=symmetry,
-            only=only,
-        )
-    hb = HbModel(table, bounds)
+        return bfs(queues, depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)
     if symmetry and fast:
         return memo_search(hb, depth, stop_at_first=stop_at_first, only=only)
     return bfs(hb, depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)

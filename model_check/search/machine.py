@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from model_check.device.hb import (
+from model_check.streams.hb import (
     HbState,
     NotExpressible,
     hb_host_call,
@@ -27,8 +27,8 @@ from model_check.device.hb import (
     live_places,
     packing,
 )
-from model_check.device.interpreter import Outcome
-from model_check.device.queues import (
+from model_check.streams.interpreter import Outcome
+from model_check.streams.queues import (
     State,
     can_resume,
     device_step,
@@ -39,7 +39,7 @@ from model_check.device.queues import (
 )
 from model_check.table.properties import Violation
 from model_check.table.reference import Bounds
-from model_check.table.schema import Table
+from model_check.table.schema import DeviceTable, Table
 
 
 class PropertyViolated(AssertionError):
@@ -188,7 +188,7 @@ def machine_for(
 
 
 def run_machine(
-    table: Table,
+    table: Table | DeviceTable,
     bounds: Bounds,
     *,
     max_examples: int,
@@ -196,8 +196,14 @@ def run_machine(
     derandomize: bool = True,
     lockstep: bool = True,
 ) -> Violation | None:
-    """Run the machine; the violation it found (after shrinking), or None."""
-    machine = machine_for(table, bounds, lockstep=lockstep)
+    """Run the machine of either path's table (the device-planned path's is
+    `device_machine.machine_for`); the violation it found (after shrinking), or None."""
+    if isinstance(table, DeviceTable):
+        from model_check.search.device_machine import machine_for as device_machine_for
+
+        machine = device_machine_for(table, bounds)
+    else:
+        machine = machine_for(table, bounds, lockstep=lockstep)
     return run(machine, max_examples=max_examples, steps=steps, derandomize=derandomize)
 
 

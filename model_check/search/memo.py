@@ -29,9 +29,9 @@ import time
 from collections.abc import Hashable
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from model_check.device.interpreter import Action
 from model_check.search.bfs import straighten
 from model_check.search.model import FactoredModel, Result, without_cycle_collection
+from model_check.streams.interpreter import Action
 from model_check.table.properties import Violation
 
 H = TypeVar("H", bound=Hashable)

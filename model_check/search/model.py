@@ -18,9 +18,9 @@ import gc
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
-from model_check.device.interpreter import Action, Outcome
+from model_check.streams.interpreter import Action, Outcome
 from model_check.table.properties import Violation
 
 S = TypeVar("S", bound=Hashable)
@@ -175,6 +175,59 @@ def canonical_parts(model: FactoredModel[Any, H, D, Any], host: H, device: D) ->
         if model.device_order(swapped_device) < model.device_order(device):
             return swapped_host, swapped_device
     return host, device
+
+
+class SummaryModel:
+    """What both paths' happens-before models share, as a `Model` and a `FactoredModel`: host
+    calls only (`calls`), no deadlock of their own (P7 is the explicit models'), and the
+    canonical form of a state through its parts."""
+
+    calls: list[Action]
+
+    def split(self, state: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def join(self, host: Any, device: Any) -> Any:
+        raise NotImplementedError
+
+    def actions(self, state: Any) -> list[Action]:
+        return self.calls
+
+    def host_actions(self) -> list[Action]:
+        return self.calls
+
+    def stuck(self, state: Any) -> Violation | None:
+        return None
+
+    def canonical(self, state: Any) -> Any:
+        return self.join(*canonical_parts(cast(Any, self), *self.split(state)))
+
+
+# The symmetry of the two consumer streams, 0 and 1 (every other stream, and NO_STREAM, stays).
+
+
+def swap_stream(x: int) -> int:
+    return 1 - x if x in (0, 1) else x
+
+
+def swap_ref(r: tuple[int, int] | None) -> tuple[int, int] | None:
+    """A reference to a queue prefix, (stream, k), with the consumer streams renamed."""
+    return None if r is None else (swap_stream(r[0]), r[1])
+
+
+def swap_mask(m: int) -> int:
+    """A mask of places (or a packed pending operation, whose low bits are its mask) with the
+    two consumer streams' bits exchanged."""
+    return (m & ~3) | ((m & 1) << 1) | ((m & 2) >> 1)
+
+
+Owned = TypeVar("Owned", bound=Any)
+
+
+def swap_owner(host: Owned) -> Owned:
+    """A host state (anything with an `owner` stream) with the consumer streams renamed."""
+    renamed: Owned = host._replace(owner=swap_stream(host.owner))
+    return renamed
 
 
 @dataclass

@@ -11,7 +11,16 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
-from model_check.device.hb import (
+from model_check.search.model import (
+    DeviceHalf,
+    HostHalf,
+    SummaryModel,
+    swap_mask,
+    swap_owner,
+    swap_ref,
+    swap_stream,
+)
+from model_check.streams.hb import (
     DeviceCache,
     HbState,
     HostPart,
@@ -22,8 +31,8 @@ from model_check.device.hb import (
     packing,
     replay_log,
 )
-from model_check.device.interpreter import Action, Outcome
-from model_check.device.program import (
+from model_check.streams.interpreter import Action, Outcome
+from model_check.streams.program import (
     Compiled,
     Pending,
     Program,
@@ -34,7 +43,7 @@ from model_check.device.program import (
     reduce_pending,
     run_program,
 )
-from model_check.device.queues import (
+from model_check.streams.queues import (
     NO_COUNTS,
     QueuedOp,
     State,
@@ -46,10 +55,9 @@ from model_check.device.queues import (
     resume,
     runnable,
 )
-from model_check.search.model import DeviceHalf, HostHalf, canonical_parts
 from model_check.table.host import Accepted, Rejected, begin_call
 from model_check.table.properties import DEADLOCK, PROPERTIES, REACHABILITY, Violation
-from model_check.table.reference import NO_STREAM, Bounds, HostState
+from model_check.table.reference import Bounds, HostState
 from model_check.table.schema import Table
 
 
@@ -90,28 +98,6 @@ class Plans:
             begun = begin_call(self.table, self.bounds, host, NO_COUNTS, op, args, stream)
             self.found[key] = begun
         return begun
-
-
-# ---------------------------------------------------------------- symmetry
-
-
-def _swap(x: int) -> int:
-    return 1 - x if x in (0, 1) else x
-
-
-def _swap_ref(r: tuple[int, int] | None) -> tuple[int, int] | None:
-    return None if r is None else (_swap(r[0]), r[1])
-
-
-def swap_host(host: HostState) -> HostState:
-    """The host state with the two consumer streams renamed."""
-    return host._replace(owner=_swap(host.owner) if host.owner != NO_STREAM else NO_STREAM)
-
-
-def swap_mask(m: int) -> int:
-    """A mask of places (or a packed pending operation, whose low bits are its mask) with the
-    two consumer streams' bits exchanged."""
-    return (m & ~3) | ((m & 1) << 1) | ((m & 2) >> 1)
 
 
 # ---------------------------------------------------------------- explicit model
@@ -166,24 +152,26 @@ class QueueModel:
         blocked = state.blocked
         if blocked is not None:
             blocked = blocked._replace(
-                stream=_swap(blocked.stream), before=swap_host(blocked.before)
+                stream=swap_stream(blocked.stream), before=swap_owner(blocked.before)
             )
         swapped = state._replace(
-            host=swap_host(state.host),
+            host=swap_owner(state.host),
             queues=tuple(
                 tuple(
                     QueuedOp(
-                        o.kind, o.what, o.arg, tuple((_swap(s), k) for s, k in o.after), o.glued
+                        o.kind,
+                        o.what,
+                        o.arg,
+                        tuple((swap_stream(s), k) for s, k in o.after),
+                        o.glued,
                     )
                     for o in q
                 )
                 for q in queues
             ),
-            events=tuple(_swap_ref(e) for e in state.events),
+            events=tuple(swap_ref(e) for e in state.events),
             staging=tuple(
-                tuple(
-                    b._replace(reader=_swap_ref(b.reader), reuse=_swap_ref(b.reuse)) for b in ring
-                )
+                tuple(b._replace(reader=swap_ref(b.reader), reuse=swap_ref(b.reuse)) for b in ring)
                 for ring in state.staging
             ),
             blocked=blocked,
@@ -214,7 +202,7 @@ def forget_dead(part: HostPart) -> HostPart:
     return part._replace(host=host, last_copy=last_copy)
 
 
-class HbModel:
+class HbModel(SummaryModel):
     """The happens-before summary: every host-call sequence, device order decided by masks.
 
     Host calls only; each accepted prepare is followed at once by the consumer's read. In
@@ -226,7 +214,7 @@ class HbModel:
     any progress, so it is left to the explicit model.
 
     As a `FactoredModel`: the host part is `HostPart`, the device part the packed pending
-    operations, and a program is an int naming a compiled `device.program.Program`.
+    operations, and a program is an int naming a compiled `streams.program.Program`.
     """
 
     name = "happens-before"
@@ -253,9 +241,6 @@ class HbModel:
 
     def initial(self) -> HbState:
         return initial_hb_state(self.bounds)
-
-    def actions(self, state: HbState) -> list[Action]:
-        return self.calls
 
     def outcomes(self, state: HbState, action: Action) -> list[Outcome[HbState]]:
         out: list[Outcome[HbState]] = []
@@ -287,13 +272,6 @@ class HbModel:
             compiled=compiled,
         )
 
-    def canonical(self, state: HbState) -> HbState:
-        host, device = canonical_parts(self, state.part, state.pending)
-        return host.with_pending(device)
-
-    def stuck(self, state: HbState) -> Violation | None:
-        return None
-
     # ------------------------------------------------------------ FactoredModel
 
     def split(self, state: HbState) -> tuple[HostPart, frozenset[int]]:
@@ -301,9 +279,6 @@ class HbModel:
 
     def join(self, host: HostPart, device: frozenset[int]) -> HbState:
         return host.with_pending(device)
-
-    def host_actions(self) -> list[Action]:
-        return self.calls
 
     def _compile(self, host: HostState, begun: Accepted, action: Action) -> tuple[int, Compiled]:
         """The program of an accepted call (and its id), once per (host state, action)."""
@@ -367,7 +342,7 @@ class HbModel:
         return forget_dead(host)
 
     def swap_host(self, host: HostPart) -> HostPart:
-        return host._replace(host=swap_host(host.host))
+        return host._replace(host=swap_owner(host.host))
 
     def swap_device(self, device: frozenset[int]) -> frozenset[int]:
         return frozenset(swap_mask(e) for e in device)

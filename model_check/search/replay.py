@@ -4,7 +4,8 @@ steps between the calls and after the last; the properties met on the way.
 The model is given as three functions, so that a call outside the model's explored set (z3
 picks any arguments) can be made: `moves(state)`, the outcomes of every device step and
 resume; `call(state, op, args, stream)`, the host call's outcome (None where no host call can
-be made, as while one is blocked in a host sync); `stuck(state)`, a deadlock.
+be made, as while one is blocked in a host sync); `deadlocked(state)`, whether pending
+operations remain and none can run (P7).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-from model_check.table.properties import Violation
+from model_check.table.properties import DEADLOCK
 
 S = TypeVar("S", bound=Hashable)
 Call = tuple[str, tuple[object, ...], int]  # (operation, arguments, stream)
@@ -24,7 +25,7 @@ def replay(
     initial: S,
     moves: Callable[[S], Sequence[Any]],
     call: Callable[[S, str, tuple[object, ...], int], Any],
-    stuck: Callable[[S], Violation | None],
+    deadlocked: Callable[[S], bool],
     calls: Sequence[Call],
     limit: int = LIMIT,
 ) -> dict[str, str] | None:
@@ -39,9 +40,8 @@ def replay(
         work = list(frontier)
         while work:
             st = work.pop()
-            dead = stuck(st)
-            if dead is not None:
-                found.setdefault(dead.prop, dead.detail)
+            if deadlocked(st):
+                found.setdefault(DEADLOCK.prop, DEADLOCK.detail)
             outs = moves(st)
             for out in outs:
                 if out.violation is not None:

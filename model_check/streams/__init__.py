@@ -1,4 +1,4 @@
-"""The device semantics of the table's steps.
+"""The stream and event semantics of the table's steps (what the device does with them).
 
 `interpreter.DeviceCall` runs one call's steps in table order (roles, `when` conditions, the
 recorded trace) and hands each step to a primitive of the device model:
@@ -12,6 +12,8 @@ recorded trace) and hands each step to a primitive of the device model:
   into primitives and evaluates them on pending operations packed into ints; `hb` adds the
   host-visible part of the state and the host call with its verdicts' messages.
 
-The symbolic version of the summary is `model_check.z3.device` (see `model_check.z3` for why it
-stays separate).
+The symbolic version of the summary is `model_check.z3.streams` (see `model_check.z3` for why it
+stays separate). The device-planned path's steps have their own primitives (plans, gathers and
+reads with their accesses): `device_program` interprets a call into them, `device_queues` and
+`device_hb` are that path's explicit model and summary.
 """

@@ -1,48 +1,42 @@
 """The happens-before summary of the device-planned path, for search at the full bounds.
 
-As in the host path's summary (model_check/hb.py), every device operation that may not have run
-keeps only what a later verdict depends on, here its accesses (core's (resource, mode) pairs),
-each with the bit mask of the *places* it happens before: the streams (the consumer streams and
-the capture stream) and the event snapshots. Record, wait and a host_sync are bit operations;
-every conflict is decided when its second access is enqueued, for all interleavings at once
-(an unordered pair is a violation: P1, P2, P4 or P10, core.conflict_prop). Device progress is
-never explored: an operation that ran can only remove verdicts, and the device can always be
-that slow. The data verdicts (P2's content, P3, P4, P5, P9) are the interpreter's, drawn on the
-shadow in host-call order, which is what every interleaving computes as long as no conflicting
-pair is unordered (core's module docstring); the first unordered pair stops the search.
+As in the host path's summary (streams/hb.py), every device operation that may not have run
+keeps only what a later verdict depends on, here its accesses (device_program's (resource,
+mode) pairs), each with the bit mask of the *places* it happens before: the streams (the
+consumer streams and the capture stream) and the event snapshots. Record, wait and a host_sync
+are bit operations; every conflict is decided when its second access is enqueued, for all
+interleavings at once (an unordered pair is a violation: P1, P2, P4 or P10,
+device_program.conflict_prop). Device progress is never explored: an operation that ran can
+only remove verdicts, and the device can always be that slow. The data verdicts (P2's
+content, P3, P4, P5, P9) are the interpreter's, drawn on the shadow in host-call order, which
+is what every interleaving computes as long as no conflicting pair is unordered
+(device_program's module docstring); the first unordered pair stops the search.
 
 A transition is the composition of a host half, the interpreter on the host part alone
-(memoized per (host part, call) by explicit.Programs), and a device half, a function of the
-pending accesses and of the program's primitives without payloads (memoized here). Reductions,
-each argued where it is made: accesses ordered before every stream are dropped; of two pending
-accesses of one kind, the one whose mask contains the other's is dropped; event bits no call
-waits on before recording again are cleared between calls. `device_synchronize` is left to the
-explicit model (it only retires pending work). P7 is the explicit model's: with snapshot waits
-the happens-before relation is acyclic by construction.
+(memoized per (data, call) by device_program.Interpreter), and a device half, a function of
+the pending accesses and of the program's primitives without payloads (memoized here).
+Reductions, each argued where it is made: accesses ordered before every stream are dropped; of
+two pending accesses of one kind, the one whose mask contains the other's is dropped; event
+bits no call waits on before recording again are cleared between calls. `device_synchronize`
+is left to the explicit model (it only retires pending work). P7 is the explicit model's: with
+snapshot waits the happens-before relation is acyclic by construction. The search model over
+it is `search.device_models.DeviceHbModel`.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from model_check.device.interpreter import Action, Outcome
-from model_check.device_path.core import (
+from model_check.streams.device_program import (
     LOOK,
-    PROPERTIES,
-    REACHABILITY,
     HostPart,
-    Interpreter,
     Prim,
     Violation,
     conflict_prop,
-    host_actions,
-    initial_host,
     resource_name,
 )
-from model_check.device_path.explicit import _swap
-from model_check.device_path.table import DeviceTable
-from model_check.search.model import DeviceHalf, HostHalf, canonical_parts
-from model_check.table.reference import NO_STREAM, Bounds, Counters
+from model_check.table.reference import Bounds
+from model_check.table.schema import DeviceTable
 
 Pend = tuple[int, int, int]  # (resource, mode, mask); resource LOOK for a look's read-back
 
@@ -195,101 +189,3 @@ class Summary:
                 continue
             out.add(p)
         return frozenset(out)
-
-
-def _swap_mask(k: int) -> int:
-    return (k & ~3) | ((k & 1) << 1) | ((k & 2) >> 1)
-
-
-NO_COUNTERS = Counters()
-
-
-class HbModel:
-    """Every host-call sequence; device order decided by the summary.
-
-    A `model_check.search.model.FactoredModel`: the host part is `core.HostPart`, the device
-    part the pending accesses, a program the call's primitives without payloads
-    (`device_program`); `memo.memo_search` explores it with both halves memoized, and its
-    `Model.outcomes` is the composition of the two."""
-
-    name = "happens-before"
-    decides = tuple(p for p in PROPERTIES if p != "P7_no_deadlock")
-    # The summary leaves device_synchronize, hence a drained device, to the explicit model.
-    expected_tags = frozenset(REACHABILITY) - {"device_idle"}
-
-    def __init__(self, table: DeviceTable, bounds: Bounds) -> None:
-        self.table, self.bounds = table, bounds
-        self.calls = [a for a in host_actions(table, bounds) if a.op != "device_synchronize"]
-        self.summary = Summary(table, bounds)
-        self.interpret = Interpreter(table, bounds)
-        self.symmetric = len(table.consumer_streams) == 2
-
-    # ------------------------------------------------------------ Model
-
-    def initial(self) -> HbState:
-        return HbState(initial_host(self.bounds), frozenset())
-
-    def actions(self, state: HbState) -> list[Action]:
-        return self.calls
-
-    def outcomes(self, state: HbState, action: Action) -> list[Outcome[HbState]]:
-        program = self.interpret(state.host, action)
-        if program.rejected:
-            return [Outcome(state, None, program.tags, (), NO_COUNTERS)]
-        half = self.summary.run(state.pending, device_program(program.prims))
-        # The static verdict (P8) first, then the ordering ones, then the data ones.
-        violation = program.static or half.violation or program.data
-        new = HbState(program.host, half.pending)
-        return [Outcome(new, violation, program.tags | half.tags, (), NO_COUNTERS)]
-
-    def canonical(self, state: HbState) -> HbState:
-        host, pending = canonical_parts(self, state.host, state.pending)
-        return HbState(host, pending)
-
-    def stuck(self, state: HbState) -> Violation | None:
-        return None
-
-    # ------------------------------------------------------------ FactoredModel
-
-    def split(self, state: HbState) -> tuple[HostPart, frozenset[Pend]]:
-        return state.host, state.pending
-
-    def join(self, host: HostPart, device: frozenset[Pend]) -> HbState:
-        return HbState(host, device)
-
-    def host_actions(self) -> list[Action]:
-        return self.calls
-
-    def host_half(self, host: HostPart, action: Action) -> HostHalf[HostPart, tuple[Prim, ...]]:
-        program = self.interpret(host, action)
-        if program.rejected:
-            return HostHalf(None, host, False, program.tags, None)
-        failed = program.static is not None or program.data is not None
-        return HostHalf(device_program(program.prims), program.host, failed, program.tags, None)
-
-    def device_half(
-        self, device: frozenset[Pend], program: tuple[Prim, ...]
-    ) -> list[DeviceHalf[frozenset[Pend]]]:
-        half = self.summary.run(device, program)
-        return [DeviceHalf(half.pending, half.violation is not None, half.tags)]
-
-    def device_verdicts(
-        self, device: frozenset[Pend], program: tuple[Prim, ...]
-    ) -> list[tuple[bool, frozenset[str]]]:
-        half = self.summary.run(device, program)
-        return [(half.violation is not None, half.tags)]
-
-    def forget(self, host: HostPart) -> HostPart:
-        return host  # the interpreter's data half already forgot (core.forget_dead)
-
-    def swap_host(self, host: HostPart) -> HostPart:
-        return host._replace(owner=_swap(host.owner) if host.owner != NO_STREAM else NO_STREAM)
-
-    def swap_device(self, device: frozenset[Pend]) -> frozenset[Pend]:
-        return frozenset((r, m, _swap_mask(k)) for r, m, k in device)
-
-    def host_order(self, host: HostPart) -> int:
-        return host.owner  # a host part and its renaming differ only there
-
-    def device_order(self, device: frozenset[Pend]) -> tuple[Pend, ...]:
-        return tuple(sorted(device))

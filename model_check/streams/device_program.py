@@ -13,7 +13,7 @@ The data half does not depend on the streams, so `Interpreter` memoizes it per (
 When every two conflicting accesses are ordered by happens-before (P1, P2, P10), every
 execution is equivalent to host-call order (conflict serializability), so the shadow is what
 the device holds once it drains, and the data verdicts drawn on it hold for every interleaving;
-the explicit model (explicit.py) draws them again from its own device state, at the time each
+the explicit model (device_queues.py) draws them again from its own device state, at the time each
 operation runs.
 
 Accesses are (resource, mode): the cache state S, the forward map F, the miss list M, the error
@@ -27,10 +27,10 @@ counters).
 from __future__ import annotations
 
 from functools import cache, lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
-from model_check.device.interpreter import Action
-from model_check.device_path.functions import (
+from model_check.streams.interpreter import Action
+from model_check.table.device_functions import (
     GUARDS,
     Dev,
     Pairs,
@@ -47,49 +47,9 @@ from model_check.device_path.functions import (
     reference_pass,
     run_gather,
 )
-from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceStep, DeviceTable
 from model_check.table.properties import Violation
 from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds, HostState
-
-PROPERTIES: dict[str, str] = {
-    "P1_no_overwrite_under_reader": "a gather into a slot never runs before an earlier-enqueued "
-    "read of that slot finished",
-    "P2_no_stale_read": "a read runs after the gather that filled its slots and finds exactly its "
-    "pass's forward map and the experts it names",
-    "P3_forward_map_exact": "a pass's forward map exposes exactly the experts of its group, each "
-    "in its own slot, agreeing with the resident map",
-    "P4_map_convergence": "when the device is idle its cache state equals the reference applied in "
-    "host-call order and every mapped slot holds its expert",
-    "P5_victim_protection": "no expert a pass exposes is evicted by it, and none its step "
-    "requests while a resident outside the step stays",
-    "P7_no_deadlock": "the device can always run some pending operation",
-    "P8_hot_path_never_blocks": "the hot path (prepare, handoff, replay, invalidate) never blocks "
-    "the host and never reads device state",
-    "P9_device_errors_reported": "a call the host rejects changes nothing; a plan writes nothing "
-    "out of bounds, and the error it counts reaches the host at the next look (check_errors, "
-    "stats) after it, never dropped",
-    "P10_ordered_device_state": "every two accesses to the device cache state, forward map, miss "
-    "list or error counters, one of them a write, are ordered by happens-before",
-}
-
-# Reachability ("sometimes") observations: a green run that never saw one of these says little.
-REACHABILITY: dict[str, str] = {
-    "eviction": "a pass evicts a resident expert",
-    "owner_change": "a hot-path call is made on another stream than the owner",
-    "replay_on_other_stream": "a graph is replayed on another stream than the owner",
-    "multi_pass_replay": "a replay runs more than one pass",
-    "empty_pass": "a pass exposes no expert (all padding)",
-    "invalidate_resident": "invalidate frees a resident expert",
-    "error_counted": "a pass counts an error (an id outside [-1, E))",
-    "error_reported": "check_errors reports an error",
-    "rejected_device_prepare": "a prepare with a bad pass index is rejected",
-    "rejected_device_invalidate": "invalidate of an expert outside [0, E) is rejected",
-    "gather_while_slot_read_pending": "a gather into a slot is enqueued while a read of it is "
-    "pending on another stream",
-    "state_access_pending_elsewhere": "a plan or invalidate is enqueued while an access to the "
-    "cache state is pending on another stream",
-    "device_idle": "the device drains completely after work was enqueued",
-}
+from model_check.table.schema import BLOCKING_KINDS, DeviceOp, DeviceStep, DeviceTable
 
 S, F, M, K = 0, 1, 2, 3
 SLOT0 = 4
@@ -219,10 +179,7 @@ class DataInterp:
             assert isinstance(named, tuple)
             for step in steps:
                 self.step(step, given, num_passes(named, self.bounds))
-        if any(s.kind == "plan" for s in steps):
-            self.unread = not graph and op.provider
-        elif any(s.kind == "consumer_read" for s in steps):
-            self.unread = False
+        self.unread = unread_after(op, self.unread)
         if self.data is None:
             found = converged(self.shadow, self.ghost)
             if found is not None:
@@ -382,7 +339,7 @@ def forget_dead(host: HostPart, table: DeviceTable, bounds: Bounds) -> HostPart:
 def _forget(
     ghost: HostState, shadow: Dev, unread: bool, forward_dead: bool, misses_dead: bool
 ) -> tuple[HostState, Dev]:
-    from model_check.device_path.functions import NO_ENTRY
+    from model_check.table.device_functions import NO_ENTRY
 
     if not unread:
         ghost = ghost._replace(forward=None)
@@ -399,7 +356,7 @@ def _forget(
 @lru_cache(maxsize=64)
 def _dead_after_call(table: DeviceTable) -> tuple[bool, bool]:
     """(the forward map is dead once read, the miss list is dead after every call)."""
-    from model_check.device_path.functions import READS_FORWARD, READS_PAST_COUNT
+    from model_check.table.device_functions import READS_FORWARD, READS_PAST_COUNT
 
     fns = {s.fn for op in table.operations for s in op.steps}
     follow = True
@@ -411,6 +368,19 @@ def _dead_after_call(table: DeviceTable) -> tuple[bool, bool]:
             elif step.kind == "gather" and not planned:
                 follow = False
     return not fns & READS_FORWARD, follow and not fns & READS_PAST_COUNT
+
+
+B = TypeVar("B")
+
+
+def unread_after(op: DeviceOp, before: B) -> B | bool:
+    """Whether a forward map is unread after the call (`before`: before it, a bool or a z3
+    term): an eager plan leaves one to read, a replay reads its own, a read reads it."""
+    if any(s.kind == "plan" for s in op.steps):
+        return not any(s.graph for s in op.steps) and op.provider
+    if any(s.kind == "consumer_read" for s in op.steps):
+        return False
+    return before
 
 
 def report_text(seen: bool, expected: bool) -> str:
@@ -450,16 +420,12 @@ def interpret(
     stream: int,
 ) -> Program:
     """One host call on the host part: its program and verdicts (a rejected call: no program)."""
-    op = table.op(op_name)
-    error = GUARDS[op.guard](args, host.unread, bounds)
-    if error is not None:
-        return Program(host, (), None, None, frozenset({f"rejected_{op_name}"}), rejected=True)
-    return resolve(table, op, DataInterp(table, bounds, host, op, args).run(), host.owner, stream)
+    return Interpreter(table, bounds)(host, call(op_name, args, stream))
 
 
 class Interpreter:
-    """interpret() with the data half memoized per (data, call): every owner and stream of a
-    host part shares it."""
+    """The interpreter, with the data half memoized per (data, call): every owner and stream
+    of a host part shares it."""
 
     def __init__(self, table: DeviceTable, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
@@ -521,7 +487,6 @@ def host_actions(table: DeviceTable, bounds: Bounds) -> list[Action]:
 
 
 __all__ = [
-    "PROPERTIES",
     "Action",
     "HostPart",
     "Interpreter",

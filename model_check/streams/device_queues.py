@@ -1,16 +1,16 @@
 """The explicit model of the device-planned path: FIFO queues, every interleaving.
 
-A state is the host part (core.HostPart), one FIFO queue per stream (the consumer streams, then
-the capture stream), the snapshot each event holds, and the device buffers (functions.Dev),
+A state is the host part (device_program.HostPart), one FIFO queue per stream (the consumer
+streams, then the capture stream), the snapshot each event holds, and the device buffers (Dev),
 which an operation reads and writes when it RUNS: a plan runs the table's planner on the cache
 state it finds, a gather copies what the miss list holds then, a read checks the forward map
 and the slots it finds then. So two plans from two streams that the table leaves unordered can
 run in either order, and the state they leave is whatever that order gives.
 
 References to queue prefixes are relative, as in the host path's explicit model
-(model_check/semantics.py): `(stream, k)` is "the first k operations now pending there", and
+(streams/queues.py): `(stream, k)` is "the first k operations now pending there", and
 running a stream's head decrements every reference to it. An operation carries, from the time
-it is enqueued, references to the earlier-enqueued operations it conflicts with (core's
+it is enqueued, references to the earlier-enqueued operations it conflicts with (device_program's
 accesses, named from the shadow) and the property an unordered pair breaks; running it while
 one of them is pending is that violation. Operations one call enqueues back to back on one
 stream with no event recorded between them, a wait only at the front, run as one step (the
@@ -29,23 +29,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
 
-from model_check.device.interpreter import Action, Outcome
-from model_check.device_path.core import (
-    PROPERTIES,
-    REACHABILITY,
+from model_check.streams.device_program import (
     HostPart,
-    Interpreter,
     Prim,
     Violation,
     conflict_prop,
-    host_actions,
     initial_host,
     interpret,
     read_verdict,
     report_text,
     resource_name,
 )
-from model_check.device_path.functions import (
+from model_check.streams.interpreter import Action, Outcome
+from model_check.streams.queues import Ref, _dec, group_size, is_idle, popped
+from model_check.table.device_functions import (
     Dev,
     converged,
     free_fn,
@@ -55,12 +52,10 @@ from model_check.device_path.functions import (
     plan_verdict,
     run_gather,
 )
-from model_check.device_path.table import DeviceTable
-from model_check.table.properties import DEADLOCK
-from model_check.table.reference import NO_STREAM, Bounds, Counters
+from model_check.table.reference import Bounds, Counters
+from model_check.table.schema import DeviceTable
 
 S = TypeVar("S")
-Ref = tuple[int, int]
 Conflict = tuple[int, int, str, int]  # (stream, k, property, resource)
 
 
@@ -70,7 +65,7 @@ class XOp(NamedTuple):
     accesses: tuple[tuple[int, int], ...]
     conflicts: tuple[Conflict, ...]  # earlier-enqueued conflicting operations still pending
     wait: Ref | None  # for a wait: the snapshot it waits for
-    glue: bool  # runs in one step with the operation before it
+    glued: bool  # runs in one step with the operation before it
 
 
 Blocked = tuple[tuple[Prim, ...], int]  # a call waiting in host_sync: its program, where to go on
@@ -114,12 +109,6 @@ def initial_state(table: DeviceTable, bounds: Bounds) -> XState:
     return XState(initial_host(bounds), initial_part(table, bounds))
 
 
-def _dec(ref: Ref | None, stream: int) -> Ref | None:
-    if ref is None or ref[0] != stream:
-        return ref
-    return None if ref[1] == 1 else (stream, ref[1] - 1)
-
-
 def _dec_op(op: XOp, stream: int) -> XOp:
     if not op.conflicts and op.wait is None:
         return op
@@ -129,17 +118,6 @@ def _dec_op(op: XOp, stream: int) -> XOp:
         if c[0] != stream or c[1] > 1
     )
     return op._replace(conflicts=conflicts, wait=_dec(op.wait, stream))
-
-
-def is_idle(part: DevPart) -> bool:
-    return not any(part.queues)
-
-
-def group_size(queue: tuple[XOp, ...]) -> int:
-    n = 1
-    while n < len(queue) and queue[n].glue:
-        n += 1
-    return n
 
 
 def runnable(part: DevPart, stream: int) -> bool:
@@ -241,10 +219,8 @@ def device_step(
                 or (only is not None and violation.prop != only and found.prop == only)
             ):
                 violation = found
-        queues = list(part.queues)
-        queues[stream] = queue[1:]
         part = part._replace(
-            queues=tuple(tuple(_dec_op(o, stream) for o in q) for q in queues),
+            queues=popped(part.queues, stream, _dec_op),
             events=tuple(_dec(e, stream) for e in part.events),
             look=_dec(part.look, stream),
         )
@@ -275,8 +251,8 @@ class Enqueuer:
     def enqueue(self, stream: int, op: XOp) -> None:
         """Glue the operation to the one before it when this call enqueued that one too,
         recorded no event on the stream since, and it is not a wait (see the module doc)."""
-        glue = stream in self.open and op.kind != "wait"
-        self.queues[stream].append(op._replace(glue=glue))
+        glued = stream in self.open and op.kind != "wait"
+        self.queues[stream].append(op._replace(glued=glued))
         self.open.add(stream)
 
     def conflicts(self, stream: int, accesses: tuple[tuple[int, int], ...]) -> tuple[Conflict, ...]:
@@ -428,249 +404,6 @@ def replay(
             return None
         return host_call(table, bounds, st, Action("host", op, args, stream))
 
-    def stuck(st: XState) -> Violation | None:
-        if deadlocked(st.part):
-            return DEADLOCK
-        return None
-
-    return replay_on(initial_state(table, bounds), moves, call, stuck, calls)
-
-
-# ---------------------------------------------------------------- the search model
-
-
-def _swap(x: int) -> int:
-    return 1 - x if x in (0, 1) else x
-
-
-def _swap_ref(r: Ref | None) -> Ref | None:
-    return None if r is None else (_swap(r[0]), r[1])
-
-
-def swap_prim(prim: Prim) -> Prim:
-    tag = prim[0]
-    if tag in ("record", "wait"):
-        x = prim[1]
-        assert isinstance(x, int)
-        return (tag, _swap(x), prim[2])
-    if tag == "op":
-        x = prim[2]
-        assert isinstance(x, int)
-        return (tag, prim[1], _swap(x), prim[3], prim[4])
-    if tag == "sync":
-        streams = prim[1]
-        assert isinstance(streams, tuple)
-        return (tag, tuple(sorted(_swap(s) for s in streams)), prim[2])
-    return prim
-
-
-def swap_part(part: DevPart) -> DevPart:
-    queues = list(part.queues)
-    queues[0], queues[1] = queues[1], queues[0]
-    blocked = part.blocked
-    if blocked is not None:
-        blocked = (tuple(swap_prim(p) for p in blocked[0]), blocked[1])
-    return part._replace(
-        queues=tuple(
-            tuple(
-                o._replace(
-                    conflicts=tuple(sorted((_swap(c[0]), *c[1:]) for c in o.conflicts)),
-                    wait=_swap_ref(o.wait),
-                )
-                for o in q
-            )
-            for q in queues
-        ),
-        events=tuple(_swap_ref(e) for e in part.events),
-        look=_swap_ref(part.look),
-        blocked=blocked,
+    return replay_on(
+        initial_state(table, bounds), moves, call, lambda st: deadlocked(st.part), calls
     )
-
-
-def swap_host(host: HostPart) -> HostPart:
-    return host._replace(owner=_swap(host.owner) if host.owner != NO_STREAM else NO_STREAM)
-
-
-class Interner:
-    def __init__(self) -> None:
-        self.values: list[object] = []
-        self.ids: dict[object, int] = {}
-
-    def __call__(self, value: object) -> int:
-        i = self.ids.get(value)
-        if i is None:
-            i = self.ids[value] = len(self.values)
-            self.values.append(value)
-        return i
-
-
-State = tuple[int, int]  # interned (host part, device part)
-
-
-class ExplicitModel:
-    """Every host-call sequence, every interleaving of device steps: a
-    `model_check.search.model.Model` that `bfs.bfs` explores.
-
-    States are interned, (host part, device part) as two integers, and every half of a
-    transition is memoized on them, so a host part is interpreted once per call and a device
-    part runs a program or steps a stream once."""
-
-    name = "interleavings"
-    decides = tuple(PROPERTIES)
-    expected_tags = frozenset(REACHABILITY)
-
-    def __init__(self, table: DeviceTable, bounds: Bounds, only: str | None = None) -> None:
-        self.table, self.bounds, self.only = table, bounds, only
-        self.calls = host_actions(table, bounds)
-        self._index = {a: i for i, a in enumerate(self.calls)}
-        self.interpret = Interpreter(table, bounds)
-        # The capture stream is a third one: the two consumer streams stay interchangeable.
-        self.symmetric = len(table.consumer_streams) == 2
-        self.hosts = Interner()
-        self.parts = Interner()
-        self.prims = Interner()
-        self._host_steps: dict[int, list[tuple[int, int, Violation | None, frozenset[str]]]] = {}
-        self._executed: dict[tuple[int, int], tuple[int, Violation | None, frozenset[str]]] = {}
-        self._moves: dict[int, dict[Action, tuple[int, Violation | None]]] = {}
-        self._actions: dict[int, list[Action]] = {}
-        self._idle: dict[tuple[int, int], Violation | None] = {}
-        self._swapped: dict[State, State] = {}
-        self._quiet_programs: dict[int, bool] = {}
-
-    def initial(self) -> State:
-        return (
-            self.hosts(initial_host(self.bounds)),
-            self.parts(initial_part(self.table, self.bounds)),
-        )
-
-    def host_of(self, state: State) -> HostPart:
-        host = self.hosts.values[state[0]]
-        assert isinstance(host, HostPart)
-        return host
-
-    def part_of(self, state: State) -> DevPart:
-        part = self.parts.values[state[1]]
-        assert isinstance(part, DevPart)
-        return part
-
-    def canonical(self, state: State) -> State:
-        if not self.symmetric:
-            return state
-        swapped = self._swapped.get(state)
-        if swapped is None:
-            swapped = (
-                self.hosts(swap_host(self.host_of(state))),
-                self.parts(swap_part(self.part_of(state))),
-            )
-            self._swapped[state] = swapped
-        return min(state, swapped)
-
-    def stuck(self, state: State) -> Violation | None:
-        if deadlocked(self.part_of(state)):
-            return DEADLOCK
-        return None
-
-    def _device_moves(self, did: int) -> dict[Action, tuple[int, Violation | None]]:
-        """The device part reached and the verdict of every device step and resume."""
-        moves = self._moves.get(did)
-        if moves is None:
-            part = self.part_of((0, did))
-            moves = {}
-            for sid in range(len(part.queues)):
-                if runnable(part, sid):
-                    after, found = device_step(part, sid, self.bounds, self.only)
-                    moves[Action("device", stream=sid)] = (self.parts(after), found)
-            if can_resume(part):
-                after, found = resume(part)
-                moves[Action("resume")] = (self.parts(after), found)
-            self._moves[did] = moves
-        return moves
-
-    def actions(self, state: State) -> list[Action]:
-        found = self._actions.get(state[1])
-        if found is None:
-            found = list(self._device_moves(state[1]))
-            if self.part_of(state).blocked is None:
-                found += self.calls
-            self._actions[state[1]] = found
-        return found
-
-    def _idle_verdict(self, hid: int, did: int) -> Violation | None:
-        key = (hid, did)
-        if key not in self._idle:
-            self._idle[key] = idle_verdict(self.part_of((hid, did)), self.host_of((hid, did)))
-        return self._idle[key]
-
-    def _host_steps_of(self, hid: int) -> list[tuple[int, int, Violation | None, frozenset[str]]]:
-        """Per host call: (host after, program id or -1 when rejected, static verdict, tags)."""
-        steps = self._host_steps.get(hid)
-        if steps is None:
-            host = self.hosts.values[hid]
-            assert isinstance(host, HostPart)
-            steps = []
-            for action in self.calls:
-                program = self.interpret(host, action)
-                if program.rejected:
-                    steps.append((hid, -1, None, program.tags))
-                else:
-                    steps.append(
-                        (
-                            self.hosts(program.host),
-                            self.prims(program.prims),
-                            program.static,
-                            program.tags,
-                        )
-                    )
-            self._host_steps[hid] = steps
-        return steps
-
-    def _execute(self, did: int, pid: int) -> tuple[int, Violation | None, frozenset[str]]:
-        key = (did, pid)
-        done = self._executed.get(key)
-        if done is None:
-            prims = self.prims.values[pid]
-            assert isinstance(prims, tuple)
-            part, found, tags = execute(self.part_of((0, did)), prims)
-            done = self._executed[key] = (self.parts(part), found, tags)
-        return done
-
-    def bound_verdicts(
-        self, state: State, action: Action
-    ) -> tuple[int, bool, frozenset[str]] | None:
-        """`search.model.BoundVerdicts`: a host call that is rejected, or whose program only
-        enqueues (`_quiet`), meets no verdict while being enqueued and leaves the device busy
-        (no idle verdict), so at the depth bound its one outcome is known without running it."""
-        _, pid, static, tags = self._host_steps_of(state[0])[self._index[action]]
-        if pid < 0:
-            return 1, False, tags
-        if self._quiet(pid):
-            return 1, static is not None, tags
-        return None
-
-    def _quiet(self, pid: int) -> bool:
-        quiet = self._quiet_programs.get(pid)
-        if quiet is None:
-            prims = self.prims.values[pid]
-            assert isinstance(prims, tuple)
-            kinds = {p[0] for p in prims}
-            quiet = self._quiet_programs[pid] = "op" in kinds and not kinds & {"report", "sync"}
-        return quiet
-
-    def outcomes(self, state: State, action: Action) -> list[Outcome[State]]:
-        hid, did = state
-        if action.kind != "host":
-            after, found = self._device_moves(did)[action]
-            violation = found or self._idle_verdict(hid, after)
-            idle = is_idle(self.part_of((0, after)))
-            return [_outcome((hid, after), violation, IDLE if idle else NONE)]
-        steps = self._host_steps_of(hid)
-        nhid, pid, static, tags = steps[self._index[action]]
-        if pid < 0:
-            return [_outcome(state, None, tags)]
-        after, found, more = self._execute(did, pid)
-        violation = static or found or self._idle_verdict(nhid, after)
-        return [_outcome((nhid, after), violation, tags | more)]
-
-
-IDLE = frozenset({"device_idle"})
-NONE: frozenset[str] = frozenset()

@@ -1,6 +1,6 @@
 """The happens-before summary of the device, for exhaustive search at the full bounds.
 
-The explicit model (`device.queues`) keeps one FIFO per stream and explores every interleaving of
+The explicit model (`streams.queues`) keeps one FIFO per stream and explores every interleaving of
 device steps. Its states remember the order of everything pending, so their number grows
 with the product of host-call sequences and device progress. This model keeps, for every
 pending device operation, only what any later verdict can depend on: its kind, what it touches,
@@ -35,7 +35,7 @@ before the event's snapshot and nothing else. P7 (no deadlock) is a property of 
 model: with snapshot waits the happens-before relation is acyclic by construction, and the
 `wait_flag` kind that can break that is not expressible here.
 
-The device half (the mask updates and the ordering verdicts) is `device.program`: a call's
+The device half (the mask updates and the ordering verdicts) is `streams.program`: a call's
 steps become a program of primitives, evaluated on the pending operations packed into ints.
 This module adds the host-visible part of the state (the last copy into each slot, the last
 resident-map upload, whether the forward map was read) and the host call of the summary,
@@ -47,8 +47,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from model_check.device.interpreter import Outcome
-from model_check.device.program import (
+from model_check.streams.interpreter import Outcome
+from model_check.streams.program import (
     Compiled,
     NotExpressible,
     Packing,

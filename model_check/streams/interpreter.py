@@ -7,10 +7,10 @@ provider's recording backend writes too); what a step does to the device is dele
 primitive per step kind (`record`, `wait`, `copy`, ...). Each device model implements the
 primitives on its own state:
 
-- `model_check.device.queues.QueueCall`: the explicit FIFO model;
-- `model_check.device.program.Recorder`: the happens-before summary, which records the
-  primitives as a program and evaluates it on pending operations (`device.hb`);
-- `model_check.z3.device.Z3Call`: the same summary over symbolic state.
+- `model_check.streams.queues.QueueCall`: the explicit FIFO model;
+- `model_check.streams.program.Recorder`: the happens-before summary, which records the
+  primitives as a program and evaluates it on pending operations (`streams.hb`);
+- `model_check.z3.streams.Z3Call`: the same summary over symbolic state.
 
 A new step kind (for instance a CUDA-graph launch) is one entry of `schema.STEP_KINDS`, one
 branch of `DeviceCall.run_step` and one primitive here, implemented by each model.

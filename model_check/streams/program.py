@@ -6,7 +6,7 @@ conditions), become a *program*: a tuple of primitive operations (`Record`, `Wai
 `Recorder` is the `DeviceCall` that writes it. `run_program` evaluates a program on a set of
 pending operations and returns every outcome (several when the host asks whether a staging
 buffer's reuse event completed); `reduce_pending` forgets what no later verdict can depend
-on. `device.hb.hb_host_call` (the reference host call of the summary, with its verdicts'
+on. `streams.hb.hb_host_call` (the reference host call of the summary, with its verdicts'
 messages) and the memoized search (`search.memo`, through `search.models.HbModel`'s host and
 device halves) both run this code, so the summary's semantics exist once.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from model_check.device.interpreter import DeviceCall
+from model_check.streams.interpreter import DeviceCall
 from model_check.table.host import Pairs, pairs_text
 from model_check.table.properties import Violation
 from model_check.table.reference import Bounds, Effect, HostState

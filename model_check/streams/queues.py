@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from model_check.device.interpreter import Action, DeviceCall, Outcome
+from model_check.streams.interpreter import Action, DeviceCall, Outcome
 from model_check.table.host import Accepted, Pairs, Rejected, begin_call, finish_host, pairs_text
 from model_check.table.properties import PROPERTIES, Violation
 from model_check.table.reference import (
@@ -42,6 +42,7 @@ from model_check.table.schema import EVENTS, RINGS, Operation, Table
 __all__ = ["PROPERTIES", "Action", "Outcome", "State", "Violation", "host_call"]
 
 Ref = tuple[int, int]  # (stream index, number of its pending operations that must run first)
+Q = TypeVar("Q")
 
 
 class QueuedOp(NamedTuple):
@@ -149,16 +150,25 @@ def _dec_op(op: QueuedOp, stream: int) -> QueuedOp:
     return make_op((kind, what, arg, _dec_refs(refs, stream), glued))
 
 
+def popped(queues: tuple[tuple[Q, ...], ...], stream: int, dec: Callable[[Q, int], Q]) -> Any:
+    """The queues (of either path) once the head of `stream` ran: it is gone, and every
+    reference to `stream` in the others counts one operation less (`dec`)."""
+    rest = [q[1:] if sid == stream else q for sid, q in enumerate(queues)]
+    return tuple(tuple(dec(op, stream) for op in q) for q in rest)
+
+
 # ---------------------------------------------------------------- device steps
 
 
-def is_idle(state: State) -> bool:
+def is_idle(state: State | Any) -> bool:
+    """No operation pending (of either path's explicit state: anything with `queues`)."""
     return not any(state.queues)
 
 
-def group_size(queue: tuple[QueuedOp, ...]) -> int:
+def group_size(queue: tuple[Any, ...]) -> int:
     """Length of the head group: operations one host call enqueued back to back on a stream
-    with no event recorded between them. They run as one step; see `_Call.enqueue`."""
+    with no event recorded between them (`glued`, in either path's queues). They run as one
+    step; see `QueueCall.enqueue`."""
     n = 1
     while n < len(queue) and queue[n].glued:
         n += 1
@@ -228,10 +238,8 @@ def _run_head(state: State, stream: int) -> tuple[State, Violation | None]:
         content = head.what
         assert isinstance(content, tuple)
         dmap = content
-    queues = list(state.queues)
-    queues[stream] = queue[1:]
     new = state._replace(
-        queues=tuple(tuple(_dec_op(op, stream) for op in q) for q in queues),
+        queues=popped(state.queues, stream, _dec_op),
         events=tuple(_dec(e, stream) for e in state.events),
         staging=tuple(
             tuple(Buffer(_dec(b.reader, stream), _dec(b.reuse, stream)) for b in ring)

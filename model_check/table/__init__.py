@@ -1,10 +1,11 @@
 """The specification: the transition table (`schema`: loading and validating
-spec/table.toml), the reference host functions it names (`reference`), the host half of a
+spec/table.toml, both sections), the reference host functions it names (`reference`; the
+device-planned path's kernels and their reference, `device_functions`), the host half of a
 call (`host`: guard, effect, P3/P5/P9), the properties (`properties`) and the seeded bugs
-(`mutants`).
+(`mutants`), of both paths.
 
-Nothing here knows about the device: the device semantics that interpret the table's steps
-live in `model_check.device`.
+Nothing here knows about streams: the semantics that interpret the table's steps live in
+`model_check.streams`.
 """
 
 from model_check.table.schema import (

@@ -276,7 +276,7 @@ FUNCTIONS: dict[str, dict[str, object]] = {
 }
 
 
-# What each function reads beyond the reference's inputs (core.forget_dead uses it): the
+# What each function reads beyond the reference's inputs (device_program.forget_dead uses it): the
 # previous forward map, the miss list's entries past the count.
 READS_FORWARD = {"plan_pass_stale_forward"}
 # Functions that leave the cache state and the forward map exactly as the reference does

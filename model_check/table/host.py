@@ -4,7 +4,7 @@ A host call runs in three phases: the operation's pre-guard effects (empty in th
 its guard, then its effect and its steps in table order. This module owns the first two and
 the effect: it runs the reference functions the table names (`reference.py`), tags what the
 call observes, and decides the host-level properties (P3 and P5 on the plan, P9 on a
-rejection). The steps are the device half (`model_check.device.interpreter.DeviceCall`).
+rejection). The steps are the device half (`model_check.streams.interpreter.DeviceCall`).
 """
 
 from __future__ import annotations

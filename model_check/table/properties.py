@@ -1,5 +1,6 @@
 """The properties every checker decides, and the "sometimes" observations that keep a green
-run from being vacuous (spec/README.md states both)."""
+run from being vacuous (spec/README.md states both): the host path's (`PROPERTIES`,
+`REACHABILITY`) and the device-planned path's (`DEVICE_PROPERTIES`, `DEVICE_REACHABILITY`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,49 @@ REACHABILITY: dict[str, str] = {
     "staging_resident_fresh_buffer": "a resident-map staging buffer is still in flight, so a "
     "fresh one is taken",
     "rejected_prepare": "a prepare with bad input is rejected",
+    "device_idle": "the device drains completely after work was enqueued",
+}
+
+
+# The device-planned path's ([device] in spec/table.toml): P6 has no counterpart (no staging
+# buffers); P10 is its race property on the device cache state.
+DEVICE_PROPERTIES: dict[str, str] = {
+    "P1_no_overwrite_under_reader": "a gather into a slot never runs before an earlier-enqueued "
+    "read of that slot finished",
+    "P2_no_stale_read": "a read runs after the gather that filled its slots and finds exactly its "
+    "pass's forward map and the experts it names",
+    "P3_forward_map_exact": "a pass's forward map exposes exactly the experts of its group, each "
+    "in its own slot, agreeing with the resident map",
+    "P4_map_convergence": "when the device is idle its cache state equals the reference applied in "
+    "host-call order and every mapped slot holds its expert",
+    "P5_victim_protection": "no expert a pass exposes is evicted by it, and none its step "
+    "requests while a resident outside the step stays",
+    "P7_no_deadlock": "the device can always run some pending operation",
+    "P8_hot_path_never_blocks": "the hot path (prepare, handoff, replay, invalidate) never blocks "
+    "the host and never reads device state",
+    "P9_device_errors_reported": "a call the host rejects changes nothing; a plan writes nothing "
+    "out of bounds, and the error it counts reaches the host at the next look (check_errors, "
+    "stats) after it, never dropped",
+    "P10_ordered_device_state": "every two accesses to the device cache state, forward map, miss "
+    "list or error counters, one of them a write, are ordered by happens-before",
+}
+
+# Its reachability observations.
+DEVICE_REACHABILITY: dict[str, str] = {
+    "eviction": "a pass evicts a resident expert",
+    "owner_change": "a hot-path call is made on another stream than the owner",
+    "replay_on_other_stream": "a graph is replayed on another stream than the owner",
+    "multi_pass_replay": "a replay runs more than one pass",
+    "empty_pass": "a pass exposes no expert (all padding)",
+    "invalidate_resident": "invalidate frees a resident expert",
+    "error_counted": "a pass counts an error (an id outside [-1, E))",
+    "error_reported": "check_errors reports an error",
+    "rejected_device_prepare": "a prepare with a bad pass index is rejected",
+    "rejected_device_invalidate": "invalidate of an expert outside [0, E) is rejected",
+    "gather_while_slot_read_pending": "a gather into a slot is enqueued while a read of it is "
+    "pending on another stream",
+    "state_access_pending_elsewhere": "a plan or invalidate is enqueued while an access to the "
+    "cache state is pending on another stream",
     "device_idle": "the device drains completely after work was enqueued",
 }
 

@@ -5,9 +5,9 @@ arguments (`ids` as a set of in-range experts plus a flag for an out-of-range or
 entry, `expert` in 0..num_experts where num_experts is out of range). Everything the call does
 is read from the table: the before_guard, guard and effect names select the symbolic reference
 functions (`z3.host`), set_owner updates the owner, and the steps run through the shared
-interpreter on the symbolic happens-before summary (`z3.device`), once per (current stream,
+interpreter on the symbolic happens-before summary (`z3.streams`), once per (current stream,
 owner stream) pair. The host state is exact (symbolic LRU ranks, slot map, forward map); the
-device summary follows one generic operation of each kind (see `z3.device`).
+device summary follows one generic operation of each kind (see `z3.streams`).
 
 The bound: every sequence of at most k steps, a step being one host call of any operation
 (read and synchronize included, any number of reads per forward map) on any consumer stream,
@@ -16,32 +16,20 @@ the same step, as in the explorer's happens-before model (so k is the explorer's
 covers every sequence it explores, and more). Arguments: every one the explorer uses and more
 (any set of experts with a bad entry for a rejected prepare); a valid prepare names at least
 one expert, as in the explorer. Each ordering verdict covers every device interleaving at
-once, as in `device.hb`. A counterexample is a sequence of host calls; `z3.check.replay` runs it
+once, as in `streams.hb`. A counterexample is a sequence of host calls; `z3.check.replay` runs it
 on the other device models to confirm it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import z3
 
 from model_check.table.reference import NO_SLOT, Bounds
 from model_check.table.schema import Table
-from model_check.z3.device import (
-    P3,
-    P4,
-    P5,
-    P9,
-    DataCtx,
-    DevState,
-    Facts,
-    Layout,
-    flag_orders,
-    initial_dev,
-    interpret,
-)
 from model_check.z3.host import (
     SYM_EFFECTS,
     SYM_GUARDS,
@@ -60,6 +48,19 @@ from model_check.z3.host import (
     neg,
     select,
     sym_args_text,
+)
+from model_check.z3.streams import (
+    P3,
+    P4,
+    P5,
+    P9,
+    DataCtx,
+    DevState,
+    Facts,
+    Layout,
+    flag_orders,
+    initial_dev,
+    interpret,
 )
 
 DATA_P3_SET = "the forward map does not expose exactly the requested experts"
@@ -164,7 +165,130 @@ class CallResult(NamedTuple):
     seen: dict[str, list[Bool]]
 
 
-class Unrolling:
+Call = tuple[str, tuple[object, ...], int]  # (operation, arguments, stream)
+
+
+class Unrolled:
+    """What an unrolling of either path's transition relation offers its driver (`z3.check`,
+    `z3.device_path`): `steps`, each with the verdicts it may commit (`found`, per (property,
+    detail)), its reachability observations (`seen`) and whether its call is `accepted`;
+    a subclass says what a step's call is (`_calls_at`) and how it reads (`_call_text`)."""
+
+    solver: z3.Solver
+    depth: int
+    states: list[Any]
+    steps: list[Any]
+
+    def _unroll(self, initial: Any) -> None:
+        """The states and steps of `depth` calls from `initial` (`step` is one call)."""
+        self.states, self.steps = [initial], []
+        for t in range(self.depth):
+            nxt, info = self.step(t, self.states[-1])
+            self.states.append(nxt)
+            self.steps.append(info)
+
+    def step(self, t: int, st: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _fresh_state(self, computed: Any, name: str) -> Any:
+        state = fresh_like(computed, name)
+        for var, term in zip(leaves(state), leaves(computed), strict=True):
+            self.solver.add(var == term)
+        return state
+
+    def violation(self, prop: str, upto: int | None = None) -> Bool:
+        """Some step among the first `upto` (all by default) violates prop."""
+        steps = self.steps[: self.depth if upto is None else upto]
+        return disj(*(v for s in steps for (p, _), v in s.found.items() if p == prop))
+
+    def sighting(self, tag: str) -> Bool:
+        return disj(*(s.seen.get(tag, False) for s in self.steps))
+
+    def _calls_at(self, ev: Any, info: Any) -> list[Call]:
+        raise NotImplementedError
+
+    def _call_text(self, ev: Any, info: Any) -> str:
+        raise NotImplementedError
+
+    def _after_text(self, ev: Any, t: int) -> str:
+        return ""
+
+    def first_violation(self, model: z3.ModelRef, prop: str) -> int | None:
+        """The number of steps up to the first one that violates prop in `model`."""
+        ev = _evaluator(model)
+        for t, info in enumerate(self.steps):
+            if any(p == prop and z3.is_true(ev(v)) for (p, _), v in info.found.items()):
+                return t + 1
+        return None
+
+    def describe(self, model: z3.ModelRef, prop: str) -> tuple[str, int]:
+        """The counterexample in `model` as host calls, up to the first violating step."""
+        ev = _evaluator(model)
+        lines: list[str] = []
+        for t, info in enumerate(self.steps):
+            text = self._call_text(ev, info)
+            if not z3.is_true(ev(info.accepted)):
+                text += " (rejected)"
+            lines.append(f"  {t + 1}. {text}{self._after_text(ev, t)}")
+            fired = [part for (p, part), v in info.found.items() if p == prop and z3.is_true(ev(v))]
+            if fired:
+                lines.append(f"     violation: {fired[0]}")
+                return "\n".join(lines), t + 1
+        return "\n".join(lines), len(self.steps)
+
+    def calls(self, model: z3.ModelRef, upto: int) -> list[Call]:
+        """The host calls of the first `upto` steps of the counterexample in `model`."""
+        ev = _evaluator(model)
+        out: list[Call] = []
+        for info in self.steps[:upto]:
+            out += self._calls_at(ev, info)
+        return out
+
+
+def first_violated(
+    solver: z3.Solver, unrolling: Unrolled, props: Sequence[str], order: Callable[[str], Any]
+) -> str | tuple[str, z3.ModelRef]:
+    """One query for a violation of any of `props`: "holds" or "unknown", or the property
+    violated first on the model found (ties by `order`) and the model."""
+    goal = z3.Bool("goal_any")
+    solver.add(z3.Implies(goal, z3.Or(*(z3_bool(unrolling.violation(p)) for p in props))))
+    verdict = solver.check(goal)
+    if verdict != z3.sat:
+        return "holds" if verdict == z3.unsat else "unknown"
+    model = solver.model()
+    when = {p: unrolling.first_violation(model, p) for p in props}
+    return min((p for p in props if when[p] is not None), key=lambda p: (when[p], order(p))), model
+
+
+def shortest(
+    solver: z3.Solver, unrolling: Unrolled, prop: str, model: z3.ModelRef, goal: str
+) -> z3.ModelRef:
+    """The shortest counterexample of prop: the first prefix length that admits one (queries
+    named `goal` with `{prop}` and `{k}` filled in); `model` when none is shorter."""
+    _, length = unrolling.describe(model, prop)
+    for k in range(1, length):
+        short = z3.Bool(goal.format(prop=prop, k=k))
+        solver.add(z3.Implies(short, z3_bool(unrolling.violation(prop, k))))
+        if solver.check(short) == z3.sat:
+            return solver.model()
+    return model
+
+
+def reachable(
+    solver: z3.Solver, unrolling: Unrolled, tags: Iterable[str], timing: dict[str, float]
+) -> dict[str, bool]:
+    """Whether some run of the unrolling makes each observation (the "sometimes" checks)."""
+    reached: dict[str, bool] = {}
+    for tag in tags:
+        goal = z3.Bool(f"sight_{tag}")
+        solver.add(z3.Implies(goal, z3_bool(unrolling.sighting(tag))))
+        t0 = time.perf_counter()
+        reached[tag] = solver.check(goal) == z3.sat
+        timing[f"sight:{tag}"] = time.perf_counter() - t0
+    return reached
+
+
+class Unrolling(Unrolled):
     """The transition relation unrolled `depth` times into one incremental solver.
 
     With `read_after_prepare` (the default, as in the explorer's happens-before model), an
@@ -188,12 +312,7 @@ class Unrolling:
             if read_after_prepare and first in names and then in names
             else None
         )
-        self.states: list[SymState] = [initial_state(bounds, self.layout)]
-        self.steps: list[StepInfo] = []
-        for t in range(depth):
-            nxt, info = self.step(t, self.states[-1])
-            self.states.append(nxt)
-            self.steps.append(info)
+        self._unroll(initial_state(bounds, self.layout))
 
     def inputs(self, t: int) -> Inputs:
         n = self.bounds.num_experts
@@ -311,12 +430,6 @@ class Unrolling:
         disagree = [conj(new.fwd[e], new.fwd_slot[e] != new.slot[e]) for e in range(n)]
         report((P3, DATA_P3_AGREE), conj(acc, disj(*disagree)))
 
-    def _fresh_state(self, computed: SymState, name: str) -> SymState:
-        state: SymState = fresh_like(computed, name)
-        for var, term in zip(leaves(state), leaves(computed), strict=True):
-            self.solver.add(var == term)
-        return state
-
     def step(self, t: int, st: SymState) -> tuple[SymState, StepInfo]:
         inp = self.inputs(t)
         top = self.bounds.num_experts * (t + 1)  # above every LRU rank given so far
@@ -339,15 +452,7 @@ class Unrolling:
             found[(P4, part)] = disj(found.get((P4, part), False), conj(first.accepted, neg(good)))
         return nxt, StepInfo(inp, first.accepted, then, found, seen)
 
-    def violation(self, prop: str, upto: int | None = None) -> Bool:
-        """Some step among the first `upto` (all by default) violates prop."""
-        steps = self.steps[: self.depth if upto is None else upto]
-        return disj(*(v for s in steps for (p, _), v in s.found.items() if p == prop))
-
-    def sighting(self, tag: str) -> Bool:
-        return disj(*(s.seen.get(tag, False) for s in self.steps))
-
-    def _calls_at(self, ev: Any, info: StepInfo) -> list[tuple[str, tuple[object, ...], int]]:
+    def _calls_at(self, ev: Any, info: StepInfo) -> list[Call]:
         op = self.table.operations[ev(info.inputs.op).as_long()]
         args = SymArgs(
             tuple(z3.is_true(ev(r)) for r in info.inputs.args.req),
@@ -360,43 +465,15 @@ class Unrolling:
             out.append((self.table.operations[self.follow[1]].name, (), cur))
         return out
 
-    def first_violation(self, model: z3.ModelRef, prop: str) -> int | None:
-        """The number of steps up to the first one that violates prop in `model`."""
-        ev = _evaluator(model)
-        for t, info in enumerate(self.steps):
-            if any(p == prop and z3.is_true(ev(v)) for (p, _), v in info.found.items()):
-                return t + 1
-        return None
+    def _call_text(self, ev: Any, info: StepInfo) -> str:
+        calls = self._calls_at(ev, info)
+        shown = " then ".join(f"{name}({', '.join(map(repr, args))})" for name, args, _ in calls)
+        return f"{shown} on s{calls[0][2]}"
 
-    def describe(self, model: z3.ModelRef, prop: str) -> tuple[str, int]:
-        """The counterexample in `model` as host calls, up to the first violating step."""
-        ev = _evaluator(model)
-        lines: list[str] = []
-        for t, info in enumerate(self.steps):
-            calls = self._calls_at(ev, info)
-            shown = " then ".join(
-                f"{name}({', '.join(map(repr, args))})" for name, args, _ in calls
-            )
-            text = f"{shown} on s{calls[0][2]}"
-            if not z3.is_true(ev(info.accepted)):
-                text += " (rejected)"
-            host = self.states[t + 1].host
-            slots = [ev(s).as_long() for s in host.slot]
-            mapped = ", ".join(f"{e}->slot{s}" for e, s in enumerate(slots) if s != NO_SLOT)
-            lines.append(f"  {t + 1}. {text}; resident {{{mapped}}}")
-            fired = [part for (p, part), v in info.found.items() if p == prop and z3.is_true(ev(v))]
-            if fired:
-                lines.append(f"     violation: {fired[0]}")
-                return "\n".join(lines), t + 1
-        return "\n".join(lines), len(self.steps)
-
-    def calls(self, model: z3.ModelRef, upto: int) -> list[tuple[str, tuple[object, ...], int]]:
-        """The host calls of the first `upto` steps of the counterexample in `model`."""
-        ev = _evaluator(model)
-        out: list[tuple[str, tuple[object, ...], int]] = []
-        for info in self.steps[:upto]:
-            out += self._calls_at(ev, info)
-        return out
+    def _after_text(self, ev: Any, t: int) -> str:
+        slots = [ev(s).as_long() for s in self.states[t + 1].host.slot]
+        mapped = ", ".join(f"{e}->slot{s}" for e, s in enumerate(slots) if s != NO_SLOT)
+        return f"; resident {{{mapped}}}"
 
 
 def z3_bool(x: Bool) -> Any:

@@ -2,9 +2,9 @@
 
 `check_table(table, bounds, depth)` returns a `Z3Report`:
 - per property P1..P9, whether some sequence of at most `depth` host calls violates it
-  (`z3.bmc`: exact symbolic host state, the happens-before summary of `z3.device` for the
+  (`z3.bmc`: exact symbolic host state, the happens-before summary of `z3.streams` for the
   device), with the shortest counterexample as host calls, replayed on the explicit
-  interleaving model (`device.queues`) to say whether that model confirms it;
+  interleaving model (`streams.queues`) to say whether that model confirms it;
 - reachability ("sometimes") checks, so that a pass is not vacuous;
 - the unbounded result for the ordering properties (`z3.induction`): an inductive invariant,
   found by Houdini from a template and checked by z3 for every operation of the table.
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import z3
 
-from model_check.table.properties import DEADLOCK, PROPERTIES, Violation
+from model_check.table.properties import PROPERTIES, Violation
 from model_check.table.reference import Bounds
 from model_check.table.schema import Table, load_table
-from model_check.z3.bmc import Unrolling, z3_bool
+from model_check.z3.bmc import Unrolling, first_violated, reachable, shortest, z3_bool
 from model_check.z3.induction import InductionResult, prove
 from model_check.z3.invariant import (
     INVARIANT_PATH,
@@ -54,7 +54,6 @@ REACHABILITY: dict[str, str] = {
 OPTIONAL_REACHABILITY: dict[str, str] = {
     "provider_sync_with_read_pending": "a provider call synchronizes while a read is pending",
 }
-REPLAY_LIMIT = 100_000  # explicit states per replay before giving up
 
 
 @dataclass
@@ -182,9 +181,9 @@ Calls = list[tuple[str, tuple[object, ...], int]]
 
 
 def replay_hb(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str] | None:
-    """Run the host calls on the happens-before summary (`device.hb`), every staging branch; the
+    """Run the host calls on the happens-before summary (`streams.hb`), every staging branch; the
     properties it finds violated (None when the table is not expressible there)."""
-    from model_check.device.hb import NotExpressible, hb_host_call, initial_hb_state
+    from model_check.streams.hb import NotExpressible, hb_host_call, initial_hb_state
 
     found: dict[str, str] = {}
     states = [initial_hb_state(bounds)]
@@ -205,7 +204,8 @@ def replay_hb(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str] | No
 def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str] | None:
     """Run the host calls on the explicit FIFO model, every interleaving of device steps
     between and after them; the properties it finds violated (None: too many states)."""
-    from model_check.device.queues import (
+    from model_check.search.replay import replay as replay_on
+    from model_check.streams.queues import (
         Outcome,
         State,
         can_resume,
@@ -216,7 +216,6 @@ def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str
         resume,
         runnable,
     )
-    from model_check.search.replay import replay as replay_on
 
     def moves(st: State) -> list[Outcome[State]]:
         outs = [device_step(st, sid) for sid in range(len(st.queues)) if runnable(st, sid)]
@@ -227,12 +226,7 @@ def replay_explicit(table: Table, bounds: Bounds, calls: Calls) -> dict[str, str
     def call(st: State, op: str, args: tuple[object, ...], stream: int) -> Outcome[State] | None:
         return None if st.blocked is not None else host_call(table, bounds, st, op, args, stream)
 
-    def stuck(st: State) -> Violation | None:
-        if deadlocked(st):
-            return DEADLOCK
-        return None
-
-    return replay_on(initial_state(bounds), moves, call, stuck, calls, REPLAY_LIMIT)
+    return replay_on(initial_state(bounds), moves, call, deadlocked, calls)
 
 
 def replay(table: Table, bounds: Bounds, calls: Calls) -> dict[str, list[str]]:
@@ -287,14 +281,7 @@ def check_table(
     results: dict[str, PropertyResult] = {}
 
     def counterexample(prop: str, model: z3.ModelRef, t0: float) -> PropertyResult:
-        _, length = unrolling.describe(model, prop)
-        # The shortest counterexample: the first prefix length that admits one.
-        for k in range(1, length):
-            short = z3.Bool(f"goal_{prop}_{k}")
-            solver.add(z3.Implies(short, z3_bool(unrolling.violation(prop, k))))
-            if solver.check(short) == z3.sat:
-                model = solver.model()
-                break
+        model = shortest(solver, unrolling, prop, model, "goal_{prop}_{k}")
         text, length = unrolling.describe(model, prop)
         result = PropertyResult(prop, "violated", 0.0, text, unrolling.calls(model, length))
         if replay_counterexamples:
@@ -304,19 +291,13 @@ def check_table(
 
     if stop_at_first:
         t0 = time.perf_counter()
-        goal = z3.Bool("goal_any")
-        solver.add(z3.Implies(goal, z3.Or(*(z3_bool(unrolling.violation(p)) for p in properties))))
-        verdict = solver.check(goal)
-        if verdict == z3.sat:
-            model = solver.model()
-            when = {p: unrolling.first_violation(model, p) for p in properties}
-            first = min((p for p in properties if when[p] is not None), key=lambda p: when[p] or 0)
+        found = first_violated(solver, unrolling, properties, list(properties).index)
+        if isinstance(found, tuple):
             results = {p: PropertyResult(p, "skipped", 0.0) for p in properties}
-            results[first] = counterexample(first, model, t0)
+            results[found[0]] = counterexample(*found, t0)
         else:
-            word = "holds" if verdict == z3.unsat else "unknown"
             seconds = time.perf_counter() - t0
-            results = {p: PropertyResult(p, word, seconds) for p in properties}
+            results = {p: PropertyResult(p, found, seconds) for p in properties}
     else:
         for prop in properties:
             t0 = time.perf_counter()
@@ -330,10 +311,7 @@ def check_table(
                 results[prop] = PropertyResult(prop, word, time.perf_counter() - t0)
     reached: dict[str, bool] = {}
     if reachability:
-        for tag in (*REACHABILITY, *OPTIONAL_REACHABILITY):
-            goal = z3.Bool(f"sight_{tag}")
-            solver.add(z3.Implies(goal, z3_bool(unrolling.sighting(tag))))
-            reached[tag] = solver.check(goal) == z3.sat
+        reached = reachable(solver, unrolling, (*REACHABILITY, *OPTIONAL_REACHABILITY), {})
     ind = _induction(table, bounds.consumer_streams, bounds.staging_buffers) if induction else None
     return Z3Report(
         bounds=bounds,

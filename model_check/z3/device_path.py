@@ -1,16 +1,16 @@
 """z3 checks of the device-planned path: bounded model checking and an inductive invariant.
 
-The encoding follows the host path's (model_check/z3_bmc.py, z3_device.py, z3_induction.py):
+The encoding follows the host path's (model_check/z3/bmc.py, streams.py, induction.py):
 
 - Each of k host calls is a symbolic choice of an operation of the device table, a consumer
   stream and arguments: `ids` as a set of in-range experts plus a flag for an id outside
   [-1, E) (the representative E) and one for -1 padding, the pass index, the expert of
   invalidate (E stands for out of range). Every sequence the explorers run is one of these.
 - The data is exact and symbolic: the reference in host-call order (`ghost`, through the
-  symbolic twin of the host path's plan_prepare in model_check/z3_host.py, on the pass's
+  symbolic twin of the host path's plan_prepare in model_check/z3/host.py, on the pass's
   group) and the device buffers in host-call order by the table's functions (`shadow`: cache
-  state, forward map, miss list and count, error flag, slot contents), as in core.py. The data
-  verdicts (P2's content, P3, P4, P5, P9) are drawn on them.
+  state, forward map, miss list and count, error flag, slot contents), as in
+  streams/device_program.py. The data verdicts (P2's content, P3, P4, P5, P9) are drawn on them.
 - The device is the happens-before summary with one followed access of each kind (resource,
   mode): the one-generic-element abstraction of z3_device, each with its mask of places and,
   for slots, the set of slots its operation touches (exact: a gather or a read is one
@@ -30,16 +30,24 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import combinations
 from typing import Any, NamedTuple
 
 import z3
 
-from model_check.device_path.core import PROPERTIES, SLOT0, conflict_prop, resource_name
-from model_check.device_path.table import BLOCKING_KINDS, DeviceOp, DeviceTable
+from model_check.streams.device_program import SLOT0, conflict_prop, resource_name, unread_after
+from model_check.table.properties import DEVICE_PROPERTIES as PROPERTIES
 from model_check.table.properties import Violation
 from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds
-from model_check.z3.bmc import fresh_like, leaves, z3_bool
+from model_check.table.schema import BLOCKING_KINDS, DeviceOp, DeviceTable
+from model_check.z3.bmc import (
+    Call,
+    Unrolled,
+    chain,
+    first_violated,
+    reachable,
+    shortest,
+    z3_bool,
+)
 from model_check.z3.host import (
     Bool,
     Int,
@@ -58,7 +66,7 @@ from model_check.z3.host import (
     select,
     sym_plan_invalidate,
 )
-from model_check.z3.induction import excluded, houdini, inductive_per_operation, minimized
+from model_check.z3.induction import Clause, InductionResult, find_invariant, template
 
 R_, W_ = 0, 1
 # Followed kinds: (resource, mode); resource 4 stands for every slot, with a slot set.
@@ -111,8 +119,8 @@ class Data(NamedTuple):
     err: Bool
     slots: tuple[Int, ...]
     unread: Bool
-    # The step's order as stored by its first pass (functions.select): each expert's position,
-    # -1 when not stored; the ghost's, and the shadow's (() while tied).
+    # The step's order as stored by its first pass (device_functions.select): each expert's
+    # position, -1 when not stored; the ghost's, and the shadow's (() while tied).
     gstep: tuple[Int, ...]
     cstep: Any
 
@@ -125,12 +133,12 @@ class SymState(NamedTuple):
 
 def data_shape(table: DeviceTable) -> tuple[bool, bool]:
     """(tied, track_list). Tied: every function of the table leaves the cache state and the
-    forward map as the reference does (functions.SAME_STATE_AS_REFERENCE, which the tests
+    forward map as the reference does (device_functions.SAME_STATE_AS_REFERENCE, which the tests
     check on every reachable state), so the shadow's are the ghost's and are not kept twice.
     track_list: some gather can read a miss list entry another call wrote (else the gather is
     the copies of its call's plan)."""
-    from model_check.device_path.core import _dead_after_call
-    from model_check.device_path.functions import SAME_STATE_AS_REFERENCE
+    from model_check.streams.device_program import _dead_after_call
+    from model_check.table.device_functions import SAME_STATE_AS_REFERENCE
 
     fns = {s.fn for op in table.operations for s in op.steps if s.kind in ("plan", "free_slot")}
     return fns <= SAME_STATE_AS_REFERENCE, not _dead_after_call(table)[1]
@@ -168,7 +176,8 @@ def max_passes(bounds: Bounds) -> int:
 
 
 def pass_exists(args: Args, k: int, bounds: Bounds) -> Bool:
-    """Pass k is among the passes of a step of these ids (core.num_passes: by entries)."""
+    """Pass k is among the passes of a step of these ids (device_functions.num_passes: by
+    entries)."""
     if k == 0:
         return True
     numel = count(args.req) + ite(args.bad, 1, 0) + ite(args.pad, 1, 0)
@@ -193,7 +202,7 @@ class Item(NamedTuple):
 
 
 class DataRun:
-    """A call's data in host-call order, symbolically (core.DataInterp's twin)."""
+    """A call's data in host-call order, symbolically (device_program.DataInterp's twin)."""
 
     def __init__(
         self,
@@ -247,13 +256,8 @@ class DataRun:
         else:
             for step in steps:
                 self.step(step, self.args.p, True)
-        d = self.d
-        if any(s.kind == "plan" for s in steps):
-            d = d._replace(unread=not graph and op.provider)
-        elif any(s.kind == "consumer_read" for s in steps):
-            d = d._replace(unread=False)
-        self.d = d
-        return d
+        self.d = self.d._replace(unread=unread_after(op, self.d.unread))
+        return self.d
 
     def step(self, step: Any, p: Int, cond: Bool) -> None:
         kind = step.kind
@@ -307,7 +311,7 @@ class DataRun:
     def order(
         self, h: SymHost, stored: tuple[Int, ...], p: Int, hits_first: bool
     ) -> tuple[tuple[Bool, ...], tuple[Bool, ...], tuple[Int, ...]]:
-        """functions.select on the state `h` with the stored order `stored`: (the experts the
+        """device_functions.select on the state `h` with the stored order `stored`: (the experts the
         pass exposes, the step's experts it protects, the order stored after it)."""
         n, cap, req = self.bounds.num_experts, self.bounds.capacity, self.args.req
         first = p == 0
@@ -371,7 +375,7 @@ class DataRun:
                 conj(cond, args.bad, n_req >= p * cap, n_req < (p + 1) * cap),
             )
         err = error if fn == "plan_pass_resets_errors" else disj(d.err, error)
-        # P5 and P3 on the pass's result (core.plan_verdict).
+        # P5 and P3 on the pass's result (device_functions.plan_verdict).
         self.flag(
             "P5_victim_protection",
             "a pass evicts an expert it exposes",
@@ -442,7 +446,7 @@ class DataRun:
         writes: list[Bool] = [False] * cap
         if not self.track_list:
             # Every gather follows its call's plan and reads only the first `count` entries:
-            # the plan's copies, in id order (core._dead_after_call).
+            # the plan's copies, in id order (device_program._dead_after_call).
             assert self.copies is not None
             miss, dest, planned = self.copies
             for e in range(n):
@@ -708,7 +712,7 @@ class Summary:
 # ---------------------------------------------------------------- bounded model checking
 
 
-Calls = list[tuple[str, tuple[object, ...], int]]  # (operation, arguments, stream)
+Calls = list[Call]
 
 
 class StepInfo(NamedTuple):
@@ -720,22 +724,14 @@ class StepInfo(NamedTuple):
     seen: dict[str, Bool]
 
 
-class Unrolling:
+class Unrolling(Unrolled):
     def __init__(self, table: DeviceTable, bounds: Bounds, depth: int) -> None:
         self.table, self.bounds, self.depth = table, bounds, depth
         self.n_streams = len(table.consumer_streams) + 1
         self.n_places = self.n_streams + len(table.events)
         self.solver = z3.Solver()
-        self.states: list[SymState] = [
-            SymState(
-                NO_STREAM, initial_data(bounds, table), initial_dev(self.n_places, bounds.capacity)
-            )
-        ]
-        self.steps: list[StepInfo] = []
-        for t in range(depth):
-            nxt, info = self.step(t, self.states[-1])
-            self.states.append(nxt)
-            self.steps.append(info)
+        dev = initial_dev(self.n_places, bounds.capacity)
+        self._unroll(SymState(NO_STREAM, initial_data(bounds, table), dev))
 
     def top(self, t: int) -> int:
         """Above every LRU rank given by the first t calls."""
@@ -832,7 +828,7 @@ class Unrolling:
             found.setdefault(
                 ("P4_map_convergence", "once drained, the device state is not the reference's"), []
             ).append(conj(acc, neg(converged_terms(data, self.bounds))))
-        computed = _chain(results)
+        computed: SymState = chain(results[:-1], results[-1][1])
         nxt = self._fresh_state(computed, f"s{t + 1}")
         info = StepInfo(
             op_sel,
@@ -844,27 +840,9 @@ class Unrolling:
         )
         return nxt, info
 
-    def _fresh_state(self, computed: SymState, name: str) -> SymState:
-        state: SymState = fresh_like(computed, name)
-        for var, term in zip(leaves(state), leaves(computed), strict=True):
-            self.solver.add(var == term)
-        return state
-
-    def violation(self, prop: str, upto: int | None = None) -> Bool:
-        steps = self.steps[: self.depth if upto is None else upto]
-        return disj(*(v for s in steps for (p, _), v in s.found.items() if p == prop))
-
-    def sighting(self, tag: str) -> Bool:
-        return disj(*(s.seen.get(tag, False) for s in self.steps))
-
-    def call(self, model: z3.ModelRef, t: int) -> tuple[str, tuple[object, ...], int]:
-        """Step t of the counterexample in `model` as a host call (operation, arguments as
-        the explicit model takes them, stream)."""
-
-        def ev(x: Any) -> Any:
-            return x if isinstance(x, (bool, int)) else model.eval(x, model_completion=True)
-
-        info = self.steps[t]
+    def _calls_at(self, ev: Any, info: StepInfo) -> list[Call]:
+        """The step as a host call (operation, arguments as the explicit model takes them,
+        stream)."""
         op = self.table.operations[ev(info.op).as_long()]
         args: list[object] = []
         if "ids" in op.args:
@@ -876,39 +854,11 @@ class Unrolling:
             args.append(ev(info.args.p).as_long())
         if "expert" in op.args:
             args.append(ev(info.args.expert).as_long())
-        return op.name, tuple(args), ev(info.cur).as_long()
+        return [(op.name, tuple(args), ev(info.cur).as_long())]
 
-    def calls(self, model: z3.ModelRef, upto: int) -> Calls:
-        """The host calls of the first `upto` steps of the counterexample in `model`."""
-        return [self.call(model, t) for t in range(upto)]
-
-    def describe(self, model: z3.ModelRef, prop: str) -> tuple[str, int]:
-        lines: list[str] = []
-
-        def ev(x: Any) -> Any:
-            return x if isinstance(x, (bool, int)) else model.eval(x, model_completion=True)
-
-        for t, info in enumerate(self.steps):
-            name, args, cur = self.call(model, t)
-            text = f"{name}({', '.join(str(a) for a in args)}) on s{cur}"
-            if not z3.is_true(ev(info.accepted)):
-                text += " (rejected)"
-            lines.append(f"  {t + 1}. {text}")
-            fired = [d for (p, d), v in info.found.items() if p == prop and z3.is_true(ev(v))]
-            if fired:
-                lines.append(f"     violation: {fired[0]}")
-                return "\n".join(lines), t + 1
-        return "\n".join(lines), len(self.steps)
-
-
-def _chain(results: list[tuple[Bool, SymState]]) -> SymState:
-    out = leaves(results[-1][1])
-    for cond, value in reversed(results[:-1]):
-        out = [ite(cond, a, b) for a, b in zip(leaves(value), out, strict=True)]
-    from model_check.z3.bmc import rebuild
-
-    rebuilt: SymState = rebuild(results[-1][1], out)
-    return rebuilt
+    def _call_text(self, ev: Any, info: StepInfo) -> str:
+        [(name, args, cur)] = self._calls_at(ev, info)
+        return f"{name}({', '.join(str(a) for a in args)}) on s{cur}"
 
 
 # ---------------------------------------------------------------- induction
@@ -929,20 +879,10 @@ class AbsState(NamedTuple):
     unread: Bool
     dev: DevState
 
-
-@dataclass
-class InductionResult:
-    proved: dict[str, bool]
-    invariant: list[str]
-    per_operation: dict[str, bool]
-    seconds: float
-    candidates: int = 0
-    rounds: int = 0
-    counterexample: str | None = None
-
     @property
-    def ok(self) -> bool:
-        return all(self.proved.values()) and all(self.per_operation.values())
+    def prepared(self) -> Bool:
+        """The host flag the template's host clause reads (`induction.Clause`)."""
+        return self.unread
 
 
 def _abs_vars(n_places: int, prefix: str) -> AbsState:
@@ -988,33 +928,11 @@ def _abs_items(table: DeviceTable, op: DeviceOp) -> list[Item]:
     return items
 
 
-Atom = tuple[str, int]
-
-
-class Clause(NamedTuple):
-    text: str
-    kind: int  # -1: host clause
-    atoms: tuple[Atom, ...]
-
-    def value(self, s: AbsState, streams: int) -> Bool:
-        if self.kind < 0:
-            return implies(s.unread, s.owner != NO_STREAM)
-        t = s.dev[self.kind]
-        return implies(t.alive, disj(*(_atom(a, t, s, streams) for a in self.atoms)))
-
-
-def _atom(atom: Atom, t: Tracked, s: AbsState, streams: int) -> Bool:
-    name, place = atom
-    if name == "false":
-        return False
-    if name == "owned":
-        return s.owner != NO_STREAM
-    if name == "owner":
-        return disj(*(conj(s.owner == j, t.mask[j]) for j in range(streams)))
-    return t.mask[place]
-
-
 def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
+    """The ordering properties for any number of calls: one transition from an abstract state
+    (the owner, whether a forward map is unread, the followed accesses), the template's
+    clauses (`induction.template`, with the host clause "a forward map is unread => there is
+    an owner") through the induction of the host path (`induction.find_invariant`)."""
     start = time.perf_counter()
     n_streams = len(table.consumer_streams) + 1
     n_places = n_streams + len(table.events)
@@ -1034,12 +952,7 @@ def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
             else (True if op.guard == "always" else z3.Bool(f"ok{i}"))
         )
         eqs.append(implies(conj(sel, neg(ok)), _abs_eq(post, pre)))
-        has_plan = any(s.kind == "plan" for s in op.steps)
-        unread: Bool = pre.unread
-        if has_plan:
-            unread = not any(s.graph for s in op.steps) and op.provider
-        elif any(s.kind == "consumer_read" for s in op.steps):
-            unread = False
+        unread = unread_after(op, pre.unread)
         items = _abs_items(table, op)
         for c in range(consumers):
             for o in (NO_STREAM, *range(consumers)):
@@ -1060,35 +973,21 @@ def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
                     implies(branch, _abs_eq(post, AbsState(owner, unread, tuple(summary.dev))))
                 )
     base.add(z3_bool(conj(*eqs)))
-    bad = {p: disj(*vs) for p, vs in found.items()}
     init = AbsState(NO_STREAM, False, initial_dev(n_places, 0))
-
-    def at_pre(c: Clause) -> Any:
-        return z3_bool(c.value(pre, consumers))
-
-    def at_post(c: Clause) -> Any:
-        return z3_bool(c.value(post, consumers))
-
-    cands = [
-        c for c in _candidates(n_streams, n_places, consumers) if _truth(c.value(init, consumers))
-    ]
-    n_cands = len(cands)
-    cands, rounds = houdini(base, cands, at_pre, at_post)
+    names = [f"s{i}" for i in range(consumers)] + ["capture"]
+    names += [f"event{e}" for e in range(n_places - n_streams)]
+    cands = [Clause("a forward map is unread => there is an owner", -1, (), 1)]
+    for _, _, clauses in template(KIND_NAMES, names, ("owned", "there is an owner")):
+        cands += clauses
 
     def describe(m: z3.ModelRef, prop: str) -> str:
         name = table.operations[m.eval(op_sel, True).as_long()].name
         return f"{prop}: then {name} on s{m.eval(cur, True)}"
 
-    proved, cex = excluded(
-        base, cands, at_pre, lambda p: z3_bool(bad.get(p, False)), ORDERING, describe
-    )
-    good = z3_bool(disj(*(bad.get(p, False) for p in proved if proved[p])))
-    kept = minimized(base, cands, lambda c: len(c.atoms), at_pre, at_post, good)
-    names = [op.name for op in table.operations]
-    per_op = inductive_per_operation(base, op_sel, names, kept, at_pre, at_post)
-    return InductionResult(
-        proved, [c.text for c in kept], per_op, time.perf_counter() - start, n_cands, rounds, cex
-    )
+    bad = {p: disj(*vs) for p, vs in found.items()}
+    ops = (op_sel, [op.name for op in table.operations])
+    states = (init, pre, post, consumers)
+    return find_invariant(base, cands, states, bad, ORDERING, describe, ops, start)
 
 
 def _abs_eq(a: AbsState, b: AbsState) -> Bool:
@@ -1097,34 +996,6 @@ def _abs_eq(a: AbsState, b: AbsState) -> Bool:
         parts.append(x.alive == y.alive)
         parts += [p == q for p, q in zip(x.mask, y.mask, strict=True)]
     return conj(*parts)
-
-
-def _candidates(n_streams: int, n_places: int, consumers: int) -> list[Clause]:
-    names = (
-        [f"s{i}" for i in range(consumers)]
-        + ["capture"]
-        + [f"event{e}" for e in range(n_places - n_streams)]
-    )
-    places: list[Atom] = [("owner", 0)] + [("place", p) for p in range(n_places)]
-    text = {
-        ("owner", 0): "before the owner stream",
-        **{("place", p): f"before {names[p]}" for p in range(n_places)},
-    }
-    out = [Clause("a forward map is unread => there is an owner", -1, ())]
-    for k, kind in enumerate(KIND_NAMES):
-        out.append(Clause(f"{kind} pending => false", k, (("false", 0),)))
-        out.append(Clause(f"{kind} pending => there is an owner", k, (("owned", 0),)))
-        for a in places:
-            out.append(Clause(f"{kind} pending => {text[a]}", k, (a,)))
-        for a, b in combinations(places, 2):
-            out.append(Clause(f"{kind} pending => {text[a]} or {text[b]}", k, (a, b)))
-    return out
-
-
-def _truth(x: Bool) -> bool:
-    if isinstance(x, bool):
-        return x
-    return bool(z3.is_true(z3.simplify(x)))
 
 
 # ---------------------------------------------------------------- the report
@@ -1197,30 +1068,16 @@ def check(
     calls: dict[str, Calls] = {}
     timing: dict[str, float] = {"build": time.perf_counter() - start}
     if stop_at_first:
-        goal = z3.Bool("goal_any")
-        solver.add(z3.Implies(goal, z3.Or(*(z3_bool(unrolling.violation(p)) for p in props))))
-        result = solver.check(goal)
-        if result == z3.sat:
-            model = solver.model()
-            firsts: list[tuple[int, str]] = []
-            for p in props:
-                _, n = unrolling.describe(model, p)
-                if z3.is_true(model.eval(z3_bool(unrolling.violation(p, n)), True)):
-                    firsts.append((n, p))
-            n, prop = min(firsts)
-            # The shortest counterexample: the first prefix length that admits one.
-            for k in range(1, n):
-                short = z3.Bool(f"short_{prop}_{k}")
-                solver.add(z3.Implies(short, z3_bool(unrolling.violation(prop, k))))
-                if solver.check(short) == z3.sat:
-                    model = solver.model()
-                    break
+        found = first_violated(solver, unrolling, props, lambda p: p)
+        if isinstance(found, tuple):
+            prop, model = found
+            model = shortest(solver, unrolling, prop, model, "short_{prop}_{k}")
             verdicts = {p: "skipped" for p in props}
             verdicts[prop] = "violated"
             cexs[prop], n = unrolling.describe(model, prop)
             calls[prop] = unrolling.calls(model, n)
         else:
-            verdicts = {p: ("holds" if result == z3.unsat else "unknown") for p in props}
+            verdicts = {p: found for p in props}
     else:
         # Step by step: the properties at step k, each proved under the facts proved of the
         # steps before (no violation there, and the state lemmas of `wellformed`), then those
@@ -1256,14 +1113,7 @@ def check(
                 elif result != z3.unsat:
                     verdicts[prop] = "unknown"
             solver.add(z3_bool(neg(disj(*(at[p] for p in props if verdicts[p] == "holds")))))
-    reached: dict[str, bool] = {}
-    if reachability:
-        for tag in REACHABILITY:
-            goal = z3.Bool(f"sight_{tag}")
-            solver.add(z3.Implies(goal, z3_bool(unrolling.sighting(tag))))
-            t0 = time.perf_counter()
-            reached[tag] = solver.check(goal) == z3.sat
-            timing[f"sight:{tag}"] = time.perf_counter() - t0
+    reached = reachable(solver, unrolling, REACHABILITY, timing) if reachability else {}
     ind = prove(table, bounds) if induction else None
     report = Z3Report(bounds, depth, verdicts, cexs, reached, ind, time.perf_counter() - start)
     report.timing = timing

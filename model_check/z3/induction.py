@@ -2,7 +2,7 @@
 
 What is proved, and about what (spec/README.md states the same):
 
-- The model is the happens-before summary (`device.hb`) in the symbolic form of `z3.device`:
+- The model is the happens-before summary (`streams.hb`) in the symbolic form of `z3.streams`:
   one followed pending operation per kind (a read, a copy, a map upload per staging ring, a
   `wait_flag` per event), each with its mask of places, with 2 consumer streams plus the copy
   stream and 1 staging buffer per ring (the bounds of every configuration), and an abstract
@@ -45,7 +45,7 @@ of the table that changes the invariant fails until the file is re-pinned on pur
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any, NamedTuple, TypeVar
@@ -54,7 +54,19 @@ import z3
 
 from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds
 from model_check.table.schema import Table
-from model_check.z3.device import (
+from model_check.z3.bmc import z3_bool
+from model_check.z3.host import (
+    EFFECT_FACTS,
+    GUARD_ALWAYS,
+    GUARD_NEEDS_FORWARD,
+    Bool,
+    Int,
+    conj,
+    disj,
+    implies,
+    neg,
+)
+from model_check.z3.streams import (
     KINDS,
     P1,
     P2,
@@ -69,17 +81,6 @@ from model_check.z3.device import (
     flag_orders,
     initial_dev,
     interpret,
-)
-from model_check.z3.host import (
-    EFFECT_FACTS,
-    GUARD_ALWAYS,
-    GUARD_NEEDS_FORWARD,
-    Bool,
-    Int,
-    conj,
-    disj,
-    implies,
-    neg,
 )
 
 ORDERING = (P1, P2, P4, P6, P7, P8)
@@ -228,12 +229,14 @@ def _state_eq(a: AbsState, b: AbsState) -> Bool:
     return conj(*parts)
 
 
-Atom = tuple[str, int]  # ("false" | "prepared" | "owner" | "place", place index)
+Atom = tuple[str, int]  # ("false" | "prepared" | "owned" | "owner" | "place", place index)
 
 
 class Clause(NamedTuple):
     """`kind` pending (from staging buffer `buf`, when given) => one of `atoms`; kind -1 is
-    a host clause: prepared <=> (or =>, with buf 1) there is an owner stream."""
+    a host clause: prepared <=> (or =>, with buf 1) there is an owner stream. Both paths'
+    abstract states have an owner, followed kinds with masks, and a host flag read as
+    `prepared` (the device-planned path's: a forward map is unread)."""
 
     text: str
     kind: int
@@ -255,9 +258,32 @@ def _atom(atom: Atom, t: Tracked, s: AbsState, streams: int) -> Bool:
         return False
     if name == "prepared":
         return s.prepared
+    if name == "owned":
+        return s.owner != NO_STREAM
     if name == "owner":
         return disj(*(conj(s.owner == j, t.mask[j]) for j in range(streams)))
     return t.mask[place]
+
+
+def template(
+    kinds: Sequence[str], names: Sequence[str], host: tuple[str, str]
+) -> Iterator[tuple[int, str, list[Clause]]]:
+    """The template's clauses for every followed kind: "K pending => a" and "K pending => a
+    or b" for a, b among false, the host atom `host` (name, text), "before the owner stream"
+    and "before p" for every place p named in `names`; per kind (index, name, clauses)."""
+    texts = {("owner", 0): "before the owner stream"}
+    places: list[Atom] = [("owner", 0)]
+    for p, name in enumerate(names):
+        texts[("place", p)] = f"before {name}"
+        places.append(("place", p))
+    for k, kind in enumerate(kinds):
+        out = [Clause(f"{kind} pending => false", k, (("false", 0),))]
+        out.append(Clause(f"{kind} pending => {host[1]}", k, ((host[0], 0),)))
+        for a in places:
+            out.append(Clause(f"{kind} pending => {texts[a]}", k, (a,)))
+        for a, b in combinations(places, 2):
+            out.append(Clause(f"{kind} pending => {texts[a]} or {texts[b]}", k, (a, b)))
+        yield k, kind, out
 
 
 def candidates(layout: Layout) -> list[Clause]:
@@ -265,18 +291,8 @@ def candidates(layout: Layout) -> list[Clause]:
         Clause("prepared <=> there is an owner stream", -1, ()),
         Clause("prepared => there is an owner stream", -1, (), 1),
     ]
-    texts = {("owner", 0): "before the owner stream"}
-    places: list[Atom] = [("owner", 0)]
-    for p, name in enumerate(layout.names):
-        texts[("place", p)] = f"before {name}"
-        places.append(("place", p))
-    for k, kind in enumerate(KINDS):
-        out.append(Clause(f"{kind} pending => false", k, (("false", 0),)))
-        out.append(Clause(f"{kind} pending => prepared", k, (("prepared", 0),)))
-        for a in places:
-            out.append(Clause(f"{kind} pending => {texts[a]}", k, (a,)))
-        for a, b in combinations(places, 2):
-            out.append(Clause(f"{kind} pending => {texts[a]} or {texts[b]}", k, (a, b)))
+    for k, kind, clauses in template(KINDS, layout.names, ("prepared", "prepared")):
+        out += clauses
         if kind.startswith("map:"):
             ring = kind.split(":", 1)[1]
             for buf in range(layout.buffers):
@@ -290,10 +306,6 @@ def candidates(layout: Layout) -> list[Clause]:
                     )
                 )
     return out
-
-
-def _as_bool(x: Bool) -> Any:
-    return z3.BoolVal(x) if isinstance(x, bool) else x
 
 
 class _Setup(NamedTuple):
@@ -314,7 +326,7 @@ def _setup(table: Table, bounds: Bounds) -> _Setup:
     pre, post = _abs_vars(layout, "pre"), _abs_vars(layout, "post")
     step = transition(table, bounds, layout, pre, post, "step")
     solver = z3.Solver()
-    solver.add(_domain(pre, bounds, layout), _as_bool(step.formula))
+    solver.add(_domain(pre, bounds, layout), z3_bool(step.formula))
     return _Setup(layout, bounds.consumer_streams, init, pre, post, step, solver)
 
 
@@ -326,14 +338,14 @@ def vacuous(setup: _Setup) -> list[str]:
     never: list[Bool] = []
     for before, after in zip(pre.dev, post.dev, strict=True):
         solver.push()
-        solver.add(z3.Not(_as_bool(before.alive)), _as_bool(after.alive))
+        solver.add(z3.Not(z3_bool(before.alive)), z3_bool(after.alive))
         if solver.check() == z3.unsat:
-            never.append(z3.Not(_as_bool(before.alive)))
+            never.append(z3.Not(z3_bool(before.alive)))
         solver.pop()
     out = []
     for prop in ORDERING:
         solver.push()
-        solver.add(*never, _as_bool(setup.step.found.get(prop, False)))
+        solver.add(*never, z3_bool(setup.step.found.get(prop, False)))
         if solver.check() == z3.unsat:
             out.append(prop)
         solver.pop()
@@ -351,8 +363,8 @@ def check_invariant(
     unknown = [text for text in clauses if text not in by_text]
     inv = [by_text[text] for text in clauses if text in by_text]
     solver, streams = s.solver, s.streams
-    pre_inv = [_as_bool(c.value(s.pre, streams)) for c in inv]
-    post_inv = z3.And(*[_as_bool(c.value(s.post, streams)) for c in inv] or [z3.BoolVal(True)])
+    pre_inv = [z3_bool(c.value(s.pre, streams)) for c in inv]
+    post_inv = z3.And(*[z3_bool(c.value(s.post, streams)) for c in inv] or [z3.BoolVal(True)])
     per_op: dict[str, bool] = {}
     for i, op in enumerate(table.operations):
         solver.push()
@@ -362,7 +374,7 @@ def check_invariant(
     excludes: dict[str, bool] = {}
     for prop in ORDERING:
         solver.push()
-        solver.add(*pre_inv, _as_bool(s.step.found.get(prop, False)))
+        solver.add(*pre_inv, z3_bool(s.step.found.get(prop, False)))
         excludes[prop] = solver.check() == z3.unsat
         solver.pop()
     initial = all(_truth(c.value(s.init, streams)) for c in inv)
@@ -474,43 +486,74 @@ def prove(
     setup = _setup(table, bounds)
     layout, streams, init, pre, post, step, base = setup
 
-    def at_pre(c: Clause) -> Any:
-        return _as_bool(c.value(pre, streams))
-
-    def at_post(c: Clause) -> Any:
-        return _as_bool(c.value(post, streams))
-
-    cands = [c for c in candidates(layout) if _truth(c.value(init, streams))]
-    n_cands = len(cands)
-    cands, rounds = houdini(base, cands, at_pre, at_post)
-
     def describe(model: z3.ModelRef, prop: str) -> str:
         return f"{prop}: from a state satisfying the invariant, " + _describe(
             model, table, step, pre, layout
         )
 
+    names = [op.name for op in table.operations]
+    result = find_invariant(
+        base,
+        candidates(layout),
+        (init, pre, post, streams),
+        step.found,
+        ORDERING,
+        describe,
+        (step.op_sel, names),
+        start,
+        minimize=minimize,
+    )
+    if committed is not None:
+        result.committed = check_invariant(table, bounds, committed, setup)
+    result.vacuous = vacuous(setup)
+    return result
+
+
+def find_invariant(
+    base: z3.Solver,
+    template: list[Clause],
+    states: tuple[Any, Any, Any, int],
+    found: dict[str, Bool],
+    props: Sequence[str],
+    describe: Callable[[z3.ModelRef, str], str],
+    operations: tuple[Any, Sequence[str]],
+    start: float,
+    *,
+    minimize: bool = True,
+) -> InductionResult:
+    """The induction of either path, on `base` (a solver holding one transition from `pre` to
+    `post`, with `found[p]` the violations of p it commits): the template's clauses true in
+    `init`, Houdini's algorithm, the properties the invariant excludes (the first it does not,
+    `describe`d), the invariant minimized, and whether it is inductive for each operation
+    (`operations`: the selector's term and the operations' names)."""
+    init, pre, post, streams = states
+
+    def at_pre(c: Clause) -> Any:
+        return z3_bool(c.value(pre, streams))
+
+    def at_post(c: Clause) -> Any:
+        return z3_bool(c.value(post, streams))
+
+    cands = [c for c in template if _truth(c.value(init, streams))]
+    n_cands = len(cands)
+    cands, rounds = houdini(base, cands, at_pre, at_post)
     proved, cex = excluded(
-        base, cands, at_pre, lambda p: _as_bool(step.found.get(p, False)), ORDERING, describe
+        base, cands, at_pre, lambda p: z3_bool(found.get(p, False)), props, describe
     )
     final = cands
     if minimize:
-        good = disj(*(step.found.get(p, False) for p in proved if proved[p]))
-        final = minimized(base, cands, lambda c: len(c.atoms), at_pre, at_post, _as_bool(good))
-    names = [op.name for op in table.operations]
-    per_op = inductive_per_operation(base, step.op_sel, names, final, at_pre, at_post)
+        good = disj(*(found.get(p, False) for p in proved if proved[p]))
+        final = minimized(base, cands, lambda c: len(c.atoms), at_pre, at_post, z3_bool(good))
+    per_op = inductive_per_operation(base, *operations, final, at_pre, at_post)
     assert all(_truth(c.value(init, streams)) for c in final)
-    invariant = [c.text for c in final]
-    checked = None if committed is None else check_invariant(table, bounds, committed, setup)
     return InductionResult(
         proved=proved,
-        invariant=invariant,
+        invariant=[c.text for c in final],
         per_operation=per_op,
         seconds=time.perf_counter() - start,
         houdini_rounds=rounds,
         candidates=n_cands,
         counterexample=cex,
-        vacuous=vacuous(setup),
-        committed=checked,
     )
 
 
@@ -529,7 +572,7 @@ def _describe(
     cur = model.eval(z3.Int("step_cur"), True).as_long()
     pending = []
     for kind, t in zip(KINDS, pre.dev, strict=True):
-        if z3.is_true(model.eval(_as_bool(t.alive), True)):
+        if z3.is_true(model.eval(z3_bool(t.alive), True)):
             places = [
                 n
                 for n, m in zip(layout.names, t.mask, strict=True)
@@ -544,6 +587,7 @@ __all__ = [
     "InvariantCheck",
     "check_invariant",
     "excluded",
+    "find_invariant",
     "houdini",
     "inductive_per_operation",
     "minimized",

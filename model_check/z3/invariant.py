@@ -89,7 +89,7 @@ def invariant_text(result: InductionResult, streams: int, buffers: int) -> str:
         f"invariant = {strings(result.invariant)}",
         "",
         "[abstraction]",
-        "# The happens-before summary with one followed operation per kind (z3/device.py) and",
+        "# The happens-before summary with one followed operation per kind (z3/streams.py) and",
         "# an abstract host (the owner stream, whether a prepare was accepted).",
         f"consumer_streams = {streams}",
         f"staging_buffers = {buffers}",

@@ -1,6 +1,6 @@
-"""The happens-before summary of `device.hb`, with symbolic state, as a `DeviceCall`.
+"""The happens-before summary of `streams.hb`, with symbolic state, as a `DeviceCall`.
 
-`device.hb` keeps every pending device operation with a bit mask of the *places* it happens before
+`streams.hb` keeps every pending device operation with a bit mask of the *places* it happens before
 (streams, event snapshots, staging reuse events) and decides each ordering property when its
 second operation is enqueued. Every mask update acts on each pending operation on its own
 (record E on X: E := X; Y waits E: Y |= E; a stream drains: the operations holding it are
@@ -36,7 +36,7 @@ counterexample may need a replay to be trusted):
 
 The roles `owner` and `current` resolve to a stream number in DeviceCall.role, so a call is
 interpreted once per concrete (current stream, owner stream) pair by the shared interpreter
-(`device.interpreter.DeviceCall.run_step`) and the results are combined by the caller under
+(`streams.interpreter.DeviceCall.run_step`) and the results are combined by the caller under
 the condition that selects the pair. A step's `when` condition becomes a path condition: every
 state update in it is an `ite` on the condition, every verdict is conjoined with it.
 """
@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import z3
 
-from model_check.device.interpreter import DeviceCall
+from model_check.streams.interpreter import DeviceCall
 from model_check.table.host import Pairs
 from model_check.table.reference import NO_SLOT, Bounds, Counters, Effect, HostState
 from model_check.table.schema import EVENTS, RINGS, Operation, Step, Table

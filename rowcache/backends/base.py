@@ -5,7 +5,7 @@ of the table it calls the methods of a ``Backend`` in the table's step order, on
 step kind, with stream roles already resolved through a ``Roles`` and ``when`` conditions tested
 on a ``Plan``. A backend decides what a step means on its device: the CUDA backend enqueues
 stream work, the CPU backend does the same work synchronously, the recording backend writes
-the trace line the model (``model_check.device.queues``) writes for that step.
+the trace line the model (``model_check.streams.queues``) writes for that step.
 
 Backends are bound to one provider (``bind``) and are not shared between providers.
 """

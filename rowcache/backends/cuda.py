@@ -49,8 +49,8 @@ really issued on (read back from ``torch.cuda.current_stream`` for per-tensor co
 uploads; for a batched copy, the handle passed to ``cudaMemcpyBatchAsync``). A batched call is
 logged as one ``copy`` entry per tensor per miss, in the order the per-tensor path issues them,
 so the log has the same form on both paths. ``tests/cuda`` renders the log in the model's
-trace format and checks it against the table (``model_check.device.queues``,
-``model_check.device.hb``).
+trace format and checks it against the table (``model_check.streams.queues``,
+``model_check.streams.hb``).
 Off by default: each step then costs one ``is None`` test more, nothing else.
 
 Copy timing (benchmarks): ``backend.copy_timing = CopyTiming()`` records a pair of timing events

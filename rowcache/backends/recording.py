@@ -1,6 +1,6 @@
 """A backend with no device at all: it records each step as the model's trace line.
 
-The lines are exactly those ``model_check.device.queues`` puts in ``Outcome.trace`` for the same
+The lines are exactly those ``model_check.streams.queues`` puts in ``Outcome.trace`` for the same
 step (``"record release on 0"``, ``"copy expert 2 to slot 0 on 2"``, ``"stage resident"``,
 ``"host_sync all"``...), so a test can compare a provider's calls with the model's line by
 line. Streams are numbered as in the model: consumer streams ``0..n-1``, the copy stream ``n``.

@@ -5,9 +5,9 @@ properties.
 The workload runs on three consumer streams with slow consumer reads pending across provider
 calls. For each host call, the call log (``CudaBackend(call_log=...)``, recording the stream
 each call was really issued on) is rendered in the model's trace format and compared line by
-line with ``model_check.device.queues.host_call(...).trace``; the same calls are replayed through
+line with ``model_check.streams.queues.host_call(...).trace``; the same calls are replayed through
 the explicit semantics over every interleaving of device steps, and through the
-happens-before summary (``model_check.device.hb.hb_host_call``), with no violation allowed; the
+happens-before summary (``model_check.streams.hb.hb_host_call``), with no violation allowed; the
 whole trace is also replayed through PyTorch's stream sanitizer (``tests/sanitizer_oracle.py``).
 """
 

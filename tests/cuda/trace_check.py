@@ -1,7 +1,7 @@
 """Trace validation: the CUDA backend's call log against the transition table.
 
 ``render`` turns a ``CudaBackend`` call log (``rowcache.backends.cuda.CudaCall``) into the
-model's trace format (the lines ``model_check.device.queues`` puts in ``Outcome.trace``): stream
+model's trace format (the lines ``model_check.streams.queues`` puts in ``Outcome.trace``): stream
 handles become model stream numbers (consumer streams ``0..n-1``, the copy stream ``n``), the
 per-tensor copies of one miss become one ``copy expert e to slot s`` line (all present tensors,
 in ``SOURCE_NAMES`` order, on one stream, or the log is rejected), and staging buffer indices
@@ -9,10 +9,10 @@ are dropped (the model chooses its own).
 
 ``ModelReplay`` replays the same host calls in two device models and checks every outcome:
 
-* the explicit FIFO semantics (``model_check.device.queues``): after every host call, the closure
+* the explicit FIFO semantics (``model_check.streams.queues``): after every host call, the closure
   under device steps (every interleaving of device progress with the host calls); each host
   call is applied in every state of that closure; a ``synchronize`` keeps the idle states;
-* the happens-before summary (``model_check.device.hb.hb_host_call``), which decides the ordering
+* the happens-before summary (``model_check.streams.hb.hb_host_call``), which decides the ordering
   properties for all interleavings at once, with every staging-reuse branch.
 
 Both must report no violation, and each host call's trace must be the same in every branch:
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from model_check.device.hb import HbState, hb_host_call, initial_hb_state
-from model_check.device.queues import (
+from model_check.streams.hb import HbState, hb_host_call, initial_hb_state
+from model_check.streams.queues import (
     State,
     deadlocked,
     device_step,
