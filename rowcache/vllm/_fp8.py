@@ -41,7 +41,6 @@ from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExpert
 from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerTensorOnlineMoEMethod
-from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from rowcache.types import ExpertWeightProvider
@@ -49,10 +48,10 @@ from rowcache.vllm._config import RowcacheError
 from rowcache.vllm._method import (
     SUPPORTED_METHODS,
     CachedForward,
-    _host_loader,
     build_provider,
     check_layer,
     pinned_empty,
+    register_host_parameter,
 )
 from rowcache.vllm.knob import SIZE, CacheSettings
 
@@ -112,12 +111,7 @@ def _to_pinned(layer: Any, names: tuple[str, ...], keep_values: set[str]) -> dic
         host = pinned_empty(tuple(old.shape), old.dtype)
         if name in keep_values:
             host.copy_(old.data)
-        param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
-        attrs = dict(vars(old))
-        if "weight_loader" in attrs:
-            attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
-        layer.register_parameter(name, param)
-        set_weight_attrs(param, attrs)
+        register_host_parameter(layer, name, host, vars(old))
         hosts[name] = host
     return hosts
 
@@ -185,6 +179,24 @@ class _CachedFp8Forward(CachedForward):
     the scale slots, and a forward runs through the cache; with no provider, vLLM's own. It
     comes first in each method's bases, so ``super()`` is that method's vLLM class."""
 
+    _rowcache_capacity: int
+    _rowcache_hosts: dict[str, Tensor]
+
+    def _build_provider(self, hosts: dict[str, Tensor]) -> ExpertWeightProvider:
+        """The provider over the layer's pinned host weights and scales (``hosts``, by
+        parameter name)."""
+        settings = self.rowcache_settings
+        assert settings is not None
+        w13_name, w2_name = _scale_names(self)
+        return build_provider(
+            settings,
+            self._rowcache_capacity,
+            hosts["w13_weight"],
+            hosts["w2_weight"],
+            hosts[w13_name],
+            hosts[w2_name],
+        )
+
     def get_fused_moe_quant_config(self, layer: Any) -> Any:
         base: Any = super()
         provider = self.rowcache_provider
@@ -217,9 +229,6 @@ class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[mis
     """vLLM's ``Fp8MoEMethod`` (block scales [128, 128], TRITON) with the expert cache; only
     ever made by ``adopt`` (the knob is on)."""
 
-    _rowcache_capacity: int
-    _rowcache_hosts: dict[str, Tensor]
-
     def create_weights(
         self,
         layer: Any,
@@ -244,8 +253,7 @@ class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[mis
         self._rowcache_hosts = _to_pinned(layer, names, keep_values=set(names[2:]))
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        settings = self.rowcache_settings
-        assert settings is not None
+        assert self.rowcache_settings is not None
         hosts = self._rowcache_hosts
         provider = self.rowcache_provider
         if provider is not None:
@@ -255,17 +263,9 @@ class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[mis
                 provider.invalidate(expert)
             super().process_weights_after_loading(layer)
             return
-        w13_name, w2_name = _scale_names(self)
         # Before vLLM's processing, which builds the kernel's quant config through
         # get_fused_moe_quant_config: over the scale slots.
-        self.rowcache_provider = build_provider(
-            settings,
-            self._rowcache_capacity,
-            hosts["w13_weight"],
-            hosts["w2_weight"],
-            hosts[w13_name],
-            hosts[w2_name],
-        )
+        self.rowcache_provider = self._build_provider(hosts)
         views = {n: getattr(layer, n).data_ptr() for n in hosts}
         super().process_weights_after_loading(layer)
         moved = [n for n, ptr in views.items() if getattr(layer, n).data_ptr() != ptr]
@@ -281,17 +281,13 @@ class RowcacheFp8OnlineMoEMethod(_CachedFp8Forward, Fp8PerTensorOnlineMoEMethod)
     """vLLM's ``Fp8PerTensorOnlineMoEMethod`` (TRITON) with the expert cache; only ever made
     by ``adopt`` (the knob is on)."""
 
-    _rowcache_capacity: int
-    _rowcache_hosts: dict[str, Tensor]
-
     def process_weights_after_loading(self, layer: Any) -> None:
         done = getattr(layer, "_already_called_process_weights_after_loading", False)
         # vLLM materializes the layer on the GPU, quantizes it and builds its kernel.
         super().process_weights_after_loading(layer)
         if done or self.rowcache_provider is not None:
             return
-        settings = self.rowcache_settings
-        assert settings is not None
+        assert self.rowcache_settings is not None
         w13_name, w2_name = _scale_names(self)
         hosts: dict[str, Tensor] = {}
         for name in (*WEIGHTS, w13_name, w2_name):
@@ -300,14 +296,7 @@ class RowcacheFp8OnlineMoEMethod(_CachedFp8Forward, Fp8PerTensorOnlineMoEMethod)
             host.copy_(quantized)
             hosts[name] = host
         self._rowcache_hosts = hosts
-        self.rowcache_provider = build_provider(
-            settings,
-            self._rowcache_capacity,
-            hosts["w13_weight"],
-            hosts["w2_weight"],
-            hosts[w13_name],
-            hosts[w2_name],
-        )
+        self.rowcache_provider = self._build_provider(hosts)
         # vLLM's kernel set-up again, over device views of the host tensors (the GPU copies
         # are released with the parameters they replace) and the scale slots.
         views = {n: get_accelerator_view_from_cpu_tensor(h) for n, h in hosts.items()}

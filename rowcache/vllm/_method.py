@@ -79,6 +79,7 @@ __all__ = [
     "check_layer",
     "install",
     "pinned_empty",
+    "register_host_parameter",
 ]
 
 logger = logging.getLogger("rowcache.vllm")
@@ -112,6 +113,18 @@ def _host_loader(loader: Callable[..., Any], param: Tensor, host: Tensor) -> Cal
             param.data = view
 
     return load
+
+
+def register_host_parameter(layer: Any, name: str, host: Tensor, attrs: dict[str, Any]) -> None:
+    """Register ``name`` on ``layer`` as a device view of the pinned ``host`` tensor, with
+    vLLM's parameter attributes ``attrs`` (its ``weight_loader``, if any, writing ``host``:
+    ``_host_loader``)."""
+    param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
+    attrs = dict(attrs)
+    if "weight_loader" in attrs:
+        attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
+    layer.register_parameter(name, param)
+    set_weight_attrs(param, attrs)
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -472,12 +485,7 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         for name, shape in shapes.items():
             # Pinned host memory from the start: the full expert set never touches the GPU.
             host = pinned_empty(shape, params_dtype)
-            param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
-            layer.register_parameter(name, param)
-            attrs = dict(extra_weight_attrs)
-            if "weight_loader" in attrs:
-                attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
-            set_weight_attrs(param, attrs)
+            register_host_parameter(layer, name, host, extra_weight_attrs)
             hosts.append(host)
         self._host = (hosts[0], hosts[1])
 
