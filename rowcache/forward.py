@@ -96,7 +96,7 @@ def run_with_expert_cache(provider: ExpertWeightProvider, topk_ids: Tensor, run:
         chunks = plan_chunks(topk_ids, provider.capacity)
         if len(chunks) <= 1:
             return run(provider.prepare(topk_ids), slice(0, topk_ids.shape[0]), True)
-        return _token_split(provider, topk_ids, run, chunks)
+        return _token_split(provider, topk_ids, run, chunks, check_rows)
     if split == "expert":
         groups = _step_groups(provider, topk_ids)
         if len(groups) <= 1:
@@ -143,15 +143,13 @@ def run_unreduced_with_expert_cache(
             part = run_unreduced(provider.prepare(topk_ids), every_row, True)
             check_unreduced(part, topk_ids, every_row)
             return reduce_once(reduce, part)
-        step: Tensor | None = None
-        for start, stop in chunks:
-            rows = slice(start, stop)
-            part = run_unreduced(provider.prepare(topk_ids[rows]), rows, True)
-            check_unreduced(part, topk_ids, rows)
-            if step is None:
-                step = part.new_empty((topk_ids.shape[0], *part.shape[1:]))
-            step[rows] = part
-        assert step is not None
+        step = _token_split(
+            provider,
+            topk_ids,
+            run_unreduced,
+            chunks,
+            lambda part, rows: check_unreduced(part, topk_ids, rows),
+        )
         return reduce_once(reduce, step)
     if split == "expert":
         groups = _step_groups(provider, topk_ids)
@@ -182,12 +180,17 @@ def _token_split(
     topk_ids: Tensor,
     run: RunFn,
     chunks: list[tuple[int, int]],
+    check: Callable[[Tensor, slice], None],
 ) -> Tensor:
+    """``run`` once per chunk of rows, shared work in each, every output checked by
+    ``check(part, rows)`` and written into its rows of one step buffer (of the first
+    output's dtype and trailing shape): the reduced output, or the unreduced entries of the
+    exact route."""
     out: Tensor | None = None
     for start, stop in chunks:
         rows = slice(start, stop)
         part = run(provider.prepare(topk_ids[rows]), rows, True)
-        check_rows(part, rows, stop - start)
+        check(part, rows)
         if out is None:
             out = part.new_empty((topk_ids.shape[0], *part.shape[1:]))
         out[rows] = part

@@ -96,7 +96,7 @@ def sum_passes(
     dtype = torch.float32
     for index in range(count):
         part = run(prepare(index), rows, index == 0)
-        check_rows(part, rows, topk_ids.shape[0])
+        check_rows(part, rows)
         if summed is None:
             dtype = part.dtype
             # A copy even for float32 output: run may return a buffer it reuses.
@@ -107,8 +107,9 @@ def sum_passes(
     return summed.to(dtype)
 
 
-def check_rows(output: Tensor, rows: slice, expected: int) -> None:
-    """Raise unless ``output``'s first dimension is ``expected`` (the rows ``run`` was given)."""
+def check_rows(output: Tensor, rows: slice) -> None:
+    """Raise unless ``output``'s first dimension is the number of ``rows`` (``run``'s)."""
+    expected = rows.stop - rows.start
     if output.dim() == 0 or output.shape[0] != expected:
         raise RowCacheError(
             f"run_with_expert_cache: run returned shape {tuple(output.shape)} for rows "
