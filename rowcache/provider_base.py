@@ -93,7 +93,9 @@ class RowCacheWeightProvider(SlotSurface):
         _BY_PLANNER[planner] = cls
 
     # The arguments of each planner's constructor (``HostPlannedProvider.__init__``,
-    # ``DevicePlannedProvider.__init__``), for type checkers.
+    # ``DevicePlannedProvider.__init__``), for type checkers; written again here because this
+    # module imports neither (no import cycle), so tests/test_provider_siblings.py checks that
+    # they match.
     @overload
     def __new__(
         cls,

@@ -3,8 +3,9 @@ sibling has, and that neither promises what it lacks (``rowcache.provider_base``
 
 from __future__ import annotations
 
+import inspect
 import pickle
-from typing import Any
+from typing import Any, get_overloads
 
 import pytest
 import torch
@@ -41,6 +42,22 @@ def test_the_base_builds_the_provider_of_the_planner() -> None:
     assert not isinstance(host, DevicePlannedProvider)
     assert FromRowProvider is RowCacheWeightProvider
     assert type(build(planner="host")) is HostPlannedProvider
+
+
+@pytest.mark.parametrize("cls", [HostPlannedProvider, DevicePlannedProvider])
+def test_the_base_declares_each_planners_constructor(cls: Any) -> None:
+    """The ``__new__`` overloads (for type checkers) repeat each planner's ``__init__``: the
+    same parameters, kinds, defaults and types, but for ``planner``, which each overload
+    narrows to its own planner's literal."""
+
+    def parameters(fn: Any) -> list[tuple[str, Any, Any, Any]]:
+        found = list(inspect.signature(fn).parameters.values())[1:]  # no cls / self
+        return [(p.name, p.kind, p.default, p.annotation) for p in found if p.name != "planner"]
+
+    overloads = get_overloads(RowCacheWeightProvider.__new__)
+    declared = [o for o in overloads if f"Literal['{cls.planner}']" in str(inspect.signature(o))]
+    assert len(overloads) == len(PLANNERS) and len(declared) == 1
+    assert parameters(declared[0]) == parameters(cls.__init__)
 
 
 def test_siblings_built_directly() -> None:
