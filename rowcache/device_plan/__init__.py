@@ -16,5 +16,7 @@ Modules, one job each:
 * ``triton_planner``: the same planner fused into one Triton launch (CUDA);
 * ``regions``: the byte ranges a miss copies, per layout;
 * ``gather``: the miss copies (torch on the CPU, one Triton launch on CUDA);
+* ``streams``: the streams and events the provider's handoff runs on (the handoff itself is
+  generated from the table: ``rowcache.schedules._device_generated``);
 * ``provider``: ``DevicePlannedProvider``, the surface the forward and vLLM use.
 """

@@ -15,7 +15,9 @@ expert groups, so a pass is the host path's ``prepare`` of one group and the mod
 decides both.
 
 Ordering (``spec/table.toml``, section ``[device]``: ``device_prepare``, ``handoff``,
-``replay``, ``device_invalidate``, ``check_errors``):
+``replay``, ``device_invalidate``, ``check_errors``; the handoff of every call is the table's,
+through the functions ``python -m model_check.codegen`` generates from it,
+``rowcache.schedules._device_generated``, run on ``rowcache.device_plan.streams``):
 every pass runs on the stream it is enqueued on, reading and writing the cache state and the
 slots there, and the consumer reads the slots on that same stream. When an eager call comes
 from another stream than the previous one (the owner), the owner's work is handed over first:
@@ -33,8 +35,9 @@ passes expose) cannot raise there: those ids are ignored and counted, and ``chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,14 +53,26 @@ from rowcache.device_plan.state import (
     new_state,
     read_counters,
 )
+from rowcache.device_plan.streams import CudaStreams, Streams
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout
 from rowcache.provider_base import Planner, RowCacheWeightProvider
+from rowcache.schedules._device_generated import (
+    Events,
+    Takeover,
+    handoff_check_errors,
+    handoff_device_invalidate,
+    handoff_device_prepare,
+    handoff_handoff,
+)
 from rowcache.surface import check_split
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 from rowcache.validation import check_topk_ids
 
-__all__ = ["DevicePlannedProvider"]
+__all__ = ["DevicePlannedProvider", "Handoff"]
+
+Handoff = Callable[[Events[Any], Any, Any], Takeover[Any]]
+"""A generated ``handoff_<op>(events, current, owner)``."""
 
 
 class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
@@ -117,6 +132,14 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
         self._state: DeviceCacheState = new_state(self._num_experts, capacity, target)
         self._expert_bytes = sum(r.row_bytes for r in copy_regions(self._sources, self._slots))
         self._cuda = target.type == "cuda"
+        # The streams the handoff runs on (none on the CPU: no handoff, no owner).
+        self._streams: Streams[Any] | None = CudaStreams(target) if self._cuda else None
+        # The generated handoff of each provider operation of the table, as attributes
+        # (``_handoff_<op>``) so that a test can substitute a mutant's.
+        self._handoff_device_prepare: Handoff = handoff_device_prepare
+        self._handoff_handoff: Handoff = handoff_handoff
+        self._handoff_device_invalidate: Handoff = handoff_device_invalidate
+        self._handoff_check_errors: Handoff = handoff_check_errors
         # The owner (the stream of the last eager call or handoff), the guard and the result.
         self._set_up_calls(self._state.forward)
 
@@ -175,34 +198,34 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
                     "prepare: the device planner reads topk_ids on the device; got a CPU "
                     f"tensor for a cache on {self._device}"
                 )
-            self._take_over()
-            self._kernels.plan(self._state, ids, pass_index, total)
-            self._kernels.gather(self._state)
+            with self._run_on(self._take_over(self._handoff_device_prepare)):
+                self._kernels.plan(self._state, ids, pass_index, total)
+                self._kernels.gather(self._state)
             return self._result
 
     def handoff(self) -> None:
         """Make the current stream the owner, ordered after the owner's work: call before
         replaying a captured forward on another stream than the last eager call's."""
         with self._guard("handoff"):
-            self._take_over()
+            self._take_over(self._handoff_handoff)  # no work of its own (table: handoff)
 
     def invalidate(self, expert_id: int) -> None:
         """Free ``expert_id``'s slot (a no-op when it is not resident), on the owner stream."""
         with self._guard("invalidate"):
             self._check_expert_id(expert_id)
-            if self._cuda and torch.cuda.is_current_stream_capturing():
+            if self._streams is not None and self._streams.capturing():
                 raise InvalidInputError(
                     f"invalidate({expert_id}) during a CUDA graph capture would be captured and "
                     "run again at every replay; call it outside the capture"
                 )
-            with self._on_owner():
+            with self._run_on(self._hand_over(self._handoff_device_invalidate)):
                 self._kernels.invalidate(self._state, expert_id)
 
     def check_errors(self) -> None:
         """Raise ``DeviceInputError`` for errors the device counted since the last report
         (waits for the owner stream; never call it on the hot path). The read and the reset
         run on the owner stream, behind its pending passes (table: ``check_errors``)."""
-        with self._guard("check_errors"), self._on_owner():
+        with self._guard("check_errors"), self._errors_handoff():
             self._check_errors_on_owner()
 
     def _check_errors_on_owner(self) -> None:
@@ -218,7 +241,7 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
         first when the device counted errors."""
         # Not guarded, as the host providers' stats(): it may be called while another thread
         # is inside a call (it then reads whatever the device has done so far).
-        with self._on_owner():
+        with self._errors_handoff():
             self._check_errors_on_owner()
             counters, _ = read_counters(self._state)
             resident = int((self._state.resident >= 0).sum().item())
@@ -269,30 +292,36 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
 
     # -- streams ------------------------------------------------------------------------
 
-    @contextmanager
-    def _on_owner(self) -> Iterator[None]:
-        """Run the block on the owner stream; with no owner yet the current stream becomes
-        the owner first, so that a later call from another stream hands over from it (table:
-        ``device_invalidate`` and ``check_errors`` set the owner when there is none)."""
-        if not self._cuda:
-            yield
-            return
-        if self._owner is None:
-            self._owner = torch.cuda.current_stream(self._device)
-        with torch.cuda.stream(self._owner):
-            yield
+    def _errors_handoff(self) -> AbstractContextManager[None]:
+        """``check_errors``'s handoff, then its stream (table: on the owner stream, behind its
+        pending passes; with no owner yet the current stream becomes the owner, so that a later
+        call from another stream hands over from it)."""
+        return self._run_on(self._hand_over(self._handoff_check_errors))
 
-    def _take_over(self) -> None:
-        """On CUDA, outside capture: order the current stream after the owner's work when
-        the stream changed, and make it the owner. A capture runs after the device drained
-        (``torch.cuda.graph`` synchronizes first) and does not change the owner."""
-        if not self._cuda or torch.cuda.is_current_stream_capturing():
-            return
-        current = torch.cuda.current_stream(self._device)
-        owner = self._owner
-        if owner is not None and owner != current:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(owner)
-            current.wait_event(event)
+    def _take_over(self, handoff: Handoff) -> Any:
+        """``_hand_over`` of an eager call: a call during a CUDA graph capture (which runs
+        after the device drained: ``torch.cuda.graph`` synchronizes first) hands nothing over
+        and changes no owner; its work runs on the capturing stream."""
+        if self._streams is None or self._streams.capturing():
+            return None
+        return self._hand_over(handoff)
+
+    def _hand_over(self, handoff: Handoff) -> Any:
+        """Run the generated ``handoff`` of a call on the current stream and the owner: the
+        records and waits of the table, then the owner it leaves. Returns the stream the call's
+        other work runs on, None for the current stream (or no work, or no streams)."""
+        streams = self._streams
+        if streams is None:
+            return None
+        current = streams.current_stream()
+        took = handoff(streams, current, self._owner)
+        if took.handed_over:
             self._owner_changes += 1
-        self._owner = current
+        self._owner = took.owner
+        return None if took.work is None or took.work == current else took.work
+
+    def _run_on(self, stream: Any) -> AbstractContextManager[None]:
+        """Make ``stream`` current for the block (None: leave the current stream)."""
+        if stream is None or self._streams is None:
+            return nullcontext()
+        return self._streams.on(stream)

@@ -18,10 +18,11 @@ while a reader of them on another stream is still pending; an invalidate made wh
 the owner stream is still pending. Each run gives a verdict (``tests/race_verdict.py``: pass,
 fail or inconclusive, with the table of what each observation means for the correct provider
 and for a mutant); inconclusive runs are retried, at most three times. The GPU mutants are
-seeded bugs of the fused kernels, of the handoff and of the invalidate's stream; each must be
-detected. The device's error counts (bad ids once per step, overflow once per step, the first
-bad id named) are checked on the fused planner, eagerly and replayed from graphs
-(``tests/test_device_errors.py``).
+seeded bugs of the fused kernels, and mutants of the table's handoff (a replay without it,
+invalidate on the calling stream) that the provider runs through the code generated from the
+mutated table (``tests/device_handoff_mutants.py``); each must be detected. The device's error
+counts (bad ids once per step, overflow once per step, the first bad id named) are checked on
+the fused planner, eagerly and replayed from graphs (``tests/test_device_errors.py``).
 
 ``ROWCACHE_CUDA_EXAMPLES`` sets the number of examples (default 200); ``ROWCACHE_RACE_RUNS``
 the number of runs of every race test (default 5: each must decide as required every time).
@@ -38,6 +39,7 @@ import pytest
 import test_device_errors as errors
 import torch
 from cuda_support import sanitizer_enabled
+from device_handoff_mutants import install_mutant
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
@@ -156,7 +158,7 @@ class Harness:
     geometry: str
     layout: Layout
     mutant: int = 0
-    skip_handoff: bool = False
+    handoff_mutant: str | None = None  # the provider runs the handoff of this mutant's table
     gpu: DevicePlannedProvider = field(init=False)
     ref: DevicePlannedProvider = field(init=False)
     graphs: dict[int, Captured] = field(default_factory=dict)
@@ -165,6 +167,8 @@ class Harness:
     def __post_init__(self) -> None:
         tensors = sources(self.geometry)
         self.gpu = provider(tensors, "cuda", self.layout, self.mutant)
+        if self.handoff_mutant is not None:
+            install_mutant(self.gpu, self.handoff_mutant)
         self.ref = provider(tensors, "cpu", self.layout)
         self.streams = [torch.cuda.Stream() for _ in range(2)]
         self._warm(tensors)
@@ -226,8 +230,7 @@ class Harness:
                 # work, which would hide a missing handoff.
                 captured.staged.copy_(host_ids)
                 captured.ids.copy_(captured.staged, non_blocking=True)
-                if not self.skip_handoff:
-                    self.gpu.handoff()
+                self.gpu.handoff()
                 captured.graph.replay()
                 return Issued(rows, captured.passes, captured.maps, captured.slots)
             ids = host_ids.cuda()
@@ -286,11 +289,11 @@ ROWS = st.lists(
 )
 
 
-def machine(geometry: str, layout: Layout, mutant: int, skip_handoff: bool) -> type:
+def machine(geometry: str, layout: Layout, mutant: int) -> type:
     class DevicePlannerMachine(RuleBasedStateMachine):
         @initialize()
         def start(self) -> None:
-            self.h = Harness(geometry, layout, mutant, skip_handoff)
+            self.h = Harness(geometry, layout, mutant)
 
         @rule(rows=ROWS, stream=st.integers(0, 1))
         def replay(self, rows: list[list[int]], stream: int) -> None:
@@ -313,7 +316,7 @@ def machine(geometry: str, layout: Layout, mutant: int, skip_handoff: bool) -> t
 
 def run_machine(geometry: str, layout: Layout, examples: int, mutant: int = 0) -> None:
     run_state_machine_as_test(
-        machine(geometry, layout, mutant, skip_handoff=False),
+        machine(geometry, layout, mutant),
         settings=settings(
             max_examples=examples,
             stateful_step_count=30,
@@ -384,13 +387,15 @@ REPLAY_ROWS = [[5, 2]]  # 5 is resident (a hit), 2 a miss
 INVALIDATED = 5
 
 
-def _race(skip_handoff: bool) -> Observation:
+def _race(handoff_mutant: str | None) -> Observation:
     """A reader on stream 0 (the owner) is held behind the spin when a replay on stream 1
     overwrites every slot it reads; with the handoff the replay waits for it. The racing work
-    is the replay: it has raced when it completed while the reader was held."""
+    is the replay: it has raced when it completed while the reader was held. With
+    ``handoff_mutant`` the provider runs the handoff generated from that mutant's table
+    (``tests/device_handoff_mutants.py``)."""
     from flag_spin import FlagHold
 
-    h = Harness("bf16", "separate", skip_handoff=skip_handoff)
+    h = Harness("bf16", "separate", handoff_mutant=handoff_mutant)
     warm = h.forward([[6, 7], [7, 6]], stream=1, replay=True)  # captures size 2, replays once
     warm += h.forward([[0, 1], [2, 0]], stream=0, replay=False)  # stream 0 becomes the owner
     assert warm == [], warm
@@ -441,13 +446,14 @@ def _race(skip_handoff: bool) -> Observation:
     )
 
 
-def _invalidate_during_replay(on_current_stream: bool) -> Observation:
+def _invalidate_during_replay(handoff_mutant: str | None) -> Observation:
     """A replay is held behind the spin on the owner stream (stream 0) when the host, on
     stream 1, invalidates an expert that replay hits: the invalidation must land after it, so
     the expert ends up not resident, as in the reference (replay, then invalidate). Landing
     first, it frees the slot and the replay loads the expert again. The racing work is the
     invalidation: it has raced when the device's invalidation count moved while the replay was
-    held (read by ``Peek`` on a stream of its own)."""
+    held (read by ``Peek`` on a stream of its own). With ``handoff_mutant`` the provider runs
+    the handoff generated from that mutant's table for the call under test."""
     from flag_spin import FlagHold, Peek
 
     h = Harness("bf16", "separate")
@@ -467,6 +473,8 @@ def _invalidate_during_replay(on_current_stream: bool) -> Observation:
     before = peek.read(wait_ms=1000.0)
     assert before is not None
     captured.staged.copy_(torch.tensor(REPLAY_ROWS, dtype=torch.int32))  # before the hold
+    if handoff_mutant is not None:
+        install_mutant(h.gpu, handoff_mutant)  # compiled here, before the hold
 
     def invalidated() -> bool:
         now = peek.read()
@@ -482,10 +490,7 @@ def _invalidate_during_replay(on_current_stream: bool) -> Observation:
             captured.graph.replay()
         with torch.cuda.stream(h.streams[1]):  # the call under test
             canary.launch()
-            if on_current_stream:  # the seeded bug: enqueued on the calling stream
-                h.gpu._kernels.invalidate(h.gpu.state, INVALIDATED)
-            else:
-                h.gpu.invalidate(INVALIDATED)
+            h.gpu.invalidate(INVALIDATED)
         raced, control = hold.hold_then_release(invalidated, canary.ran)
     finally:
         gc.enable()
@@ -553,7 +558,7 @@ def test_flag_hold_holds_until_released_and_ends_at_its_limit() -> None:
 
 @pytest.mark.parametrize("run", RACE_RUNS)
 def test_replay_waits_for_a_pending_reader_on_another_stream(run: str) -> None:
-    _settle("device_replay_after_pending_reader", "real", lambda: _race(False), "correct")
+    _settle("device_replay_after_pending_reader", "real", lambda: _race(None), "correct")
 
 
 @pytest.mark.parametrize("run", RACE_RUNS)
@@ -561,7 +566,7 @@ def test_invalidate_lands_after_a_pending_replay(run: str) -> None:
     _settle(
         "device_invalidate_during_replay",
         "real",
-        lambda: _invalidate_during_replay(False),
+        lambda: _invalidate_during_replay(None),
         "correct",
     )
 
@@ -599,7 +604,7 @@ def test_device_mutant_invalidate_on_the_calling_stream_is_detected(run: str) ->
     _settle(
         "device_invalidate_during_replay",
         "invalidate_on_the_calling_stream",
-        lambda: _invalidate_during_replay(True),
+        lambda: _invalidate_during_replay("dp_invalidate_on_current"),
         "mutant",
     )
 
@@ -610,7 +615,7 @@ def test_device_mutant_replay_without_handoff_is_detected(run: str) -> None:
     _settle(
         "device_replay_after_pending_reader",
         "replay_without_handoff",
-        lambda: _race(True),
+        lambda: _race("replay_without_handoff"),
         "mutant",
     )
 
