@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 from model_check.search.bfs import bfs
@@ -43,13 +43,19 @@ def explore(
         raise ValueError(f"model {model!r} is not one of {MODELS}")
     how = (model, depth, stop_at_first, symmetry, only, fast)
     if isinstance(table, DeviceTable):
-        return _search(DeviceQueueModel(table, bounds, only), DeviceHbModel(table, bounds), *how)
-    return _search(QueueModel(table, bounds), HbModel(table, bounds), *how)
+        device = table
+        return _search(
+            lambda: DeviceQueueModel(device, bounds, only),
+            lambda: DeviceHbModel(device, bounds),
+            *how,
+        )
+    host = table
+    return _search(lambda: QueueModel(host, bounds), lambda: HbModel(host, bounds), *how)
 
 
 def _search(
-    queues: Model[S],
-    hb: FactoredModel[H, Any, Any, Any],
+    queues: Callable[[], Model[S]],
+    hb: Callable[[], FactoredModel[H, Any, Any, Any]],
     model: str,
     depth: int,
     stop_at_first: bool,
@@ -57,8 +63,9 @@ def _search(
     only: str | None,
     fast: bool,
 ) -> Result:
+    """The search of one path's models (each built only when it is searched)."""
     if model == "interleavings":
-        return bfs(queues, depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)
+        return bfs(queues(), depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)
     if symmetry and fast:
-        return memo_search(hb, depth, stop_at_first=stop_at_first, only=only)
-    return bfs(hb, depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)
+        return memo_search(hb(), depth, stop_at_first=stop_at_first, only=only)
+    return bfs(hb(), depth, stop_at_first=stop_at_first, symmetry=symmetry, only=only)
