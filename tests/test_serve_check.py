@@ -334,3 +334,22 @@ def test_prompts_are_deterministic_and_inside_the_vocabulary() -> None:
     assert a == sc.prompts(4, 16, 512, seed=0)
     assert [len(p) for p in a] == [16, 17, 18, 19]
     assert all(3 <= t < 512 for p in a for t in p)
+
+
+def test_a_server_stops_on_sigint_even_when_launched_with_sigint_ignored(tmp_path: Path) -> None:
+    """Background jobs of a shell start with SIGINT ignored; the launched server must still
+    take stop()'s SIGINT (here: within its grace, not by the SIGKILL after it)."""
+    import signal
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        process = sc.launch([sys.executable, str(script)], dict(os.environ), tmp_path / "log")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    time.sleep(1.0)  # the interpreter is up and sleeping
+    t0 = time.monotonic()
+    code = sc.stop(process, grace=20.0)
+    assert code is not None and code != -signal.SIGKILL, code
+    assert time.monotonic() - t0 < 20.0

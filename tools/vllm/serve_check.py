@@ -179,12 +179,24 @@ Launcher = Callable[[list[str], dict[str, str], Path], Process]
 Probe = Callable[[int], bool]
 
 
+def _interruptible() -> None:
+    """In the child before it runs the server: SIGINT back to its default action. A shell runs
+    background jobs with SIGINT ignored, and a Python started with it ignored never installs
+    its handler, so the server would sit out ``stop``'s graceful SIGINT and be killed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(command: list[str], env: dict[str, str], log: Path) -> Process:
-    """A server in a new session (its own process group: stopped as a whole); stdout and
-    stderr into ``log``."""
+    """A server in a new session (its own process group: stopped as a whole), SIGINT
+    deliverable whatever this process inherited; stdout and stderr into ``log``."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_interruptible,  # the server process only; no threads run here
         )
 
 
