@@ -223,8 +223,10 @@ def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) 
 
 def deterministic_inductor() -> dict[str, Any]:
     """Inductor options of every compiled engine: no kernel choice by timing on the device
-    (pointwise and reduction configurations, max-autotune, coordinate descent), so that every
-    engine of a comparison compiles the same kernels (see ``orchestrate.env``). ``deterministic``
+    (pointwise and reduction configurations, max-autotune, coordinate descent). Each engine
+    compiles its model afresh, and a choice by timing can change a reduction's summation order
+    from engine to engine: two no-offload engines of one configuration gave different greedy
+    tokens (docs/VLLM.md, 2026-12-01). ``deterministic``
     only where this torch has it (vLLM passes unknown options on, and inductor rejects them)."""
     import torch._inductor.config as inductor
 
@@ -236,14 +238,6 @@ def deterministic_inductor() -> dict[str, Any]:
     if hasattr(inductor, "deterministic"):
         options["deterministic"] = True
     return options
-
-
-def inductor_deterministic() -> bool:
-    """Whether inductor compiled without timing kernel choices on the device (the harness sets
-    ``TORCHINDUCTOR_DETERMINISTIC=1``; see ``orchestrate.env``)."""
-    import torch._inductor.config as inductor
-
-    return bool(getattr(inductor, "deterministic", False))
 
 
 def run(job: Job, save: Any = None) -> dict[str, Any]:
@@ -284,7 +278,6 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         result["cudagraph_mode"] = str(cc_final.cudagraph_mode.name)
         result["moe_split"] = [op for op in (cc_final.splitting_ops or []) if op in MOE_OPS]
         result["probe"] = rpc(probes.probe, {})
-        result["inductor_deterministic"] = inductor_deterministic()
         if spec.caches and not result["probe"].get("cached_layers"):
             raise RuntimeError(
                 "the cache is configured (additional_config rowcache) but no MoE layer is "

@@ -70,13 +70,9 @@ def resumable(records: list[dict[str, Any]]) -> Results:
 
 def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]:
     """The environment of a child: in-process engine core (unless ``extra`` says otherwise),
-    ``apply_model`` allowed, no usage stats, two inductor compile threads, and inductor's
-    deterministic mode: each engine compiles its model afresh, and inductor otherwise picks
-    among kernel configurations (a reduction's block sizes, its summation order) by timing
-    them on the device, so two engines of one configuration could round differently and
-    greedy tokens diverge with no cache at all (two such engines did, at position 8 of the
-    8-layer checkpoint's batch-1 decode). Every engine of a comparison compiles the same
-    kernels this way."""
+    ``apply_model`` allowed, no usage stats, two inductor compile threads. (Compiled engines
+    choose no kernel by timing through their ``compilation_config``:
+    ``child.deterministic_inductor``.)"""
     out = dict(os.environ)
     out.update(
         {
@@ -85,7 +81,6 @@ def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]
             "VLLM_USE_FLASHINFER_SAMPLER": "0",
             "VLLM_NO_USAGE_STATS": "1",
             "TORCHINDUCTOR_COMPILE_THREADS": "2",
-            "TORCHINDUCTOR_DETERMINISTIC": "1",
             "PYTHONUNBUFFERED": "1",
         }
     )

@@ -288,10 +288,8 @@ def targets(results: Results, prefix: str) -> list[str]:
         missing = [m for m, d in div.items() if d is None]
         verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
         extra = f" (not measured: {', '.join(missing)})" if missing else ""
-        what = "(the control: a second no-offload engine)" if label == "none2.full" else ""
-        lines.append(
-            f"  tokens {label} identical to no offload{what and ' ' + what}: {verdict}{extra}"
-        )
+        what = " (the control: a second no-offload engine)" if label == "none2.full" else ""
+        lines.append(f"  tokens {label} identical to no offload{what}: {verdict}{extra}")
     for label in ("row32dev.full", "row32dev.eager"):
         line = exactness_line(results.get(f"{prefix}.{label}"), label)
         if line is not None:
