@@ -556,10 +556,15 @@ def test_compiled_engines_choose_no_kernel_by_timing() -> None:
     assert options["max_autotune"] is False and options["coordinate_descent_tuning"] is False
     # "deterministic" only where the torch has it (torch 2.11, on the H200, and 2.13 do).
     assert options.get("deterministic", True) is True
+    # vLLM's horizontal fusion stays on, but not chosen by timing: deterministic mode refuses
+    # that timing, and vLLM turns it on unless either option is named.
+    assert options["combo_kernels"] is True and options["benchmark_combo_kernel"] is False
     assert set(options) <= {
         "triton.autotune_pointwise",
         "max_autotune",
         "coordinate_descent_tuning",
+        "combo_kernels",
+        "benchmark_combo_kernel",
         "deterministic",
     }
     eager = next(s for s in engines.steps() if s.name.endswith("none.eager"))

@@ -227,13 +227,20 @@ def deterministic_inductor() -> dict[str, Any]:
     compiles its model afresh, and a choice by timing can change a reduction's summation order
     from engine to engine: two no-offload engines of one configuration gave different greedy
     tokens (docs/VLLM.md, 2026-12-01). ``deterministic``
-    only where this torch has it (vLLM passes unknown options on, and inductor rejects them)."""
+    only where this torch has it (vLLM passes unknown options on, and inductor rejects them).
+
+    vLLM turns on inductor's horizontal fusion (``combo_kernels``) and decides each fusion by
+    timing it (``benchmark_combo_kernel``) unless the caller names either option; deterministic
+    mode refuses that timing (every compiled engine failed so on the H200, 2026-12-01). So the
+    fusion stays on, decided without timing."""
     import torch._inductor.config as inductor
 
     options: dict[str, Any] = {
         "triton.autotune_pointwise": False,
         "max_autotune": False,
         "coordinate_descent_tuning": False,
+        "combo_kernels": True,
+        "benchmark_combo_kernel": False,
     }
     if hasattr(inductor, "deterministic"):
         options["deterministic"] = True
