@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -532,6 +533,52 @@ def test_an_engine_with_the_cache_on_needs_the_plugins_entry_point(
 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_kw: [Entry()])
     orchestrate.require_plugin()
+
+
+def test_a_call_without_the_plugin_is_refused_before_its_first_engine(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The steps phase starts with two engines without the cache: a call without rowcache's
+    entry point stops before them, not after minutes of baselines; a call whose engines all
+    run without the cache (``--only``, or ``--resume`` past the cached ones) needs no plugin."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_kw: [])
+    started: list[str] = []
+
+    def fake_engines(
+        self: orchestrate.Run, specs: list[Any], deadline: float | None = None
+    ) -> list[dict[str, Any]]:
+        started.extend(s.name for s in specs)
+        return [{"name": s.name, "ok": True} for s in specs]
+
+    monkeypatch.setattr(orchestrate.Run, "engines", fake_engines)
+    monkeypatch.setattr(orchestrate, "pack_logs", lambda *_a: None)
+    steps_phase = phases.select(["steps"])[0]
+    specs = engines.steps()
+    assert not specs[0].caches and any(s.caches for s in specs)
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    far = time.time() + 10_000.0
+    run = orchestrate.Run(tmp_path / "out", work, far, False, lambda: True)
+    with pytest.raises(SystemExit, match="no rowcache entry point"):
+        run.phase(steps_phase, specs)
+    assert started == []
+
+    only = orchestrate.Run(
+        tmp_path / "out", work, far, False, lambda: True, only=("none.full", "none2.full")
+    )
+    only.phase(steps_phase, specs)
+    assert started == ["steps.plain.none.full", "steps.plain.none2.full"]
+
+    cached_done = {s.name: {"name": s.name, "ok": True} for s in specs if s.caches}
+    started.clear()
+    resumed = orchestrate.Run(
+        tmp_path / "out", work, far, False, lambda: True, done=cached_done
+    )
+    resumed.phase(steps_phase, specs)
+    assert started == [s.name for s in specs if not s.caches]
 
 
 def test_the_control_engine_is_reported_against_the_reference() -> None:

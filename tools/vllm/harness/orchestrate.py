@@ -196,6 +196,13 @@ class Run:
             results.append(self.collect(spec, proc))
         return results
 
+    def to_run(self, specs: list[EngineSpec]) -> list[EngineSpec]:
+        """The engines of ``specs`` this call would start: those ``--only`` names, less those
+        an earlier call completed (``--resume``)."""
+        if self.only:
+            specs = [s for s in specs if _label(s) in self.only]
+        return [s for s in specs if s.name not in self.done]
+
     def budgeted(self, specs: list[EngineSpec]) -> Results:
         """One engine at a time, each by its :func:`engine_deadline`; every record appended to
         WORK/records.jsonl and OUT/records.jsonl, and the logs packed, as soon as it ends."""
@@ -231,6 +238,10 @@ class Run:
         return results
 
     def phase(self, phase: phases.Phase, specs: list[EngineSpec]) -> Results:
+        # Before the phase's first engine, not only before its first engine with the cache on:
+        # a call that would be refused there should not first spend minutes on the baselines.
+        if any(s.caches for s in self.to_run(specs)):
+            require_plugin()
         results: Results = {}
         if phase.budgeted:
             return self.budgeted(specs)
