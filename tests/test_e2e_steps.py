@@ -574,9 +574,7 @@ def test_a_call_without_the_plugin_is_refused_before_its_first_engine(
 
     cached_done = {s.name: {"name": s.name, "ok": True} for s in specs if s.caches}
     started.clear()
-    resumed = orchestrate.Run(
-        tmp_path / "out", work, far, False, lambda: True, done=cached_done
-    )
+    resumed = orchestrate.Run(tmp_path / "out", work, far, False, lambda: True, done=cached_done)
     resumed.phase(steps_phase, specs)
     assert started == [s.name for s in specs if not s.caches]
 
