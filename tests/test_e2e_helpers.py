@@ -336,6 +336,7 @@ def test_engine_kwargs() -> None:
                 "moe_expert_cache_size": 6,
                 "moe_expert_cache_provider": "row",
                 "moe_expert_cache_split": "expert",
+                "moe_expert_cache_planner": "host",
             }
         },
     }
@@ -346,7 +347,11 @@ def test_engine_kwargs() -> None:
     }
     assert c["kv_cache_memory_bytes"] == 2 << 30 and c["max_num_seqs"] == 1
     assert c["additional_config"] == {
-        "rowcache": {"moe_expert_cache_size": 128, "moe_expert_cache_provider": "row"}
+        "rowcache": {
+            "moe_expert_cache_size": 128,
+            "moe_expert_cache_provider": "row",
+            "moe_expert_cache_planner": "host",
+        }
     }
     b = child.engine_kwargs(_spec("qwen8.b.eager_moe"), "/w/qwen8")
     assert b["additional_config"] == {"rowcache": {"moe_eager_between_graphs": True}}

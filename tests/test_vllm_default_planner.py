@@ -5,6 +5,7 @@ per process (against the fake vLLM of tests/test_vllm_register.py)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,12 +28,14 @@ from rowcache.vllm.defaults import (
 from rowcache.vllm.knob import ENV, PLANNER, PLANNER_CHOSEN, KnobError, parse_settings
 
 PLANNER_ENV = ENV[PLANNER]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _evidence(claim: str, *modes: GraphMode) -> Evidence:
     return Evidence(
         claim=claim,  # type: ignore[arg-type]
         modes=modes,
+        quantizations=(None,),
         date="2026-12-02",
         commit="abc1234",
         vllm="vLLM 0.25.0",
@@ -46,8 +49,18 @@ TOKENS_ALL = _evidence(TOKENS_EXACT, "full", "piecewise", "eager")
 EAGER_SPEED = _evidence(EAGER_NOT_SLOWER, "eager")
 
 
-def test_no_evidence_is_recorded_yet() -> None:
-    assert EVIDENCE == ()
+def test_the_recorded_evidence_switches_full_graphs_only() -> None:
+    """The one record (steps run 3): tokens identical in full graphs; its raw output is in the
+    repository; piecewise graphs alone and eager mode stay on the host planner."""
+    [record] = EVIDENCE
+    assert record.claim == TOKENS_EXACT and record.modes == ("full",)
+    assert (ROOT / record.record / "records.jsonl").is_file()
+    assert record.commit in (ROOT / "docs" / "VLLM.md").read_text()
+    assert {mode: default_planner(mode)[0] for mode in GRAPH_MODES} == {
+        "full": "device",
+        "piecewise": "host",
+        "eager": "host",
+    }
 
 
 # mode -> planner, for each state of the evidence
@@ -78,14 +91,42 @@ def test_selection_table(
         assert mode == "eager" and NOT_FASTER in reason
 
 
-@pytest.mark.parametrize("mode", GRAPH_MODES)
-def test_today_host_everywhere_with_the_stated_reason(mode: GraphMode) -> None:
+@pytest.mark.parametrize("mode", ["piecewise", "eager"])
+def test_today_host_without_full_graphs_with_the_stated_reason(mode: GraphMode) -> None:
     planner, reason = default_planner(mode)
     assert planner == "host"
     assert (
         "the device planner's tokens against no offload are not yet recorded with exact passes"
         in reason
     )
+
+
+def test_today_device_in_full_graphs_citing_its_record() -> None:
+    assert default_planner("full") == (
+        "device",
+        "default in full graphs: tokens_exact in vLLM 0.25.0 on H200, 2026-12-01 at 25f83b1",
+    )
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_per_tensor"])
+def test_a_record_covers_only_the_quantizations_it_ran(quantization: str) -> None:
+    """The one record ran an unquantized model: an FP8 engine keeps the host planner, saying
+    so, until a run of its own is recorded."""
+    planner, reason = default_planner("full", quantization=quantization)
+    assert planner == "host"
+    assert reason == f"default in full graphs, quantization {quantization!r}: {NO_TOKENS}"
+    fp8_run = Evidence(
+        claim=TOKENS_EXACT,
+        modes=("full",),
+        quantizations=(quantization,),
+        date="2026-12-02",
+        commit="abc1234",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/x.txt",
+    )
+    assert default_planner("full", quantization=quantization, evidence=(fp8_run,))[0] == "device"
+    assert default_planner("full", evidence=(fp8_run,))[0] == "host"
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
@@ -95,11 +136,11 @@ def test_cached_provider_and_token_split_rule_the_device_planner_out(mode: Graph
     assert default_planner(mode, token_split_set=True, evidence=everything)[0] == "host"
     base = {"moe_expert_cache_size": 16}
     token = parse_settings({"rowcache": {**base, "moe_expert_cache_split": "token"}}, {})
-    assert choose_planner(token, mode, everything).planner == "host"
+    assert choose_planner(token, mode, evidence=everything).planner == "host"
     expert = parse_settings({"rowcache": {**base, "moe_expert_cache_split": "expert"}}, {})
-    assert choose_planner(expert, mode, everything).planner == "device"
+    assert choose_planner(expert, mode, evidence=everything).planner == "device"
     # Unset split and a device default: the device planner's split by expert groups.
-    unset = choose_planner(parse_settings({"rowcache": base}, {}), mode, everything)
+    unset = choose_planner(parse_settings({"rowcache": base}, {}), mode, evidence=everything)
     assert (unset.planner, unset.split, unset.planner_source) == ("device", "expert", "default")
 
 
@@ -115,7 +156,7 @@ def test_a_setting_overrides_every_default(mode: GraphMode, setting: str, source
         env[PLANNER_ENV] = setting
     settings = parse_settings({"rowcache": knob}, env)
     for evidence in ((), (TOKENS_ALL, EAGER_SPEED)):
-        chosen = choose_planner(settings, mode, evidence)
+        chosen = choose_planner(settings, mode, evidence=evidence)
         assert chosen.planner == setting and chosen.planner_source == "setting"
         name = PLANNER if source == "config" else PLANNER_ENV
         assert chosen.planner_line() == f"rowcache: planner {setting} (set by {name})"
@@ -123,7 +164,7 @@ def test_a_setting_overrides_every_default(mode: GraphMode, setting: str, source
 
 def test_cache_off_chooses_nothing() -> None:
     off = parse_settings({}, {})
-    assert choose_planner(off, "full", (TOKENS_ALL,)) is off
+    assert choose_planner(off, "full", evidence=(TOKENS_ALL,)) is off
 
 
 def test_the_chosen_record_is_read_back_and_checked() -> None:
@@ -138,7 +179,7 @@ def test_the_chosen_record_is_read_back_and_checked() -> None:
     )
     assert settings.planner_line() == "rowcache: planner device (default in full graphs: x)"
     # Already chosen: no evidence changes it.
-    assert choose_planner(settings, "eager", ()).planner == "device"
+    assert choose_planner(settings, "eager", evidence=()).planner == "device"
     # A setting still wins over a recorded default.
     over = parse_settings(
         {"rowcache": {"moe_expert_cache_size": 8, PLANNER_CHOSEN: chosen, PLANNER: "host"}}, {}
@@ -173,6 +214,8 @@ def test_hook_chooses_from_the_resolved_mode_and_logs_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(PLANNER_ENV, raising=False)
+    # Without a record the default is the host planner, and full graphs are lowered for it.
+    monkeypatch.setattr(defaults, "EVIDENCE", ())
     plugin.register()
     from vllm.config.compilation import CUDAGraphMode
 
@@ -254,8 +297,9 @@ def test_env_only_configuration_carries_the_choice(
     assert config.additional_config == {
         "rowcache": {
             PLANNER_CHOSEN: {
-                "planner": "host",
-                "reason": f"default in full graphs: {NO_TOKENS}",
+                "planner": "device",
+                "reason": "default in full graphs: tokens_exact in vLLM 0.25.0 on H200, "
+                "2026-12-01 at 25f83b1",
             }
         }
     }

@@ -16,7 +16,7 @@ import pytest
 
 import rowcache.vllm as plugin
 from rowcache.vllm._post_import import forget, pending
-from rowcache.vllm.knob import KnobError
+from rowcache.vllm.knob import PLANNER_CHOSEN, KnobError
 
 FAKE_VLLM = {
     "vllm/__init__.py": "",
@@ -209,6 +209,9 @@ FAKE_VLLM = {
 
 
 FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+HOST = {"moe_expert_cache_planner": "host"}
+"""The host planner, named: its graph adjustments (full graphs lowered, the MoE ops split out)
+are what a test of them needs, whatever the default planner in full graphs."""
 
 
 def _forget_vllm() -> None:
@@ -373,7 +376,7 @@ def test_knob_on_config_installs_the_method_before_adjusting(fake_vllm: Any) -> 
     from vllm.config.compilation import CUDAGraphMode
 
     plugin.register()
-    config = _config(fake_vllm, {"moe_expert_cache_size": 8})
+    config = _config(fake_vllm, {"moe_expert_cache_size": 8, **HOST})
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert FUSED_MOE in sys.modules and plugin._state.method == "installed"
     assert set(_registry(fake_vllm)) == {"UnquantizedFusedMoEMethod"}
@@ -474,7 +477,7 @@ def test_config_hook_lowers_full_graphs_and_splits_moe(fake_vllm: Any) -> None:
 
     from rowcache.vllm._config import MOE_OPS
 
-    config = _config(fake_vllm, {"moe_expert_cache_size": 32})
+    config = _config(fake_vllm, {"moe_expert_cache_size": 32, **HOST})
     cc = config.compilation_config
     assert cc.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert cc.splitting_ops == ["vllm::unified_attention_with_output", *MOE_OPS]
@@ -482,7 +485,9 @@ def test_config_hook_lowers_full_graphs_and_splits_moe(fake_vllm: Any) -> None:
     fake_vllm.config.VllmConfig.__post_init__(config)
     assert cc.splitting_ops == ["vllm::unified_attention_with_output", *MOE_OPS]
 
-    explicit = _config(fake_vllm, {"moe_expert_cache_size": 32}, cudagraph_mode=CUDAGraphMode.FULL)
+    explicit = _config(
+        fake_vllm, {"moe_expert_cache_size": 32, **HOST}, cudagraph_mode=CUDAGraphMode.FULL
+    )
     assert explicit.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
 
 
@@ -508,7 +513,7 @@ def test_config_hook_without_compile_drops_graphs(fake_vllm: Any) -> None:
 
     config = _config(
         fake_vllm,
-        {"moe_expert_cache_size": 8},
+        {"moe_expert_cache_size": 8, **HOST},
         mode=CompilationMode.NONE,
         cudagraph_mode=CUDAGraphMode.FULL,
     )
@@ -518,7 +523,7 @@ def test_config_hook_without_compile_drops_graphs(fake_vllm: Any) -> None:
 def test_config_hook_rejects_full_graph_splitting(fake_vllm: Any) -> None:
     plugin.register()
     with pytest.raises(RuntimeError, match=r"splitting_ops=\[\]"):
-        _config(fake_vllm, {"moe_expert_cache_size": 8}, splitting_ops=[])
+        _config(fake_vllm, {"moe_expert_cache_size": 8, **HOST}, splitting_ops=[])
 
 
 def test_bad_knob_stops_config_before_vllm_post_init(fake_vllm: Any) -> None:
@@ -556,7 +561,11 @@ def test_env_turns_cache_on(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setenv("ROWCACHE_MOE_EXPERT_CACHE_SIZE", "16")
     config = _config(fake_vllm, None)
-    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    # On: the planner is chosen (the device planner, by default in full graphs) and recorded.
+    assert config.additional_config["rowcache"][PLANNER_CHOSEN]["planner"] == "device"
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    monkeypatch.setenv("ROWCACHE_MOE_EXPERT_CACHE_PLANNER", "host")
+    assert _config(fake_vllm, None).compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     with pytest.raises(RuntimeError, match="expert parallelism"):
         _config(fake_vllm, None, ep=True)
 
@@ -826,7 +835,7 @@ def test_lowering_is_logged_once(fake_vllm: Any, caplog: pytest.LogCaptureFixtur
     config_hook._said.clear()
     caplog.set_level(logging.WARNING, logger="rowcache.vllm")
     for _ in range(3):
-        _config(fake_vllm, {"moe_expert_cache_size": 16})
+        _config(fake_vllm, {"moe_expert_cache_size": 16, **HOST})
     lowered = [m for m in _rowcache_warnings(caplog) if "lowered to PIECEWISE" in m]
     assert len(lowered) == 1
     assert "FULL_AND_PIECEWISE" in lowered[0] and "16 slots" in lowered[0]

@@ -75,8 +75,13 @@ def settings_of(config: Any) -> CacheSettings:
     here from the config's graph mode where it could not be written back)."""
     settings = parse_settings(getattr(config, "additional_config", None), os.environ)
     if settings.cache_on and settings.planner_source == "unset":
-        settings = choose_planner(settings, graph_mode(config))
+        settings = choose_planner(settings, graph_mode(config), quantization_of(config))
     return settings
+
+
+def quantization_of(config: Any) -> str | None:
+    """vLLM's quantization of the model (``None``: unquantized)."""
+    return getattr(getattr(config, "model_config", None), "quantization", None)
 
 
 def _record_choice(config: Any, settings: CacheSettings) -> None:
@@ -143,8 +148,7 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
             f"rowcache: {what} does not support LoRA (--enable-lora): LoRA's MoE path reads "
             "the full expert weights on the GPU."
         )
-    model = getattr(config, "model_config", None)
-    quantization = getattr(model, "quantization", None)
+    quantization = quantization_of(config)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise RowcacheError(
             f"rowcache: {what} does not support quantization {quantization!r} yet: its MoE "
@@ -211,7 +215,7 @@ def _wrap_post_init(
         original(self)
         if settings.cache_on:
             # The graph mode is vLLM's now; adjust_graphs follows the planner chosen for it.
-            settings = choose_planner(settings, graph_mode(self))
+            settings = choose_planner(settings, graph_mode(self), quantization_of(self))
             _record_choice(self, settings)
         adjust_graphs(self, settings)
         # vLLM builds its config more than once per engine; say each line once per process.

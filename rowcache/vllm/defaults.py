@@ -10,14 +10,18 @@ With the cache on and no ``moe_expert_cache_planner`` setting (nor
   offload there and a run has recorded it at least as fast as the host planner there
   (``EAGER_NOT_SLOWER``), else ``host``;
 * never with provider ``cached`` (it has no device planner) or a given ``token`` split (the
-  device planner splits by expert groups).
+  device planner splits by expert groups);
+* a record covers the model quantizations it ran (``None``: unquantized); an FP8 engine needs
+  its own.
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It is empty now: the device planner ran in vLLM 0.25.0 engines on the H200 (2026-12-01, commit
-5be5b93), but its tokens then differed from no offload on every step that needed two passes,
-and the runs since exact passes landed are not recorded yet; in eager mode it was slower than
-the host planner (50.5 to 55.7 against 66.3 tok/s at 32 slots, batch 1).
+It holds one record: in full graphs (vLLM's default ``FULL_AND_PIECEWISE``) the device planner's
+tokens were identical to no offload at batch 1, 8 and 32 and on 2,048-token prompts, with 32
+slots for 128 experts, beside a second no-offload engine as the control (docs/VLLM.md, steps
+run 3). Piecewise graphs alone and eager mode have no such record yet; in eager mode the device
+planner was also slower than the host planner (50.5 to 55.7 against 66.3 tok/s at 32 slots,
+batch 1, 2026-12-01).
 
 This module imports no vLLM.
 """
@@ -62,6 +66,8 @@ class Evidence:
 
     claim: Claim
     modes: tuple[GraphMode, ...]
+    quantizations: tuple[str | None, ...]
+    """vLLM's ``model_config.quantization`` of the models the run covers; ``None``: unquantized."""
     date: str
     commit: str
     vllm: str
@@ -70,8 +76,19 @@ class Evidence:
     """Where the run's summary and raw outputs are kept (a path under ``docs/vllm/``)."""
 
 
-EVIDENCE: tuple[Evidence, ...] = ()
-"""The runs that switch a default; none yet (module docstring)."""
+EVIDENCE: tuple[Evidence, ...] = (
+    Evidence(
+        claim=TOKENS_EXACT,
+        modes=("full",),
+        quantizations=(None,),
+        date="2026-12-01",
+        commit="25f83b1",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/2026-12-01-steps/run3/",
+    ),
+)
+"""The runs that switch a default (module docstring)."""
 
 NO_TOKENS = "the device planner's tokens against no offload are not yet recorded with exact passes"
 NOT_FASTER = (
@@ -79,9 +96,11 @@ NOT_FASTER = (
 )
 
 
-def _recorded(evidence: tuple[Evidence, ...], claim: Claim, mode: GraphMode) -> Evidence | None:
+def _recorded(
+    evidence: tuple[Evidence, ...], claim: Claim, mode: GraphMode, quantization: str | None
+) -> Evidence | None:
     for item in evidence:
-        if item.claim == claim and mode in item.modes:
+        if item.claim == claim and mode in item.modes and quantization in item.quantizations:
             return item
     return None
 
@@ -95,23 +114,26 @@ def default_planner(
     *,
     provider: str = "row",
     token_split_set: bool = False,
+    quantization: str | None = None,
     evidence: tuple[Evidence, ...] | None = None,
 ) -> tuple[Planner, str]:
-    """The planner for an engine in ``mode`` without a planner setting, and why (``evidence``:
-    ``EVIDENCE`` when not given)."""
+    """The planner for an engine in ``mode`` serving a model of ``quantization`` without a
+    planner setting, and why (``evidence``: ``EVIDENCE`` when not given)."""
     evidence = EVIDENCE if evidence is None else evidence
     where = "eager mode" if mode == "eager" else f"{mode} graphs"
+    if quantization is not None:
+        where += f", quantization {quantization!r}"
     if provider == "cached":
         return "host", "default: provider 'cached' has no device planner"
     if token_split_set:
         return "host", (
             "default: split 'token' is set and the device planner splits by expert groups"
         )
-    tokens = _recorded(evidence, TOKENS_EXACT, mode)
+    tokens = _recorded(evidence, TOKENS_EXACT, mode, quantization)
     if tokens is None:
         return "host", f"default in {where}: {NO_TOKENS}"
     if mode == "eager":
-        speed = _recorded(evidence, EAGER_NOT_SLOWER, mode)
+        speed = _recorded(evidence, EAGER_NOT_SLOWER, mode, quantization)
         if speed is None:
             return "host", f"default in {where}: {NOT_FASTER}"
         return "device", f"default in {where}: {_cite(tokens)}; {_cite(speed)}"
@@ -119,15 +141,20 @@ def default_planner(
 
 
 def choose_planner(
-    settings: CacheSettings, mode: GraphMode, evidence: tuple[Evidence, ...] | None = None
+    settings: CacheSettings,
+    mode: GraphMode,
+    quantization: str | None = None,
+    evidence: tuple[Evidence, ...] | None = None,
 ) -> CacheSettings:
-    """``settings`` with the planner chosen for ``mode`` unless it is set or already chosen."""
+    """``settings`` with the planner chosen for ``mode`` and the model's ``quantization``
+    unless it is set or already chosen."""
     if settings.planner_source != "unset" or not settings.cache_on:
         return settings
     planner, reason = default_planner(
         mode,
         provider=settings.provider,
         token_split_set=settings.split_set and settings.split == "token",
+        quantization=quantization,
         evidence=evidence,
     )
     return with_planner(settings, planner, reason)

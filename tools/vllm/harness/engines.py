@@ -99,9 +99,10 @@ def tiny() -> list[EngineSpec]:
                 tiny_engine(
                     f"tiny.{graphs.value}.{provider.value}.{split.value}",
                     # piecewise cache engines take vLLM's default graph settings: the plugin
-                    # lowers them
+                    # lowers them for the host planner (named: in full graphs the default is
+                    # the device planner)
                     Mode.EAGER if graphs is Mode.EAGER else Mode.DEFAULT,
-                    Knob(size=TINY_SLOTS, provider=provider, split=split),
+                    Knob(size=TINY_SLOTS, provider=provider, split=split, planner=_host(provider)),
                     compare_with=refs,
                 )
             )
@@ -124,6 +125,12 @@ def tiny() -> list[EngineSpec]:
         )
     )
     return specs
+
+
+def _host(provider: Provider) -> Planner | None:
+    """The host planner named for a ``row`` engine of the phases that measure it (the default
+    in full graphs is the device planner); ``cached`` has only the host planner."""
+    return Planner.HOST if provider is Provider.ROW else None
 
 
 def mp(with_reference: bool) -> list[EngineSpec]:
@@ -184,7 +191,7 @@ def qwen8(prefix: str = "qwen8") -> list[EngineSpec]:
                 engine(
                     f"{label}.{provider.value}{slots}",
                     Mode.DEFAULT,
-                    Knob(size=slots, provider=provider),
+                    Knob(size=slots, provider=provider, planner=_host(provider)),
                     profiled=slots == QWEN_EXPERTS,
                     compare_with=(f"{prefix}.b.eager_moe.idmap", f"{prefix}.b.eager_moe"),
                 )
