@@ -139,10 +139,13 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   fi
   # SIGINT first: pytest then ends the session and still writes the JUnit XML of the tests
   # it ran (a step cut by its limit keeps its partial record; its status stays non-zero).
+  # tools/interruptible_pytest.py: SIGINT reaches pytest even where this script runs as a
+  # background job, which starts its commands with SIGINT ignored.
   # shellcheck disable=SC2086  # ROWCACHE_PYTEST_ARGS is split on purpose
-  env "${assignments[@]}" timeout --signal=INT --kill-after=30 "$STEP_TIMEOUT" "$PY" -m pytest \
-    tests/cuda -p no:cacheprovider -q -rA --durations=25 --junitxml="$LOGS/$stem.xml" "$@" \
-    "${select[@]}" ${ROWCACHE_PYTEST_ARGS:-} > "$LOGS/$stem.log" 2>&1
+  env "${assignments[@]}" timeout --signal=INT --kill-after=30 "$STEP_TIMEOUT" "$PY" \
+    "$ROOT/tools/interruptible_pytest.py" tests/cuda -p no:cacheprovider -q -rA --durations=25 \
+    --junitxml="$LOGS/$stem.xml" "$@" "${select[@]}" ${ROWCACHE_PYTEST_ARGS:-} \
+    > "$LOGS/$stem.log" 2>&1
   local rc=$?
   echo $rc > "$LOGS/$stem.rc"
   [ $rc -eq 0 ] || STEPS_RC=1

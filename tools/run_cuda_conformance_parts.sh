@@ -1,82 +1,138 @@
 #!/usr/bin/env bash
 # The whole GPU conformance run (tools/run_cuda_conformance.sh, default example counts) as
-# parts in three lanes that run at once on one GPU, for a machine that allows at most one
-# 10-minute call: the suite at its default counts alone outlasts that. Each part is one run of
-# the script with ROWCACHE_PART and a -k expression into its own folder; a lane runs its parts
-# one after another, each limited by what is left of the lane's time; then every part's files
-# are copied into LOG_DIR/all and summarized there (the summary fails when a test of a step ran
-# in no part, or a part is missing or was cut). Exit status: the summary's.
+# parts, for a machine that allows at most one 10-minute call: the suite at its default counts
+# alone outlasts that, and so does the whole run. Each part is one run of that script with
+# ROWCACHE_PART and a -k expression into its own folder. One call runs the parts it names one
+# after another, each limited by what is left of the call's time, and packs them into one
+# archive; the archives of all calls are merged and summarized anywhere (no GPU needed), and
+# the summary fails when a test of a step ran in no part, a part is missing or was cut, or the
+# parts ran at different commits, GPUs or torches.
 #
-#   tools/run_cuda_conformance_parts.sh LOG_DIR [ARCHIVE.tar.gz]
+#   tools/run_cuda_conformance_parts.sh LOG_DIR ARCHIVE.tar.gz [PART ...]   (on the GPU)
+#   tools/run_cuda_conformance_parts.sh --merge DEST ARCHIVE.tar.gz ...     (anywhere)
+#   tools/run_cuda_conformance_parts.sh --list
 #
-# Environment: ROWCACHE_LANE_SECONDS (default 540) is each lane's time from the start; the
+# PART is one of --list's names (default: every part, in order). A call's exit status: the
+# summary's when it ran every part, else 0 only when every part it ran passed. --merge unpacks
+# the archives in order into DEST (a part in a later archive replaces the same part of an
+# earlier one: a part run again), copies every part's files into DEST/all and exits with the
+# summary's status.
+#
+# Environment: ROWCACHE_CALL_SECONDS (default 540) is the call's time from its start; the
 # rest as for tools/run_cuda_conformance.sh (ROWCACHE_COMMIT, PYTHON, the example counts).
 #
-# Lanes run concurrently, so each part runs beside another lane's GPU work: the correctness
-# checks do not depend on timing, and the race fixtures decide each run as pass, fail or
-# inconclusive (an inconclusive run is retried, then fails), so contention can cost retries,
-# not verdicts. Measured on the H200 (2026-12-01, eight parts at once): the suite's lockstep
-# machines took most of the time (a sanitized run of them 427 s beside the other seven), so
-# the suite's rest has a lane of its own; the three lanes hold 4 to 7 minutes of work each.
+# Parts run one at a time. Run at once they slow each other down far more than they gain: the
+# lockstep machines wait on the GPU after every step, and processes sharing a GPU take turns
+# on it. Measured on the H200 (2026-12-01, 21f3ea7, three lanes at once): the suite's lockstep
+# part ran 5 of its 8 cells in 525 s, where alone each cell takes 11 to 19 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { echo "usage: $0 LOG_DIR [ARCHIVE.tar.gz]" >&2; exit 2; }
-LOGS=$1
-ARCHIVE=${2:-}
-mkdir -p "$LOGS"
-LOGS=$(cd "$LOGS" && pwd)
-LANE_SECONDS=${ROWCACHE_LANE_SECONDS:-540}
-START=$SECONDS
 
 MACHINE=test_conformance_machine_on_the_real_cuda_provider
 KILLS=test_cuda_machine_kills_gpu_mutant
 # The three mutants the CUDA machine takes longest to kill run in parts of their own.
 SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
-# lane | part name | step | -k expression
+# step.part | -k expression
 PARTS=(
-  "1|rest|suite|not $MACHINE"
-  "1|machine|suite|$MACHINE"
-  "2|rest|sanitizer|not $MACHINE"
-  "2|machine|sanitizer|$MACHINE"
-  "3|kills|mutants|$KILLS and not ($SLOW or host_sync_on_owner)"
-  "3|fixtures|mutants|not $KILLS"
-  "3|kills-host-sync|mutants|$KILLS and host_sync_on_owner"
-  "3|kills-slow|mutants|$KILLS and ($SLOW)"
+  "suite.rest|not $MACHINE"
+  "suite.machine|$MACHINE"
+  "sanitizer.machine|$MACHINE"
+  "sanitizer.rest|not $MACHINE"
+  "mutants.kills-slow|$KILLS and ($SLOW)"
+  "mutants.kills-host-sync|$KILLS and host_sync_on_owner"
+  "mutants.kills|$KILLS and not ($SLOW or host_sync_on_owner)"
+  "mutants.fixtures|not $KILLS"
 )
+NAMES=()
+for entry in "${PARTS[@]}"; do NAMES+=("${entry%%|*}"); done
 
-lane() {  # lane N: its parts in order, each limited by what is left of the lane's time
-  local number=$1 entry lane_of part step expression left
-  for entry in "${PARTS[@]}"; do
-    IFS='|' read -r lane_of part step expression <<< "$entry"
-    [ "$lane_of" = "$number" ] || continue
-    left=$((LANE_SECONDS - (SECONDS - START)))
-    if [ "$left" -lt 30 ]; then
-      echo "== part $step.$part: not started ($left s left in lane $number)" \
-        > "$LOGS/$step-$part.out"
-      continue  # its files stay absent: the summary reports the step missing
-    fi
-    echo "== lane $number, part $step.$part ($left s): -k \"$expression\""
-    ROWCACHE_STEPS=$step ROWCACHE_PART=$part ROWCACHE_PYTEST_K=$expression \
-      ROWCACHE_STEP_TIMEOUT=$left \
-      bash tools/run_cuda_conformance.sh "$LOGS/$step-$part" > "$LOGS/$step-$part.out" 2>&1
-  done
+usage() {
+  echo "usage: $0 LOG_DIR ARCHIVE.tar.gz [PART ...] | --merge DEST ARCHIVE.tar.gz ... | --list" >&2
+  exit 2
 }
 
-pids=()
-for number in 1 2 3; do
-  lane "$number" &
-  pids+=($!)
-done
-for pid in "${pids[@]}"; do wait "$pid"; done
+# Every part's files (folders <step>-<part>) of LOG_DIR copied into LOG_DIR/all, summarized.
+summarize() {
+  local logs=$1 name
+  rm -rf "$logs/all"
+  mkdir -p "$logs/all"
+  for name in "${NAMES[@]}"; do
+    if [ -d "$logs/${name/./-}" ]; then cp -r "$logs/${name/./-}"/. "$logs/all/"; fi
+  done
+  "${PYTHON:-python3}" tools/conformance_summary.py "$logs/all"
+}
 
-rm -rf "$LOGS/all"
-mkdir -p "$LOGS/all"
-for entry in "${PARTS[@]}"; do
-  IFS='|' read -r _ part step _ <<< "$entry"
-  if [ -d "$LOGS/$step-$part" ]; then cp -r "$LOGS/$step-$part"/. "$LOGS/all/"; fi
+case ${1:-} in
+  --list)
+    for entry in "${PARTS[@]}"; do echo "${entry%%|*}: -k \"${entry#*|}\""; done
+    exit 0 ;;
+  --merge)
+    [ $# -ge 3 ] || usage
+    DEST=$2
+    shift 2
+    mkdir -p "$DEST"
+    DEST=$(cd "$DEST" && pwd)
+    call=0
+    for archive in "$@"; do
+      call=$((call + 1))
+      unpacked="$DEST/calls/$call"
+      rm -rf "$unpacked"
+      mkdir -p "$unpacked"
+      tar xzf "$archive" -C "$unpacked" || { echo "cannot unpack $archive" >&2; exit 2; }
+      # the archive holds one LOG_DIR; its part folders replace those of earlier calls
+      for folder in "$unpacked"/*/*-*/; do
+        [ -d "$folder" ] || continue
+        base=$(basename "$folder")
+        [ "$base" = all ] && continue
+        rm -rf "${DEST:?}/$base"
+        cp -r "$folder" "$DEST/$base"
+        cp "$unpacked"/*/"$base.out" "$DEST/" 2>/dev/null || true
+      done
+    done
+    summarize "$DEST"
+    exit $? ;;
+esac
+
+[ $# -ge 2 ] || usage
+LOGS=$1
+ARCHIVE=$2
+shift 2
+SELECTED=("$@")
+[ ${#SELECTED[@]} -gt 0 ] || SELECTED=("${NAMES[@]}")
+for name in "${SELECTED[@]}"; do
+  [[ " ${NAMES[*]} " == *" $name "* ]] \
+    || { echo "unknown part '$name'; known: ${NAMES[*]}" >&2; exit 2; }
 done
-"${PYTHON:-python3}" tools/conformance_summary.py "$LOGS/all"
-rc=$?
+mkdir -p "$LOGS"
+LOGS=$(cd "$LOGS" && pwd)
+CALL_SECONDS=${ROWCACHE_CALL_SECONDS:-540}
+START=$SECONDS
+
+rc=0
+for entry in "${PARTS[@]}"; do
+  name=${entry%%|*}
+  expression=${entry#*|}
+  [[ " ${SELECTED[*]} " == *" $name "* ]] || continue
+  step=${name%%.*}
+  part=${name#*.}
+  folder="$LOGS/$step-$part"
+  left=$((CALL_SECONDS - (SECONDS - START)))
+  if [ "$left" -lt 30 ]; then
+    echo "== part $name: not started ($left s left in the call)" | tee "$folder.out"
+    rc=1
+    continue  # its files stay absent: the summary reports the step missing
+  fi
+  echo "== part $name ($left s): -k \"$expression\""
+  ROWCACHE_STEPS=$step ROWCACHE_PART=$part ROWCACHE_PYTEST_K=$expression \
+    ROWCACHE_STEP_TIMEOUT=$left \
+    bash tools/run_cuda_conformance.sh "$folder" > "$folder.out" 2>&1 || rc=1
+  tail -n 3 "$folder.out"
+done
+
+if [ ${#SELECTED[@]} -eq ${#NAMES[@]} ]; then
+  summarize "$LOGS"
+  rc=$?
+fi
 if [ -n "$ARCHIVE" ]; then
   tar czf "$ARCHIVE" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 fi

@@ -1,0 +1,190 @@
+"""tools/run_cuda_conformance_parts.sh without a GPU: its parts split each step's tests with
+nothing dropped and nothing run twice, bad part names leave nothing behind, and the archives
+of several calls merge into one summary (a part run again replaces the earlier one; parts of
+different commits fail it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from _pytest.mark.expression import Expression
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "run_cuda_conformance_parts.sh"
+MARKERS = {
+    "suite": "not gpu_mutant",
+    "mutants": "gpu_mutant",
+    "sanitizer": "not gpu_mutant and not csan_subprocess",
+}
+ENVIRONMENT = (
+    "commit: {commit}\n"
+    "gpu: NVIDIA H200, 580.159.04, 143771 MiB\n"
+    "torch: 2.11.0+cu130 (CUDA 13.0)\n"
+    "python: 3.12.3; pytest 9.1.1; hypothesis 6.168.3\n"
+)
+
+
+def _parts() -> dict[str, str]:
+    listed = subprocess.run(
+        ["bash", str(SCRIPT), "--list"], capture_output=True, text=True, check=True
+    ).stdout
+    parts = {}
+    for line in listed.splitlines():
+        name, _, rest = line.partition(": -k ")
+        parts[name] = rest.strip('"')
+    return parts
+
+
+def _collected(marker: str) -> list[str]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/cuda",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--collect-only",
+            "-m",
+            marker,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [line for line in out.splitlines() if "::" in line]
+
+
+def _matches(expression: str, test_id: str) -> bool:
+    # pytest -k matches a substring of the item's names, case-insensitively
+    name = test_id.lower()
+
+    def matcher(word: str, /, **_kwargs: str | int | bool | None) -> bool:
+        return word.lower() in name
+
+    return Expression.compile(expression).evaluate(matcher)
+
+
+@pytest.mark.parametrize("step", sorted(MARKERS))
+def test_every_test_of_a_step_runs_in_exactly_one_of_its_parts(step: str) -> None:
+    parts = {n: e for n, e in _parts().items() if n.startswith(f"{step}.")}
+    assert parts
+    ids = _collected(MARKERS[step])
+    assert len(ids) > 5
+    for test_id in ids:
+        owners = [n for n, e in parts.items() if _matches(e, test_id)]
+        assert len(owners) == 1, (test_id, owners)
+
+
+def test_an_unknown_part_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(logs), str(tmp_path / "a.tgz"), "suite.rest", "suite.typo"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2
+    assert "unknown part 'suite.typo'; known: suite.rest suite.machine" in run.stderr
+    assert not logs.exists() and not (tmp_path / "a.tgz").exists()
+
+
+def _xml(cases: list[tuple[str, str, str]]) -> str:
+    body = "".join(
+        f'<testcase classname="{c}" name="{n}">'
+        + ("" if outcome == "passed" else '<failure message="boom">trace</failure>')
+        + "</testcase>"
+        for c, n, outcome in cases
+    )
+    return (
+        f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>'
+    )
+
+
+# step.part -> its test (classname, name); the mutants need a race and a device-path mutant
+TESTS = {
+    "suite.rest": ("tests.cuda.test_device_planner_cuda", "test_lockstep[bf16-packed]"),
+    "suite.machine": ("tests.cuda.test_cuda_machine", MACHINE := "test_conformance_machine"),
+    "sanitizer.machine": ("tests.cuda.test_cuda_machine", MACHINE),
+    "sanitizer.rest": ("tests.cuda.test_device_planner_cuda", "test_lockstep[bf16-packed]"),
+    "mutants.kills-slow": ("tests.cuda.test_gpu_mutants", "test_cuda_machine_kills[slow]"),
+    "mutants.kills-host-sync": ("tests.cuda.test_gpu_mutants", "test_cuda_machine_kills[sync]"),
+    "mutants.kills": ("tests.cuda.test_gpu_mutants", "test_gpu_mutant_is_detected[no_wait]"),
+    "mutants.fixtures": (
+        "tests.cuda.test_device_planner_cuda",
+        "test_device_mutant_is_detected[stale_map]",
+    ),
+}
+
+
+def _call_archive(
+    tmp_path: Path,
+    label: str,
+    parts: list[str],
+    commit: str = "0123456789abcdef",
+    outcome: str = "passed",
+) -> Path:
+    """What one GPU call leaves: LOG_DIR with a folder per part, packed."""
+    logs = tmp_path / label / "conf"
+    for name in parts:
+        step, part = name.split(".")
+        folder = logs / f"{step}-{part}"
+        folder.mkdir(parents=True)
+        classname, test = TESTS[name]
+        (folder / f"{name}.xml").write_text(_xml([(classname, test, outcome)]))
+        (folder / f"{name}.rc").write_text("0\n" if outcome == "passed" else "1\n")
+        env = ENVIRONMENT.format(commit=commit)
+        (folder / "environment.txt").write_text(env)
+        (folder / f"environment.{name}.txt").write_text(env)
+        (logs / f"{step}-{part}.out").write_text(f"== {name}\n")
+    archive = tmp_path / f"{label}.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(logs, arcname="conf")
+    return archive
+
+
+def _merge(tmp_path: Path, *archives: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--merge", str(tmp_path / "merged"), *map(str, archives)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+
+
+NAMES = list(TESTS)
+
+
+def test_calls_merge_into_one_passing_summary(tmp_path: Path) -> None:
+    first = _call_archive(tmp_path, "one", NAMES[:3])
+    second = _call_archive(tmp_path, "two", NAMES[3:])
+    merged = _merge(tmp_path, first, second)
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    assert "cuda-conformance: PASS" in merged.stdout
+    assert "in parts machine, rest" in merged.stdout
+
+
+def test_a_missing_call_fails_the_merge(tmp_path: Path) -> None:
+    merged = _merge(tmp_path, _call_archive(tmp_path, "one", NAMES[:3]))
+    assert merged.returncode != 0
+    assert "problem: step mutants is missing" in merged.stdout
+
+
+def test_a_part_run_again_replaces_the_earlier_one(tmp_path: Path) -> None:
+    failed = _call_archive(tmp_path, "one", NAMES, outcome="failed")
+    again = _call_archive(tmp_path, "two", NAMES)
+    assert _merge(tmp_path, again, failed).returncode != 0
+    merged = _merge(tmp_path, failed, again)
+    assert merged.returncode == 0, merged.stdout
+
+
+def test_parts_of_different_commits_fail_the_merge(tmp_path: Path) -> None:
+    first = _call_archive(tmp_path, "one", NAMES[:3])
+    second = _call_archive(tmp_path, "two", NAMES[3:], commit="fedcba9876543210")
+    merged = _merge(tmp_path, first, second)
+    assert merged.returncode != 0
+    assert "ran with commit" in merged.stdout
