@@ -41,12 +41,15 @@ FAKE_SERVER = """
     if section.get("moe_eager_between_graphs"):
         print("INFO rowcache: expert cache off, MoE op eager between graph pieces", flush=True)
     if size:
+        eager = "--enforce-eager" in args
+        chosen = planner or ("host" if eager else "device")
         where = "split 'token', planned on the host"
-        if planner == "device":
+        if chosen == "device":
             where = "planned on the device"
         print(f"INFO rowcache: {size} slots per MoE layer, provider 'row', {where}", flush=True)
-        reason = "set by moe_expert_cache_planner" if planner else "default in full graphs: x"
-        print(f"INFO rowcache: planner {planner or 'host'} ({reason})", flush=True)
+        mode = "eager mode" if eager else "full graphs"
+        reason = "set by moe_expert_cache_planner" if planner else f"default in {mode}: x"
+        print(f"INFO rowcache: planner {chosen} ({reason})", flush=True)
     if behaviour == "hang":
         time.sleep(120)
     time.sleep(float(os.environ.get("FAKE_DELAY", "0.2")))
@@ -152,10 +155,11 @@ def test_pass_writes_one_record_and_one_log_archive(tmp_path: Path, fakes: Fakes
     assert sorted(fakes.calls) == ["cfg", "env", "ref"]
     servers = record["servers"]
     assert servers["cfg"]["log"]["planner"] == [
-        {"planner": "host", "reason": "default in full graphs: x"}
+        {"planner": "device", "reason": "default in full graphs: x"}
     ]
     assert servers["env"]["log"]["settings"][0]["size"] == "32"
-    assert servers["ref"]["log"]["eager_baseline"]
+    # the device planner keeps vLLM's graphs: the reference is vLLM as is
+    assert not servers["ref"]["log"]["eager_baseline"]
     assert record["comparisons"]["cfg"]["identical"]
     # Every server and its child are stopped.
     assert fakes.alive() == []
@@ -302,7 +306,7 @@ def test_scan_log_and_plugin_verdict() -> None:
     log = textwrap.dedent(
         """
         INFO 12-01 [_config.py:91] rowcache: 32 slots per MoE layer, provider 'row', split 'token', planned on the host
-        INFO 12-01 [_config.py:91] rowcache: planner host (default in full graphs: the device planner's tokens against no offload are not yet recorded with exact passes)
+        INFO 12-01 [_config.py:91] rowcache: planner device (default in full graphs: tokens_exact in vLLM 0.25.0 on H200, 2026-12-01 at 25f83b1)
         (EngineCore pid=2) INFO rowcache: 32 slots per MoE layer, provider 'row', planned on the device
         """  # noqa: E501
     )
@@ -311,8 +315,24 @@ def test_scan_log_and_plugin_verdict() -> None:
     assert scan["planner"][0]["reason"].startswith("default in full graphs")
     cache = sc.ServerSpec("cfg", expects_cache=True)
     assert sc.plugin_verdict(cache, scan, 32, None) == "ok"
+    # Without a setting the planner must be the plugin's default for the mode, and say so.
+    host_default = sc.scan_log(
+        "rowcache: 32 slots per MoE layer, provider 'row', planned on the host\n"
+        "rowcache: planner host (default in full graphs: x)\n"
+    )
+    assert sc.plugin_verdict(cache, host_default, 32, None) == (
+        "planner ['host'] where the default is device"
+    )
+    assert sc.plugin_verdict(cache, host_default, 32, None, "eager") == "ok"
+    unsaid = sc.scan_log(
+        "rowcache: 32 slots per MoE layer, provider 'row', planned on the device\n"
+        "rowcache: planner device (set by moe_expert_cache_planner)\n"
+    )
+    assert sc.plugin_verdict(cache, unsaid, 32, None) == (
+        "planner line does not say it is the default"
+    )
     assert "another size" in sc.plugin_verdict(cache, scan, 16, None)
-    assert "where device was set" in sc.plugin_verdict(cache, scan, 32, "device")
+    assert "where host was set" in sc.plugin_verdict(cache, scan, 32, "host")
     assert sc.plugin_verdict(cache, sc.scan_log(""), 32, None) == "no settings line"
     missing = sc.scan_log("rowcache: vLLM plugin not installed, vLLM runs without (X: y)")
     assert sc.plugin_verdict(cache, missing, 32, None) == "plugin not installed"
@@ -321,10 +341,13 @@ def test_scan_log_and_plugin_verdict() -> None:
 
 
 def test_specs_reference_follows_the_graph_cut() -> None:
-    host = {s.label: s for s in sc.specs(32, "graphs", None)}
+    host = {s.label: s for s in sc.specs(32, "graphs", "host")}
     assert host["ref"].config == {"moe_eager_between_graphs": True}
     assert sc.specs(32, "eager", None)[0].config == {}
     assert sc.specs(32, "graphs", "device")[0].config == {}
+    # unset: the plugin's default in full graphs is the device planner, graphs kept
+    assert sc.expected_planner("graphs", None) == "device"
+    assert sc.specs(32, "graphs", None)[0].config == {}
     eager_cmd = sc.server_command("py", "m", 1, host["cfg"], "eager")
     assert "--enforce-eager" in eager_cmd
 

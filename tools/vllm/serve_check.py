@@ -8,10 +8,11 @@ Starts one server per configuration as ``python3 -m vllm.entrypoints.cli.main se
 (the bundle carries no ``vllm`` console script), each in a process group of its own with its
 log in a file, and waits for ``GET /health`` under one deadline:
 
-* ``ref``: no cache. With the host planner (the plugin's default today) it is the same graph
-  cut as the cache servers (``{"rowcache": {"moe_eager_between_graphs": true}}``: the MoE op
-  eager between captured pieces), so that tokens compare exactly; with ``--planner device``
-  (the user's graph modes kept) and in eager mode it is vLLM as is;
+* ``ref``: no cache. Where the cache servers run the host planner in graphs (``--planner
+  host``) it is the same graph cut (``{"rowcache": {"moe_eager_between_graphs": true}}``: the
+  MoE op eager between captured pieces), so that tokens compare exactly; with the device
+  planner (the user's graph modes kept: ``--planner device``, or the plugin's default in full
+  graphs, ``rowcache.vllm.defaults``) and in eager mode it is vLLM as is;
 * ``cfg``: the cache through ``--additional-config '{"rowcache": {...}}'``;
 * ``env``: the same through ``ROWCACHE_MOE_EXPERT_CACHE_*`` environment variables.
 
@@ -70,6 +71,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rowcache.vllm.defaults import default_planner
+
 if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
@@ -113,10 +116,18 @@ def knob(size: int, planner: str | None) -> dict[str, object]:
     return section
 
 
+def expected_planner(mode: str, planner: str | None) -> str:
+    """The planner the cache servers serve: the one set, else the plugin's default for the
+    mode (the checkpoints here are unquantized; ``graphs``: vLLM's default full graphs)."""
+    if planner is not None:
+        return planner
+    return default_planner("eager" if mode == "eager" else "full")[0]
+
+
 def specs(size: int, mode: str, planner: str | None) -> list[ServerSpec]:
     """``ref``, ``cfg`` and ``env`` (module docstring)."""
     section = knob(size, planner)
-    same_cut = mode == "graphs" and planner != "device"
+    same_cut = mode == "graphs" and expected_planner(mode, planner) == "host"
     ref = ServerSpec("ref", {"moe_eager_between_graphs": True} if same_cut else {})
     env = {ENV_KEYS[key]: str(value) for key, value in section.items()}
     return [
@@ -342,7 +353,9 @@ def scan_log(text: str) -> dict[str, Any]:
     }
 
 
-def plugin_verdict(spec: ServerSpec, scan: dict[str, Any], size: int, planner: str | None) -> str:
+def plugin_verdict(
+    spec: ServerSpec, scan: dict[str, Any], size: int, planner: str | None, mode: str = "graphs"
+) -> str:
     """``ok``, or what the log lacks, against what the spec asked for."""
     if scan["not_installed"]:
         return "plugin not installed"
@@ -361,6 +374,12 @@ def plugin_verdict(spec: ServerSpec, scan: dict[str, Any], size: int, planner: s
         return f"planner {sorted(chosen)} where {planner} was set"
     if planner is not None and not all(p["reason"].startswith("set by") for p in scan["planner"]):
         return "planner line does not say it was set"
+    if planner is None:
+        default = expected_planner(mode, None)
+        if chosen != {default}:
+            return f"planner {sorted(chosen)} where the default is {default}"
+        if not all(p["reason"].startswith("default") for p in scan["planner"]):
+            return "planner line does not say it is the default"
     return "ok"
 
 
@@ -461,7 +480,9 @@ def run(
             text = server.log.read_text(errors="replace") if server.log.exists() else ""
             scan = scan_log(text)
             entry["log"] = scan
-            entry["plugin"] = plugin_verdict(server.spec, scan, options.size, options.planner)
+            entry["plugin"] = plugin_verdict(
+                server.spec, scan, options.size, options.planner, options.mode
+            )
             if server.status != "ready":
                 entry["log_tail"] = text[-3000:]
     comparisons: dict[str, Any] = {}
