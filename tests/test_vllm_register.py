@@ -1083,3 +1083,43 @@ def test_the_float32_sum_of_a_cut_step_is_not_bit_identical(
     assert differing > 0
     warned = [m for m in _rowcache_warnings(caplog) if "not vLLM's TritonExperts" in m]
     assert len(warned) == 1 and "OtherExperts" in warned[0]
+
+
+@pytest.mark.parametrize("route", ["exact", "float32 sum"])
+def test_the_engines_exactness_probe_catches_an_inexact_route(fake_vllm: Any, route: str) -> None:
+    """tools/vllm/harness/probes.exactness, which every cached engine of the e2e runs ends
+    with, on the CPU: each cached layer against the kernel with every expert resident finds
+    the exact route bit-identical, and the float32 sum of a cut step (a kernel whose experts
+    are not TritonExperts) not, at row counts whose steps need several passes."""
+    from tools.vllm.harness import probes
+
+    from rowcache.row_provider import RowCacheWeightProvider
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    layers = []
+    for seed in range(2):
+        method = _method(fake_vllm, section)
+        method.moe = _moe(top_k=3)  # three entries a token: a pass's partial sum rounds
+        weights, layer, *_ = _bf16_layer_and_inputs(6, top_k=3, seed=seed)
+        kernel = TritonKernel(weights)
+        if route == "float32 sum":
+
+            class OtherExperts:  # reduces like TritonExperts, but is not one
+                moe_sum = kernel.fused_experts.moe_sum
+
+            kernel.fused_experts = OtherExperts()
+        method.moe_kernel = kernel
+        method._host = (layer.w13_weight, layer.w2_weight)
+        method.rowcache_provider = RowCacheWeightProvider(
+            layer.w13_weight, layer.w2_weight, capacity=3, device="cpu", planner="device"
+        )
+        layer.quant_method = method
+        layers.append((f"layers.{seed}.experts", layer))
+    model = SimpleNamespace(named_modules=lambda: iter(layers))
+    found = probes.exactness(model, device="cpu", row_counts=(1, 16))
+    assert found["layers"] == 2 and found["skipped"] == 0
+    assert found["equal"]["1"] == 2  # one row: one pass, exact on either route
+    if route == "exact":
+        assert found["equal"]["16"] == 2 and found["max_abs"]["16"] == 0.0
+    else:
+        assert found["equal"]["16"] < 2 and found["max_abs"]["16"] > 0.0

@@ -181,7 +181,9 @@ EXACTNESS_ROWS = (1, 8, 32, 512, 2048)
 that route to every expert (more passes than one at any slot count below the expert count)."""
 
 
-def exactness(model: Any) -> dict[str, Any]:
+def exactness(
+    model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
+) -> dict[str, Any]:
     """Each cached layer's forward against vLLM's own kernel with every expert resident, in the
     engine, bit for bit: random hidden states and routings of :data:`EXACTNESS_ROWS` rows, the
     cached forward through the plugin (its passes, the tapped ``moe_sum``, the pinned tile
@@ -191,13 +193,15 @@ def exactness(model: Any) -> dict[str, Any]:
     ``(w13, w2)`` in pinned host memory); other layers are counted as skipped.
 
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
-    largest difference}, "skipped": n}``."""
+    largest difference}, "skipped": n}``. ``device`` and ``row_counts``: the CPU tests run it
+    on fakes, with a seeded inexact route it must catch."""
     import torch
 
-    equal: dict[str, int] = {str(m): 0 for m in EXACTNESS_ROWS}
-    max_abs: dict[str, float] = {str(m): 0.0 for m in EXACTNESS_ROWS}
+    equal: dict[str, int] = {str(m): 0 for m in row_counts}
+    max_abs: dict[str, float] = {str(m): 0.0 for m in row_counts}
     layers = skipped = 0
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    cuda = torch.device(device).type == "cuda"
     for _name, module in model.named_modules():
         method: Any = getattr(module, "quant_method", None)
         provider = getattr(method, "rowcache_provider", None)
@@ -208,12 +212,12 @@ def exactness(model: Any) -> dict[str, Any]:
             skipped += 1
             continue
         layers += 1
-        w13, w2 = (t.to("cuda", non_blocking=False) for t in host)
+        w13, w2 = (t.to(device, non_blocking=False) for t in host)
         experts_total, hidden = w13.shape[0], w13.shape[2]
         top_k = int(method.moe.experts_per_token)
-        for rows in EXACTNESS_ROWS:
-            x = torch.randn(rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
-            logits = torch.randn(rows, experts_total, device="cuda", generator=gen)
+        for rows in row_counts:
+            x = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
+            logits = torch.randn(rows, experts_total, device=device, generator=gen)
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
@@ -231,15 +235,17 @@ def exactness(model: Any) -> dict[str, Any]:
                 shared_experts_input=None,
             ).clone()
             cached = method._cached_apply(provider, module, x, weights, ids, None, None).clone()
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             if torch.equal(reference.view(torch.int16), cached.view(torch.int16)):
                 equal[str(rows)] += 1
             difference = (reference.float() - cached.float()).abs().max().item()
             max_abs[str(rows)] = max(max_abs[str(rows)], float(difference))
         del w13, w2
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return {
-        "rows": list(EXACTNESS_ROWS),
+        "rows": list(row_counts),
         "layers": layers,
         "equal": equal,
         "max_abs": max_abs,
