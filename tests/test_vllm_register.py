@@ -1091,9 +1091,8 @@ def test_the_engines_exactness_probe_catches_an_inexact_route(fake_vllm: Any, ro
     with, on the CPU: each cached layer against the kernel with every expert resident finds
     the exact route bit-identical, and the float32 sum of a cut step (a kernel whose experts
     are not TritonExperts) not, at row counts whose steps need several passes."""
-    from tools.vllm.harness import probes
-
     from rowcache.row_provider import RowCacheWeightProvider
+    from tools.vllm.harness import probes
 
     section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
     layers = []
