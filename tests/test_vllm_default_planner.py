@@ -31,11 +31,13 @@ PLANNER_ENV = ENV[PLANNER]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _evidence(claim: str, *modes: GraphMode) -> Evidence:
+def _evidence(
+    claim: str, *modes: GraphMode, quantizations: tuple[str | None, ...] = (None,)
+) -> Evidence:
     return Evidence(
         claim=claim,  # type: ignore[arg-type]
         modes=modes,
-        quantizations=(None,),
+        quantizations=quantizations,
         date="2026-12-02",
         commit="abc1234",
         vllm="vLLM 0.25.0",
@@ -115,16 +117,7 @@ def test_a_record_covers_only_the_quantizations_it_ran(quantization: str) -> Non
     planner, reason = default_planner("full", quantization=quantization)
     assert planner == "host"
     assert reason == f"default in full graphs, quantization {quantization!r}: {NO_TOKENS}"
-    fp8_run = Evidence(
-        claim=TOKENS_EXACT,
-        modes=("full",),
-        quantizations=(quantization,),
-        date="2026-12-02",
-        commit="abc1234",
-        vllm="vLLM 0.25.0",
-        gpu="H200",
-        record="docs/vllm/x.txt",
-    )
+    fp8_run = _evidence(TOKENS_EXACT, "full", quantizations=(quantization,))
     assert default_planner("full", quantization=quantization, evidence=(fp8_run,))[0] == "device"
     assert default_planner("full", evidence=(fp8_run,))[0] == "host"
 
