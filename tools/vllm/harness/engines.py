@@ -244,9 +244,12 @@ GiB resident and 1.125 GiB in flight, the 2.25 GiB of 32 slots per layer."""
 
 # Estimated seconds (start, then everything once / with every repeat), from the recorded runs
 # (docs/vllm, ../shared/DESIGN.md section 9): a compiled engine starts in 70 to 95 s, an eager
-# one in about 40 s; decode per step from the b1 and b8 figures, b32 copy-bound engines at
-# about 125 (UVA) to 160 ms (32 slots, hit rate near 0) per step, the prefetch offloader at
-# about 165 ms per step at every batch size (7 x 1.125 GiB per step at about 50 GB/s).
+# one in about 60 s (20 s of imports, 41 s to build: steps run 3's attempt at 21f3ea7, where
+# `none.eager` had 60 s and measured nothing); decode per step from the b1 and b8 figures, b32
+# copy-bound engines at about 125 (UVA) to 160 ms (32 slots, hit rate near 0) per step, the
+# prefetch offloader at about 165 ms per step at every batch size (7 x 1.125 GiB per step at
+# about 50 GB/s); `row32dev.eager` as measured there: b1 4.3 s, b8 16 s and b32 36 s a
+# generation.
 _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     # label: ((plain once, plain full), (skewed once, skewed full))
     "none.full": ((90, 100), (90, 100)),
@@ -254,8 +257,8 @@ _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "uva675.full": ((150, 250), (150, 250)),
     "prefetch.full": ((240, 500), (240, 500)),
     "row32dev.full": ((160, 280), (120, 180)),
-    "none.eager": ((60, 80), (60, 80)),
-    "row32dev.eager": ((130, 270), (100, 170)),
+    "none.eager": ((85, 110), (85, 110)),
+    "row32dev.eager": ((150, 260), (110, 180)),
 }
 
 
