@@ -312,11 +312,8 @@ def resolve(table: DeviceTable, op: DeviceOp, dp: DataProgram, owner: int, strea
         tags = tags | {"owner_change"}
         if op.name == "replay":
             tags = tags | {"replay_on_other_stream"}
-    after = owner
-    if op.set_owner == "current" or (op.set_owner == "current_if_none" and owner == NO_STREAM):
-        after = stream
     ghost, ghost_err, shadow, unread = dp.data
-    host = HostPart(after, ghost, ghost_err, shadow, unread)
+    host = HostPart(op.owner_after(owner, stream), ghost, ghost_err, shadow, unread)
     return Program(host, tuple(prims), static, dp.violation, frozenset(tags))
 
 

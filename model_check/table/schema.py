@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Generic, NamedTuple, Protocol, Self, TypeVar, cast
 
 from model_check.table import device_functions
-from model_check.table.reference import EFFECTS, GUARDS, PRE_GUARD_EFFECTS
+from model_check.table.reference import EFFECTS, GUARDS, NO_STREAM, PRE_GUARD_EFFECTS
 
 TABLE_PATH = Path(__file__).resolve().parents[2] / "spec" / "table.toml"
 
@@ -283,6 +283,14 @@ class DeviceOp:
         if self.guard == "forward_unread":
             roles.discard("owner")
         return bool(self.set_owner) or bool(roles & {"current", "owner"})
+
+    def owner_after(self, owner: int, current: int) -> int:
+        """The owner stream once the call on `current` returns (`set_owner`)."""
+        if self.set_owner == "current" or (
+            self.set_owner == "current_if_none" and owner == NO_STREAM
+        ):
+            return current
+        return owner
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ from model_check.z3.host import (
     select,
     sym_plan_invalidate,
 )
-from model_check.z3.induction import Clause, InductionResult, find_invariant, template
+from model_check.z3.induction import Clause, InductionResult, find_invariant, state_eq, template
+from model_check.z3.streams import shares
 
 R_, W_ = 0, 1
 # Followed kinds: (resource, mode); resource 4 stands for every slot, with a slot set.
@@ -91,12 +92,6 @@ class Tracked(NamedTuple):
 
 
 DevState = tuple[Tracked, ...]
-
-
-def shares(a: tuple[Bool, ...], b: tuple[Bool, ...] | None) -> Bool:
-    if not a or not b:
-        return True
-    return disj(*(conj(x, y) for x, y in zip(a, b, strict=True)))
 
 
 class Args(NamedTuple):
@@ -201,6 +196,49 @@ class Item(NamedTuple):
     kind: str = ""
 
 
+Accesses = tuple[tuple[int, int, tuple[Bool, ...] | None], ...]
+
+# The accesses of each kind of step: (resource, mode, the slots it touches). The slots of a
+# gather or a read come from the data in the bounded check; None means every slot set meets.
+ACCESSES: dict[str, Accesses] = {
+    "plan": ((0, W_, None), (1, W_, None), (2, W_, None), (3, W_, None)),
+    "gather": ((2, R_, None), (SLOT0, W_, None)),
+    "consumer_read": ((1, R_, None), (SLOT0, R_, None)),
+    "free_slot": ((0, W_, None),),
+    "read_errors": ((3, R_, None),),
+    "reset_errors": ((3, W_, None),),
+}
+
+
+def step_items(
+    table: DeviceTable,
+    op: DeviceOp,
+    step: Any,
+    cond: Bool = True,
+    slots: tuple[Bool, ...] | None = None,
+) -> list[Item]:
+    """The role-level items of one step, under `cond` (a blocking step of a hot-path call
+    first adds P8's); `slots`: the slots a gather or read touches."""
+    kind, oc = step.kind, step.when == "owner_change"
+    items: list[Item] = []
+    if op.hot and kind in BLOCKING_KINDS:
+        items.append(Item("p8", step.stream, cond=cond, owner_change=oc))
+    if kind == "report":
+        items.append(Item("report", "", cond=cond))
+    elif kind == "host_sync":
+        items.append(Item("sync", step.stream, cond=cond, owner_change=oc))
+    elif kind in ("record_event", "wait_event"):
+        tag = "record" if kind == "record_event" else "wait"
+        e = table.events.index(step.event)
+        items.append(Item(tag, step.stream, e, cond=cond, owner_change=oc))
+    else:
+        accesses = tuple((r, m, slots if r == SLOT0 else None) for r, m, _ in ACCESSES[kind])
+        items.append(
+            Item("access", step.stream, accesses=accesses, cond=cond, owner_change=oc, kind=kind)
+        )
+    return items
+
+
 class DataRun:
     """A call's data in host-call order, symbolically (device_program.DataInterp's twin)."""
 
@@ -260,49 +298,26 @@ class DataRun:
         return self.d
 
     def step(self, step: Any, p: Int, cond: Bool) -> None:
+        """The step's data under `cond`, then its items."""
         kind = step.kind
-        if self.op.hot and kind in BLOCKING_KINDS:
-            self.items.append(
-                Item("p8", step.stream, cond=cond, owner_change=step.when == "owner_change")
-            )
+        slots = None
         if kind == "report":
             self.report(cond)
-            return
-        if kind == "host_sync":
-            self.items.append(
-                Item("sync", step.stream, cond=cond, owner_change=step.when == "owner_change")
-            )
-            return
-        oc = step.when == "owner_change"
-        if kind in ("record_event", "wait_event"):
-            e = self.table.events.index(step.event)
-            tag = "record" if kind == "record_event" else "wait"
-            self.items.append(Item(tag, step.stream, e, cond=cond, owner_change=oc))
-            return
-        accesses: tuple[tuple[int, int, tuple[Bool, ...] | None], ...]
-        if kind == "plan":
+        elif kind == "plan":
             self.plan(step.fn, p, cond)
-            accesses = ((0, W_, None), (1, W_, None), (2, W_, None), (3, W_, None))
         elif kind == "gather":
-            writes = self.gather(step.fn, cond)
-            accesses = ((2, R_, None), (SLOT0, W_, writes))
+            slots = self.gather(step.fn, cond)
         elif kind == "consumer_read":
-            reads = self.read(cond)
-            accesses = ((1, R_, None), (SLOT0, R_, reads))
+            slots = self.read(cond)
         elif kind == "free_slot":
             self.free(cond)
-            accesses = ((0, W_, None),)
         elif kind == "read_errors":
             self.reading = (
                 self.d.err if self.reading is None else ite(cond, self.d.err, self.reading)
             )
-            accesses = ((3, R_, None),)
-        else:  # reset_errors
+        elif kind == "reset_errors":
             self.d = self.d._replace(err=ite(cond, False, self.d.err))
-            accesses = ((3, W_, None),)
-        self.items.append(
-            Item("access", step.stream, accesses=accesses, cond=cond, owner_change=oc, kind=kind)
-        )
+        self.items += step_items(self.table, self.op, step, cond, slots)
 
     def cache(self) -> SymHost:
         """The shadow's cache state and forward map (the ghost's while they are tied)."""
@@ -515,7 +530,6 @@ class DataRun:
             conj(cond, reading != d.gerr),
         )
         self.sight("error_reported", conj(cond, d.gerr))
-        self.items.append(Item("report", "", cond=cond))
         self.d = d._replace(gerr=ite(cond, False, d.gerr))
 
 
@@ -583,7 +597,6 @@ class Summary:
         cur: int,
         owner: int,
         prefix: str,
-        fresh_constraints: list[Bool],
     ) -> None:
         self.dev = list(dev)
         self.n_streams = n_streams
@@ -783,6 +796,7 @@ class Unrolling(Unrolled):
         seen: dict[str, list[Bool]] = {}
         accepted: list[Bool] = []
         streams = range(len(self.table.consumer_streams))
+        n_events = len(self.table.events)
         for i, op in enumerate(self.table.operations):
             sel = op_sel == i
             ok = self.guard(op, st.data, args)
@@ -800,30 +814,19 @@ class Unrolling(Unrolled):
             for c in streams:
                 for o in (NO_STREAM, *streams):
                     branch = conj(acc, cur == c, st.owner == o)
-                    summary = Summary(
-                        st.dev,
-                        self.n_streams,
-                        len(self.table.events),
-                        c,
-                        o,
-                        f"t{t}_{op.name}_{c}_{o}",
-                        [],
-                    )
+                    name = f"t{t}_{op.name}_{c}_{o}"
+                    summary = Summary(st.dev, self.n_streams, n_events, c, o, name)
                     summary.run(run.items)
                     for key, vs in summary.found.items():
                         found.setdefault(key, []).append(conj(branch, disj(*vs)))
                     for tag, vs in summary.seen.items():
                         seen.setdefault(tag, []).append(conj(branch, disj(*vs)))
-                    owner: Int = o
-                    if op.set_owner == "current" or (
-                        op.set_owner == "current_if_none" and o == NO_STREAM
-                    ):
-                        owner = c
                     if summary.owner_change and op.hot:
                         seen.setdefault("owner_change", []).append(branch)
                         if op.name == "replay":
                             seen.setdefault("replay_on_other_stream", []).append(branch)
-                    results.append((branch, SymState(owner, data, tuple(summary.dev))))
+                    dev = tuple(summary.dev)
+                    results.append((branch, SymState(op.owner_after(o, c), data, dev)))
             # P4 once drained, after every accepted call.
             found.setdefault(
                 ("P4_map_convergence", "once drained, the device state is not the reference's"), []
@@ -897,37 +900,6 @@ def _abs_vars(n_places: int, prefix: str) -> AbsState:
     return AbsState(z3.Int(f"{prefix}_owner"), z3.Bool(f"{prefix}_unread"), dev)
 
 
-def _abs_items(table: DeviceTable, op: DeviceOp) -> list[Item]:
-    """The role-level items of an operation with the data abstract (every slot set meets)."""
-    items: list[Item] = []
-    for step in op.steps:
-        oc = step.when == "owner_change"
-        if op.hot and step.kind in BLOCKING_KINDS:
-            items.append(Item("p8", step.stream, owner_change=oc))
-        if step.kind == "report":
-            items.append(Item("report", ""))
-        elif step.kind == "host_sync":
-            items.append(Item("sync", step.stream, owner_change=oc))
-        elif step.kind in ("record_event", "wait_event"):
-            tag = "record" if step.kind == "record_event" else "wait"
-            items.append(Item(tag, step.stream, table.events.index(step.event), owner_change=oc))
-        else:
-            accesses = {
-                "plan": ((0, W_, None), (1, W_, None), (2, W_, None), (3, W_, None)),
-                "gather": ((2, R_, None), (SLOT0, W_, None)),
-                "consumer_read": ((1, R_, None), (SLOT0, R_, None)),
-                "free_slot": ((0, W_, None),),
-                "read_errors": ((3, R_, None),),
-                "reset_errors": ((3, W_, None),),
-            }[step.kind]
-            items.append(
-                Item("access", step.stream, accesses=accesses, owner_change=oc, kind=step.kind)
-            )
-    # A graph's body is the same accesses repeated: once covers every verdict of the summary
-    # (a repeated access on the same stream is ordered after the first).
-    return items
-
-
 def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
     """The ordering properties for any number of calls: one transition from an abstract state
     (the owner, whether a forward map is unread, the followed accesses), the template's
@@ -951,27 +923,22 @@ def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
             if op.guard == "forward_unread"
             else (True if op.guard == "always" else z3.Bool(f"ok{i}"))
         )
-        eqs.append(implies(conj(sel, neg(ok)), _abs_eq(post, pre)))
+        eqs.append(implies(conj(sel, neg(ok)), state_eq(post, pre)))
         unread = unread_after(op, pre.unread)
-        items = _abs_items(table, op)
+        # The data abstract: every slot set meets. A graph's body is the same accesses
+        # repeated: once covers every verdict of the summary (a repeated access on the same
+        # stream is ordered after the first).
+        items = [item for step in op.steps for item in step_items(table, op, step)]
         for c in range(consumers):
             for o in (NO_STREAM, *range(consumers)):
                 branch = conj(sel, ok, cur == c, pre.owner == o)
-                summary = Summary(
-                    pre.dev, n_streams, len(table.events), c, o, f"ind_{i}_{c}_{o}", []
-                )
+                name = f"ind_{i}_{c}_{o}"
+                summary = Summary(pre.dev, n_streams, len(table.events), c, o, name)
                 summary.run(items)
                 for (prop, _), vs in summary.found.items():
                     found.setdefault(prop, []).append(conj(branch, disj(*vs)))
-                owner = (
-                    c
-                    if op.set_owner == "current"
-                    or (op.set_owner == "current_if_none" and o == NO_STREAM)
-                    else o
-                )
-                eqs.append(
-                    implies(branch, _abs_eq(post, AbsState(owner, unread, tuple(summary.dev))))
-                )
+                after = AbsState(op.owner_after(o, c), unread, tuple(summary.dev))
+                eqs.append(implies(branch, state_eq(post, after)))
     base.add(z3_bool(conj(*eqs)))
     init = AbsState(NO_STREAM, False, initial_dev(n_places, 0))
     names = [f"s{i}" for i in range(consumers)] + ["capture"]
@@ -988,14 +955,6 @@ def prove(table: DeviceTable, bounds: Bounds) -> InductionResult:
     ops = (op_sel, [op.name for op in table.operations])
     states = (init, pre, post, consumers)
     return find_invariant(base, cands, states, bad, ORDERING, describe, ops, start)
-
-
-def _abs_eq(a: AbsState, b: AbsState) -> Bool:
-    parts: list[Bool] = [a.owner == b.owner, a.unread == b.unread]
-    for x, y in zip(a.dev, b.dev, strict=True):
-        parts.append(x.alive == y.alive)
-        parts += [p == q for p, q in zip(x.mask, y.mask, strict=True)]
-    return conj(*parts)
 
 
 # ---------------------------------------------------------------- the report

@@ -216,16 +216,20 @@ def transition(
                 found.setdefault(prop, []).append(conj(c, disj(*vs)))
     eqs: list[Bool] = []
     for cond, st in results:
-        eqs.append(implies(cond, _state_eq(post, st)))
+        eqs.append(implies(cond, state_eq(post, st)))
     return Transition(op_sel, conj(*constraints, *eqs), {p: disj(*vs) for p, vs in found.items()})
 
 
-def _state_eq(a: AbsState, b: AbsState) -> Bool:
+def state_eq(a: Any, b: Any) -> Bool:
+    """Two abstract states of either path are equal: the owner, the host flag the template
+    reads as `prepared`, and every followed kind's liveness, mask and (the host path's map
+    uploads) staging buffer."""
     parts: list[Bool] = [a.owner == b.owner, a.prepared == b.prepared]
     for x, y in zip(a.dev, b.dev, strict=True):
         parts.append(x.alive == y.alive)
         parts += [p == q for p, q in zip(x.mask, y.mask, strict=True)]
-        parts.append(x.buf == y.buf)
+        if hasattr(x, "buf"):
+            parts.append(x.buf == y.buf)
     return conj(*parts)
 
 

@@ -120,8 +120,8 @@ def initial_dev(layout: Layout, slots: int = 0) -> DevState:
     return tuple(Tracked(False, (False,) * layout.size, NO_SLOT, (False,) * slots) for _ in KINDS)
 
 
-def shares(a: tuple[Bool, ...], b: tuple[Bool, ...]) -> Bool:
-    """Two slot sets intersect (always, when the slots are abstract)."""
+def shares(a: tuple[Bool, ...], b: tuple[Bool, ...] | None) -> Bool:
+    """Two slot sets intersect (always, when the slots are abstract or not given)."""
     if not a or not b:
         return True
     return disj(*(conj(x, y) for x, y in zip(a, b, strict=True)))
@@ -439,8 +439,3 @@ def interpret(
             fresh_constraints.extend(fresh.constraints)
             out.append(Branch(conj(cur == c, owner == o), call))
     return out
-
-
-def holds_owner(t: Tracked, owner: Int, layout: Layout) -> Bool:
-    """The operation happens before the owner stream (False while there is no owner)."""
-    return disj(*(conj(owner == s, t.mask[s]) for s in range(layout.n_streams - 1)))
