@@ -96,6 +96,33 @@ def test_table_rejects_unknown_names(edit: dict[str, object], message: str) -> N
         parse_device_table(data)
 
 
+def _replay(data: dict[str, object]) -> dict[str, Any]:
+    device = data["device"]
+    assert isinstance(device, dict)
+    return next(op for op in device["operation"] if op["name"] == "replay")
+
+
+def test_replay_begins_with_the_handoff_it_runs() -> None:
+    """Only the provider's handoff() is generated and run before a replay: the table's replay
+    must begin with exactly its steps and owner rule, or the model checks what never runs."""
+    import copy
+
+    replay, handoff = TABLE.op("replay"), TABLE.op("handoff")
+    assert tuple(s for s in replay.steps if not s.graph) == handoff.steps
+    data = copy.deepcopy(_raw())
+    _replay(data)["steps"][1]["stream"] = "owner"  # the wait on the owner: not handoff's
+    with pytest.raises(TableError, match="replay: begins_with 'handoff': its steps before"):
+        parse_device_table(data)
+    data = copy.deepcopy(_raw())
+    _replay(data)["set_owner"] = "current_if_none"
+    with pytest.raises(TableError, match="set_owner 'current_if_none'"):
+        parse_device_table(data)
+    data = copy.deepcopy(_raw())
+    _replay(data)["begins_with"] = "device_read"
+    with pytest.raises(TableError, match="begins_with 'device_read' names no provider operation"):
+        parse_device_table(data)
+
+
 def test_step_describe_is_readable() -> None:
     step = DeviceStep("plan", "current", fn="plan_pass", graph=True)
     assert step.describe() == "plan on current fn=plan_pass (graph)"

@@ -369,9 +369,16 @@ def parse_device_table(data: dict[str, Any]) -> DeviceTable:
     section = data["device"]
     events = tuple(str(e) for e in section.get("events", []))
     ops: list[DeviceOp] = []
+    begins: dict[str, str] = {}
     for raw in section["operation"]:
         name = str(raw["name"])
-        step_fields(raw, {"name", "args", "guard", "steps", "set_owner", "provider", "hot"}, name)
+        step_fields(
+            raw,
+            {"name", "args", "guard", "steps", "set_owner", "provider", "hot", "begins_with"},
+            name,
+        )
+        if "begins_with" in raw:
+            begins[name] = str(raw["begins_with"])
         op = DeviceOp(
             name=name,
             args=tuple(str(a) for a in raw.get("args", [])),
@@ -383,12 +390,32 @@ def parse_device_table(data: dict[str, Any]) -> DeviceTable:
         )
         validate_device_operation(op)
         ops.append(op)
+    for name, first in begins.items():
+        _check_begins_with({op.name: op for op in ops}, name, first)
     return DeviceTable(
         consumer_streams=tuple(str(s) for s in section["consumer"]),
         capture_stream=str(section["capture"]),
         events=events,
         operations=tuple(ops),
     )
+
+
+def _check_begins_with(ops: dict[str, DeviceOp], name: str, first: str) -> None:
+    """`begins_with`: the operation starts with another provider operation's call (a replay
+    with the provider's handoff(), which the consumer calls first). Its steps before the
+    captured ones must be that operation's, and its owner rule the same: only the provider
+    operation's handoff is generated, so a difference would be checked here and not run."""
+    where = f"{name}: begins_with {first!r}"
+    if first not in ops or not ops[first].provider:
+        raise TableError(f"{where} names no provider operation")
+    op, called = ops[name], ops[first]
+    prefix = tuple(s for s in op.steps if not s.graph)
+    if prefix != called.steps or op.set_owner != called.set_owner:
+        raise TableError(
+            f"{where}: its steps before the captured ones and its set_owner must be {first}'s "
+            f"(they are {[s.describe() for s in prefix]}, set_owner {op.set_owner!r}; "
+            f"{first}: {[s.describe() for s in called.steps]}, set_owner {called.set_owner!r})"
+        )
 
 
 def load_device_table(path: Path = TABLE_PATH) -> DeviceTable:
