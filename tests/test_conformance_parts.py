@@ -5,6 +5,7 @@ different commits fail it)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -91,6 +92,51 @@ def test_an_unknown_part_is_refused_before_anything_is_written(tmp_path: Path) -
     assert run.returncode == 2
     assert "unknown part 'suite.typo'; known: suite.rest suite.machine" in run.stderr
     assert not logs.exists() and not (tmp_path / "a.tgz").exists()
+
+
+def _plan(gpus: str, *parts: str) -> dict[str, list[str]]:
+    env = {**os.environ, "ROWCACHE_GPUS": gpus}
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "--plan", *parts], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    lanes = {}
+    for line in out.splitlines():
+        label, _, rest = line.partition(": about ")
+        lanes[label] = rest.partition(" s:")[2].split()
+    return lanes
+
+
+def test_one_gpu_runs_every_part_in_order() -> None:
+    assert _plan("") == {"one GPU": list(_parts())}
+
+
+@pytest.mark.parametrize("gpus", ["0 1", "0 1 2 3", "3 5"])
+def test_gpus_share_the_parts_each_part_once(gpus: str) -> None:
+    """One lane a GPU; every part in exactly one lane, in the parts' order; the longest part
+    (the sanitized suite) alone on the first GPU."""
+    lanes = _plan(gpus)
+    assert list(lanes) == [f"GPU {g}" for g in gpus.split()]
+    dealt = [name for names in lanes.values() for name in names]
+    assert sorted(dealt) == sorted(_parts())
+    order = list(_parts())
+    for names in lanes.values():
+        assert names == sorted(names, key=order.index)
+    assert lanes[f"GPU {gpus.split()[0]}"][0] == "sanitizer.rest"
+    if len(gpus.split()) == 4:
+        assert lanes["GPU 0"] == ["sanitizer.rest"]
+
+
+def test_a_bad_gpu_index_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    env = {**os.environ, "ROWCACHE_GPUS": "0 one"}
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(logs), str(tmp_path / "a.tgz")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 2 and "ROWCACHE_GPUS: 'one' is not a GPU index" in run.stderr
+    assert not logs.exists()
 
 
 def _xml(cases: list[tuple[str, str, str]]) -> str:

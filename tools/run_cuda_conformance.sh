@@ -102,11 +102,16 @@ fi
 
 COMMIT=${ROWCACHE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 "$PY" - "$COMMIT" > "$LOGS/environment.txt" <<'PYEOF'
-import platform, subprocess, sys
+import os, platform, subprocess, sys
 import hypothesis, pytest, torch
+# The GPU the tests see: the first of CUDA_VISIBLE_DEVICES where it is set (nvidia-smi itself
+# lists every GPU of the machine).
+visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+only = ["-i", visible] if visible else []
 try:
     smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        ["nvidia-smi", *only, "--query-gpu=name,driver_version,memory.total",
+         "--format=csv,noheader"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
 except Exception:  # no nvidia-smi: fall back to torch

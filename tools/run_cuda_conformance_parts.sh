@@ -11,6 +11,7 @@
 #   tools/run_cuda_conformance_parts.sh LOG_DIR ARCHIVE.tar.gz [PART ...]   (on the GPU)
 #   tools/run_cuda_conformance_parts.sh --merge DEST ARCHIVE.tar.gz ...     (anywhere)
 #   tools/run_cuda_conformance_parts.sh --list
+#   tools/run_cuda_conformance_parts.sh --plan [PART ...]     (which parts each GPU would run)
 #
 # PART is one of --list's names (default: every part, in order). A call's exit status: the
 # summary's when it ran every part, else 0 only when every part it ran passed. --merge unpacks
@@ -18,13 +19,16 @@
 # earlier one: a part run again), copies every part's files into DEST/all and exits with the
 # summary's status.
 #
-# Environment: ROWCACHE_CALL_SECONDS (default 540) is the call's time from its start; the
-# rest as for tools/run_cuda_conformance.sh (ROWCACHE_COMMIT, PYTHON, the example counts).
+# Environment: ROWCACHE_CALL_SECONDS (default 540) is the call's time from its start;
+# ROWCACHE_GPUS (default: unset) the GPUs to spread the parts over, e.g. "0 1 2 3": one lane a
+# GPU (CUDA_VISIBLE_DEVICES), each running its parts one after another, the parts dealt out
+# longest first to the lane with the least work (the seconds in PARTS); the rest as for
+# tools/run_cuda_conformance.sh (ROWCACHE_COMMIT, PYTHON, the example counts).
 #
-# Parts run one at a time. Run at once they slow each other down far more than they gain: the
-# lockstep machines wait on the GPU after every step, and processes sharing a GPU take turns
-# on it. Measured on the H200 (2026-12-01, 21f3ea7, three lanes at once): the suite's lockstep
-# part ran 5 of its 8 cells in 525 s, where alone each cell takes 11 to 19 s.
+# On one GPU the parts run one at a time. Run at once they slow each other down far more than
+# they gain: the lockstep machines wait on the GPU after every step, and processes sharing a GPU
+# take turns on it. Measured on the H200 (2026-12-01, 21f3ea7, three lanes on one GPU): the
+# suite's lockstep part ran 5 of its 8 cells in 525 s, where alone each cell takes 11 to 19 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,22 +36,25 @@ MACHINE=test_conformance_machine_on_the_real_cuda_provider
 KILLS=test_cuda_machine_kills_gpu_mutant
 # The three mutants the CUDA machine takes longest to kill run in parts of their own.
 SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
-# step.part | -k expression
+# step.part | seconds (estimated: attempt D's times, each beside two other lanes on one GPU,
+# so upper bounds; they only deal the parts out to GPUs) | -k expression
 PARTS=(
-  "suite.rest|not $MACHINE"
-  "suite.machine|$MACHINE"
-  "sanitizer.machine|$MACHINE"
-  "sanitizer.rest|not $MACHINE"
-  "mutants.kills-slow|$KILLS and ($SLOW)"
-  "mutants.kills-host-sync|$KILLS and host_sync_on_owner"
-  "mutants.kills|$KILLS and not ($SLOW or host_sync_on_owner)"
-  "mutants.fixtures|not $KILLS"
+  "suite.rest|300|not $MACHINE"
+  "suite.machine|60|$MACHINE"
+  "sanitizer.machine|30|$MACHINE"
+  "sanitizer.rest|425|not $MACHINE"
+  "mutants.kills-slow|34|$KILLS and ($SLOW)"
+  "mutants.kills-host-sync|81|$KILLS and host_sync_on_owner"
+  "mutants.kills|262|$KILLS and not ($SLOW or host_sync_on_owner)"
+  "mutants.fixtures|100|not $KILLS"
 )
 NAMES=()
 for entry in "${PARTS[@]}"; do NAMES+=("${entry%%|*}"); done
+field() { local rest=${1#*|}; if [ "$2" = seconds ]; then echo "${rest%%|*}"; else echo "${rest#*|}"; fi; }
 
 usage() {
-  echo "usage: $0 LOG_DIR ARCHIVE.tar.gz [PART ...] | --merge DEST ARCHIVE.tar.gz ... | --list" >&2
+  echo "usage: $0 LOG_DIR ARCHIVE.tar.gz [PART ...] | --merge DEST ARCHIVE.tar.gz ... | --list |" \
+    "--plan [PART ...]" >&2
   exit 2
 }
 
@@ -64,7 +71,7 @@ summarize() {
 
 case ${1:-} in
   --list)
-    for entry in "${PARTS[@]}"; do echo "${entry%%|*}: -k \"${entry#*|}\""; done
+    for entry in "${PARTS[@]}"; do echo "${entry%%|*}: -k \"$(field "$entry" k)\""; done
     exit 0 ;;
   --merge)
     [ $# -ge 3 ] || usage
@@ -93,41 +100,99 @@ case ${1:-} in
     exit $? ;;
 esac
 
-[ $# -ge 2 ] || usage
-LOGS=$1
-ARCHIVE=$2
-shift 2
+PLAN_ONLY=0
+if [ "${1:-}" = --plan ]; then
+  PLAN_ONLY=1
+  shift
+else
+  [ $# -ge 2 ] || usage
+  LOGS=$1
+  ARCHIVE=$2
+  shift 2
+fi
 SELECTED=("$@")
 [ ${#SELECTED[@]} -gt 0 ] || SELECTED=("${NAMES[@]}")
 for name in "${SELECTED[@]}"; do
   [[ " ${NAMES[*]} " == *" $name "* ]] \
     || { echo "unknown part '$name'; known: ${NAMES[*]}" >&2; exit 2; }
 done
+read -r -a GPUS <<< "${ROWCACHE_GPUS:-}"
+for gpu in "${GPUS[@]}"; do
+  [[ $gpu =~ ^[0-9]+$ ]] || { echo "ROWCACHE_GPUS: '$gpu' is not a GPU index" >&2; exit 2; }
+done
+LANES=${#GPUS[@]}
+[ "$LANES" -gt 0 ] || LANES=1
+
+# The selected parts dealt out to the lanes: longest first, each to the lane with least work.
+declare -a LANE_PARTS LANE_WORK
+for ((i = 0; i < LANES; i++)); do LANE_PARTS[i]=""; LANE_WORK[i]=0; done
+while read -r _ name; do
+  least=0
+  for ((i = 1; i < LANES; i++)); do
+    [ "${LANE_WORK[i]}" -lt "${LANE_WORK[least]}" ] && least=$i
+  done
+  LANE_PARTS[least]+=" $name"
+  for entry in "${PARTS[@]}"; do
+    [ "${entry%%|*}" = "$name" ] && LANE_WORK[least]=$((LANE_WORK[least] + $(field "$entry" seconds)))
+  done
+done < <(for entry in "${PARTS[@]}"; do
+  name=${entry%%|*}
+  [[ " ${SELECTED[*]} " == *" $name "* ]] && echo "$(field "$entry" seconds) $name"
+done | sort -rn -s -k1,1)
+
+if [ "$PLAN_ONLY" = 1 ]; then  # each lane's parts in the order it runs them
+  for ((i = 0; i < LANES; i++)); do
+    label="one GPU"
+    [ ${#GPUS[@]} -eq 0 ] || label="GPU ${GPUS[i]}"
+    order=""
+    for entry in "${PARTS[@]}"; do
+      [[ " ${LANE_PARTS[i]} " == *" ${entry%%|*} "* ]] && order+=" ${entry%%|*}"
+    done
+    echo "$label: about ${LANE_WORK[i]} s:$order"
+  done
+  exit 0
+fi
 mkdir -p "$LOGS"
 LOGS=$(cd "$LOGS" && pwd)
 CALL_SECONDS=${ROWCACHE_CALL_SECONDS:-540}
 START=$SECONDS
 
-rc=0
-for entry in "${PARTS[@]}"; do
-  name=${entry%%|*}
-  expression=${entry#*|}
-  [[ " ${SELECTED[*]} " == *" $name "* ]] || continue
-  step=${name%%.*}
-  part=${name#*.}
-  folder="$LOGS/$step-$part"
-  left=$((CALL_SECONDS - (SECONDS - START)))
-  if [ "$left" -lt 30 ]; then
-    echo "== part $name: not started ($left s left in the call)" | tee "$folder.out"
-    rc=1
-    continue  # its files stay absent: the summary reports the step missing
+lane() {  # lane N: its parts in PARTS order, each limited by what is left of the call's time
+  local number=$1 entry name expression step part folder left rc=0 where=""
+  local visible=()
+  if [ ${#GPUS[@]} -gt 0 ]; then
+    visible=(env "CUDA_VISIBLE_DEVICES=${GPUS[number]}")
+    where=" on GPU ${GPUS[number]}"
   fi
-  echo "== part $name ($left s): -k \"$expression\""
-  ROWCACHE_STEPS=$step ROWCACHE_PART=$part ROWCACHE_PYTEST_K=$expression \
-    ROWCACHE_STEP_TIMEOUT=$left \
-    bash tools/run_cuda_conformance.sh "$folder" > "$folder.out" 2>&1 || rc=1
-  tail -n 3 "$folder.out"
+  for entry in "${PARTS[@]}"; do
+    name=${entry%%|*}
+    [[ " ${LANE_PARTS[number]} " == *" $name "* ]] || continue
+    expression=$(field "$entry" k)
+    step=${name%%.*}
+    part=${name#*.}
+    folder="$LOGS/$step-$part"
+    left=$((CALL_SECONDS - (SECONDS - START)))
+    if [ "$left" -lt 30 ]; then
+      echo "== part $name$where: not started ($left s left in the call)" | tee "$folder.out"
+      rc=1
+      continue  # its files stay absent: the summary reports the step missing
+    fi
+    echo "== part $name$where ($left s): -k \"$expression\""
+    "${visible[@]}" env ROWCACHE_STEPS="$step" ROWCACHE_PART="$part" \
+      ROWCACHE_PYTEST_K="$expression" ROWCACHE_STEP_TIMEOUT="$left" \
+      bash tools/run_cuda_conformance.sh "$folder" > "$folder.out" 2>&1 || rc=1
+    tail -n 3 "$folder.out"
+  done
+  return $rc
+}
+
+pids=()
+for ((i = 0; i < LANES; i++)); do
+  lane "$i" &
+  pids+=($!)
 done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
 
 if [ ${#SELECTED[@]} -eq ${#NAMES[@]} ]; then
   summarize "$LOGS"
