@@ -431,6 +431,46 @@ def _results() -> dict[str, Any]:
     return out
 
 
+def test_no_ratio_between_two_runs() -> None:
+    """Records of two runs (another machine, load and compilation) give no ratio; records of
+    one run, or of files from before run ids, do."""
+    results = _results()
+    uva = results["steps.plain.uva675.full"]
+    results["steps.plain.row32dev.full"]["run_id"] = "20261201T180000Z-aaaaaa"
+    uva["run_id"] = "20261202T090000Z-bbbbbb"
+    text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert (
+        "  b8 row32dev.full vs uva675.full: measured in two runs (20261201T180000Z-aaaaaa, "
+        "20261202T090000Z-bbbbbb): no ratio"
+    ) in text
+    assert "x uva675.full:" not in text
+    del uva["run_id"]
+    text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert "(20261201T180000Z-aaaaaa, unnamed): no ratio" in text
+    uva["run_id"] = "20261201T180000Z-aaaaaa"
+    text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert "  b8 row32dev.full >= 0.95 x uva675.full: 700 / 800 tok/s = 0.875 (MISSED)" in text
+
+
+def test_a_resumed_call_keeps_the_run_a_new_one_starts_another(tmp_path: Path) -> None:
+    first = orchestrate.run_identity(tmp_path, resume=False)
+    assert orchestrate.run_identity(tmp_path, resume=True) == first
+    assert orchestrate.run_identity(tmp_path, resume=False) != first
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert orchestrate.run_identity(fresh, resume=True) != first  # nothing to resume there
+
+
+def test_every_record_names_its_run(tmp_path: Path) -> None:
+    spec = engines.steps()[0]
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "logs" / f"{spec.name}.log").write_text("")
+    run = orchestrate.Run(tmp_path / "out", work, 600.0, False, lambda: True, run_id="r-1")
+    record = run.collect(spec, SimpleNamespace(returncode=0))  # type: ignore[arg-type]
+    assert record["run_id"] == "r-1" and record["ok"] is False  # no result: still named
+
+
 def test_report_table_and_targets() -> None:
     text = "\n".join(steps_report.report(_results()))
     assert "steps comparison, steps.plain" in text and "steps comparison, steps.skew" in text

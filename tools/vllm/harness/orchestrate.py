@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,9 @@ E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 """The command line every child process runs (``child``, ``register-probe``)."""
 RECORDS = "records.jsonl"
 """One JSON record per engine of a budgeted phase, one a line, in the order they ended."""
+RUN_ID = "run_id"
+"""WORK's file naming the run its records belong to: kept by ``--resume`` (one run over
+consecutive calls on one machine), new otherwise."""
 KILL_GRACE_S = 20.0
 """An engine still running this long after its deadline is stopped (it saved what it
 measured after every generation)."""
@@ -102,8 +106,11 @@ class Run:
         build_done: Callable[[], bool],
         only: tuple[str, ...] = (),
         done: Results | None = None,
+        run_id: str = "",
     ) -> None:
         self.out = out
+        self.run_id = run_id
+        """Written into every record: ratios are taken only between records of one run."""
         self.work = work
         self.logs = work / "logs"
         self.deadline = deadline
@@ -157,6 +164,7 @@ class Run:
         log = (self.logs / f"{spec.name}.log").read_text(errors="replace")
         res.update(log_facts(log))
         res["exit"] = proc.returncode
+        res["run_id"] = self.run_id
         if res.get("partial") and not res.get("error"):
             res["error"] = f"stopped before its measurements ended (exit {proc.returncode})"
         return res
@@ -256,6 +264,17 @@ class Run:
             for r in self.engines([spec]):
                 results[r["name"]] = r
         return results
+
+
+def run_identity(work: Path, resume: bool) -> str:
+    """The run's id: WORK's with ``--resume`` (the calls of one run on one machine), else a
+    new one (the time and a random suffix), written for the calls that resume it."""
+    path = work / RUN_ID
+    if resume and path.exists():
+        return path.read_text().strip()
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -363,6 +382,7 @@ def run(
     if not resume:
         (work / RECORDS).unlink(missing_ok=True)
     meta["resumed"] = sorted(done)
+    meta["run_id"] = run_id = run_identity(work, resume)
     try:
         import torch
 
@@ -382,7 +402,7 @@ def run(
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
-    runner = Run(out, work, deadline, profile, build.done, only, done)
+    runner = Run(out, work, deadline, profile, build.done, only, done, run_id)
     for phase in selected:
         specs = phase.engines(results)
         if build.needed_by([s.checkpoint for s in specs]) and not build.wait(

@@ -195,11 +195,21 @@ def _ratio(
     higher: bool,
     label: str = ROW,
 ) -> str | None:
-    """``label``'s ``measure`` against ``factor`` x ``other``'s: a target line."""
-    mine = speed(results.get(f"{prefix}.{label}", {}), measure)
-    theirs = speed(results.get(f"{prefix}.{other}", {}), measure)
+    """``label``'s ``measure`` against ``factor`` x ``other``'s: a target line; none where
+    either is not measured, and no ratio between records of two runs (``run_id``: the machine,
+    its load and vLLM's compilation differ from run to run; records without one are of runs
+    made before ids, each merged file one run)."""
+    mine_record = results.get(f"{prefix}.{label}", {})
+    their_record = results.get(f"{prefix}.{other}", {})
+    mine, theirs = speed(mine_record, measure), speed(their_record, measure)
     if mine is None or theirs is None or not theirs:
         return None
+    runs = (mine_record.get("run_id"), their_record.get("run_id"))
+    if runs[0] != runs[1]:
+        return (
+            f"  {measure} {label} vs {other}: measured in two runs ({runs[0] or 'unnamed'}, "
+            f"{runs[1] or 'unnamed'}): no ratio"
+        )
     ratio = mine / theirs
     met = ratio >= factor if higher else ratio <= factor
     sign = ">=" if higher else "<="
