@@ -234,3 +234,24 @@ def test_parts_of_different_commits_fail_the_merge(tmp_path: Path) -> None:
     merged = _merge(tmp_path, first, second)
     assert merged.returncode != 0
     assert "ran with commit" in merged.stdout
+
+
+def test_paths_are_the_callers_and_a_missing_archive_is_refused(tmp_path: Path) -> None:
+    """The script runs from the repository's root; relative paths are still the caller's."""
+    _call_archive(tmp_path, "one", NAMES)
+    merged = subprocess.run(
+        ["bash", str(SCRIPT), "--merge", "merged", "one.tgz"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    assert (tmp_path / "merged" / "all" / "summary.txt").exists()
+    missing = subprocess.run(
+        ["bash", str(SCRIPT), "--merge", "other", "one.tgz", "two.tgz"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "no archive two.tgz" in missing.stderr
+    assert not (tmp_path / "other").exists()

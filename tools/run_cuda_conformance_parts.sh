@@ -30,7 +30,10 @@
 # take turns on it. Measured on the H200 (2026-12-01, 21f3ea7, three lanes on one GPU): the
 # suite's lockstep part ran 5 of its 8 cells in 525 s, where alone each cell takes 11 to 19 s.
 set -uo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
+# A path as the caller meant it (this script runs from the repository's root).
+from_caller() { case $1 in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }
 
 MACHINE=test_conformance_machine_on_the_real_cuda_provider
 KILLS=test_cuda_machine_kills_gpu_mutant
@@ -75,8 +78,11 @@ case ${1:-} in
     exit 0 ;;
   --merge)
     [ $# -ge 3 ] || usage
-    DEST=$2
+    DEST=$(from_caller "$2")
     shift 2
+    for archive in "$@"; do
+      [ -f "$(from_caller "$archive")" ] || { echo "no archive $archive" >&2; exit 2; }
+    done
     mkdir -p "$DEST"
     DEST=$(cd "$DEST" && pwd)
     call=0
@@ -85,7 +91,8 @@ case ${1:-} in
       unpacked="$DEST/calls/$call"
       rm -rf "$unpacked"
       mkdir -p "$unpacked"
-      tar xzf "$archive" -C "$unpacked" || { echo "cannot unpack $archive" >&2; exit 2; }
+      tar xzf "$(from_caller "$archive")" -C "$unpacked" \
+        || { echo "cannot unpack $archive" >&2; exit 2; }
       # the archive holds one LOG_DIR; its part folders replace those of earlier calls
       for folder in "$unpacked"/*/*-*/; do
         [ -d "$folder" ] || continue
@@ -106,8 +113,8 @@ if [ "${1:-}" = --plan ]; then
   shift
 else
   [ $# -ge 2 ] || usage
-  LOGS=$1
-  ARCHIVE=$2
+  LOGS=$(from_caller "$1")
+  ARCHIVE=${2:+$(from_caller "$2")}
   shift 2
 fi
 SELECTED=("$@")
