@@ -71,8 +71,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rowcache.vllm.defaults import default_planner
-
 if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
@@ -121,6 +119,10 @@ def expected_planner(mode: str, planner: str | None) -> str:
     mode (the checkpoints here are unquantized; ``graphs``: vLLM's default full graphs)."""
     if planner is not None:
         return planner
+    # Here, not at the top: the script starts servers without importing rowcache, and run as
+    # a script it finds the checkout only once the path above is set.
+    from rowcache.vllm.defaults import default_planner
+
     return default_planner("eager" if mode == "eager" else "full")[0]
 
 
