@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from device_handoff_mutants import MUTANTS, handoffs_for, install_mutant, mutant_table
+from recording_streams import Entry, RecordingStreams
 from torch import Tensor
 
 from model_check.config import DEVICE_MUTANT_CHECKS
@@ -39,7 +40,6 @@ from model_check.table.schema import DeviceTable, load_device_table
 from rowcache.device_plan.kernels import Kernels
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.device_plan.state import DeviceCacheState
-from rowcache.device_plan.streams import Entry, RecordingStreams
 from rowcache.schedules import _device_generated
 
 TABLE = load_device_table()

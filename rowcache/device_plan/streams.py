@@ -7,23 +7,22 @@ through the functions ``python -m model_check.codegen`` writes
 record, a wait or "run on a stream" means is here, behind ``Streams``:
 
 * ``CudaStreams``: CUDA streams and events (``torch.cuda``); every record is a new event,
-  which the following wait of the same name waits for;
-* ``RecordingStreams``: no device at all; it logs every record and wait with its stream, and
-  keeps a current stream that ``on`` switches as ``torch.cuda.stream`` does, so a test can
-  compare what the provider enqueues where with the model's program of the same call.
+  which the following wait of the same name waits for.
+
+The tests put a recording double in its place (``tests/recording_streams.py``), which logs
+every record and wait with its stream.
 
 On the CPU the provider has no streams (``None``): it hands nothing over and keeps no owner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
 
 import torch
 
-__all__ = ["CudaStreams", "RecordingStreams", "Streams"]
+__all__ = ["CudaStreams", "Streams"]
 
 S = TypeVar("S")
 
@@ -67,46 +66,3 @@ class CudaStreams:
 
     def on(self, stream: torch.cuda.Stream) -> AbstractContextManager[None]:
         return torch.cuda.stream(stream)
-
-
-Entry = tuple[str, Hashable, str]
-"""``("record", stream, event)``, ``("wait", stream, event)``, or ``("op", stream, kind)`` for
-work a test notes (``RecordingStreams.note``) on the stream current at the time."""
-
-
-class RecordingStreams:
-    """Streams with no device: records and waits are logged, nothing runs (tests)."""
-
-    def __init__(self, current: Hashable = 0) -> None:
-        self.current: Hashable = current
-        self.capture = False  # what ``capturing`` answers (a test sets it)
-        self.log: list[Entry] = []
-
-    def current_stream(self) -> Hashable:
-        return self.current
-
-    def capturing(self) -> bool:
-        return self.capture
-
-    def record_event(self, stream: Hashable, event: str) -> None:
-        self.log.append(("record", stream, event))
-
-    def wait_event(self, stream: Hashable, event: str) -> None:
-        self.log.append(("wait", stream, event))
-
-    @contextmanager
-    def on(self, stream: Hashable) -> Iterator[None]:
-        before, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = before
-
-    def note(self, kind: str) -> None:
-        """Log work of ``kind`` on the current stream."""
-        self.log.append(("op", self.current, kind))
-
-    def take(self) -> list[Entry]:
-        """The entries logged since the last ``take``, clearing them."""
-        log, self.log = self.log, []
-        return log
