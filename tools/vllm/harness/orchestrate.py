@@ -204,19 +204,20 @@ class Run:
             results.append(self.collect(spec, proc))
         return results
 
+    def picked(self, specs: list[EngineSpec]) -> list[EngineSpec]:
+        """The engines of ``specs`` that ``--only`` names (all without it)."""
+        return [s for s in specs if _label(s) in self.only] if self.only else specs
+
     def to_run(self, specs: list[EngineSpec]) -> list[EngineSpec]:
         """The engines of ``specs`` this call would start: those ``--only`` names, less those
         an earlier call completed (``--resume``)."""
-        if self.only:
-            specs = [s for s in specs if _label(s) in self.only]
-        return [s for s in specs if s.name not in self.done]
+        return [s for s in self.picked(specs) if s.name not in self.done]
 
     def budgeted(self, specs: list[EngineSpec]) -> Results:
         """One engine at a time, each by its :func:`engine_deadline`; every record appended to
         WORK/records.jsonl and OUT/records.jsonl, and the logs packed, as soon as it ends."""
         results: Results = {}
-        if self.only:
-            specs = [s for s in specs if _label(s) in self.only]
+        specs = self.picked(specs)
         for i, spec in enumerate(specs):
             if spec.name in self.done:
                 results[spec.name] = self.done[spec.name]
