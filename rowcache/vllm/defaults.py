@@ -18,10 +18,10 @@ With the cache on and no ``moe_expert_cache_planner`` setting (nor
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
 It holds one record: in full graphs (vLLM's default ``FULL_AND_PIECEWISE``) the device planner's
 tokens were identical to no offload at batch 1, 8 and 32 and in the first token of 2,048-token
-prompts, with 32 slots for 128 experts, beside a second no-offload engine as the control (docs/VLLM.md, steps
-run 3). Piecewise graphs alone and eager mode have no such record yet; in eager mode the device
-planner was also slower than the host planner (50.5 to 55.7 against 66.3 tok/s at 32 slots,
-batch 1, 2026-12-01).
+prompts, with 32 slots for 128 experts, beside a second no-offload engine as the control
+(docs/VLLM.md, steps run 3). Piecewise graphs alone and eager mode have no such record yet;
+in eager mode the device planner was also slower than the host planner (50.5 to 55.7 against
+66.3 tok/s at 32 slots, batch 1, 2026-12-01).
 
 This module imports no vLLM.
 """
