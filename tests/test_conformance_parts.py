@@ -94,6 +94,24 @@ def test_an_unknown_part_is_refused_before_anything_is_written(tmp_path: Path) -
     assert not logs.exists() and not (tmp_path / "a.tgz").exists()
 
 
+def test_a_part_longer_than_the_time_left_is_not_started(tmp_path: Path) -> None:
+    """A part whose estimate exceeds what is left of the call waits for a later call rather
+    than being cut with its time lost; the call says so, fails, and still packs its archive."""
+    logs, archive = tmp_path / "logs", tmp_path / "a.tgz"
+    env = {**os.environ, "ROWCACHE_CALL_SECONDS": "200"}
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(logs), str(archive), "suite.rest", "sanitizer.rest"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 1
+    assert "== part suite.rest: not started (estimated 300 s, 200 s left in the call)" in run.stdout
+    assert "== part sanitizer.rest: not started (estimated 425 s," in run.stdout
+    assert sorted(p.name for p in logs.iterdir()) == ["sanitizer-rest.out", "suite-rest.out"]
+    assert archive.exists()
+
+
 def _plan(gpus: str, *parts: str) -> dict[str, list[str]]:
     env = {**os.environ, "ROWCACHE_GPUS": gpus}
     out = subprocess.run(

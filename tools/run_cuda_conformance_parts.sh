@@ -3,7 +3,8 @@
 # parts, for a machine that allows at most one 10-minute call: the suite at its default counts
 # alone outlasts that, and so does the whole run. Each part is one run of that script with
 # ROWCACHE_PART and a -k expression into its own folder. One call runs the parts it names one
-# after another, each limited by what is left of the call's time, and packs them into one
+# after another, each limited by what is left of the call's time (a part whose estimate exceeds
+# it is not started: it runs whole in a later call), and packs them into one
 # archive; the archives of all calls are merged and summarized anywhere (no GPU needed), and
 # the summary fails when a test of a step ran in no part, a part is missing or was cut, or the
 # parts ran at different commits, GPUs or torches.
@@ -165,7 +166,7 @@ CALL_SECONDS=${ROWCACHE_CALL_SECONDS:-540}
 START=$SECONDS
 
 lane() {  # lane N: its parts in PARTS order, each limited by what is left of the call's time
-  local number=$1 entry name expression step part folder left rc=0 where=""
+  local number=$1 entry name expression step part folder left estimate rc=0 where=""
   local visible=()
   if [ ${#GPUS[@]} -gt 0 ]; then
     visible=(env "CUDA_VISIBLE_DEVICES=${GPUS[number]}")
@@ -179,8 +180,12 @@ lane() {  # lane N: its parts in PARTS order, each limited by what is left of th
     part=${name#*.}
     folder="$LOGS/$step-$part"
     left=$((CALL_SECONDS - (SECONDS - START)))
-    if [ "$left" -lt 30 ]; then
-      echo "== part $name$where: not started ($left s left in the call)" | tee "$folder.out"
+    estimate=$(field "$entry" seconds)
+    # A part started with less time left than it takes is cut and its time lost; a part not
+    # started runs whole in a later call. The estimates are upper bounds (see PARTS).
+    if [ "$left" -lt 30 ] || [ "$estimate" -gt "$left" ]; then
+      echo "== part $name$where: not started (estimated $estimate s, $left s left in the call)" \
+        | tee "$folder.out"
       rc=1
       continue  # its files stay absent: the summary reports the step missing
     fi
