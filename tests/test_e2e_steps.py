@@ -7,6 +7,7 @@ summary's table and targets.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -356,9 +357,9 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     )
     results = run.phase(phase, phase.engines({}))
     assert [n for n, _ in given] == ["steps.plain.none.full", "steps.plain.uva675.full"]
-    # none.full leaves uva and prefetch their once (150 + 240 s), but keeps its own 90 s; uva
-    # then ends at 240 s, and prefetch does not start with 210 s left.
-    assert given[0][1] == 90.0
+    # none.full leaves uva and prefetch their once (150 + 370 s), but keeps its own 115 s; uva
+    # then ends at 265 s, and prefetch does not start with 185 s left.
+    assert given[0][1] == 115.0
     assert results["steps.plain.prefetch.full"]["error"].startswith("not run: time")
     lines = (out / orchestrate.RECORDS).read_text().splitlines()
     assert [json.loads(x)["name"] for x in lines] == [n for n, _ in given]
@@ -379,6 +380,33 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     names = [json.loads(x)["name"] for x in (out / orchestrate.RECORDS).read_text().splitlines()]
     assert names[:2] == ["steps.plain.none.full", "steps.plain.uva675.full"]
     assert len(names) == len(set(names))
+
+
+def test_a_record_the_deadline_cut_short_runs_again_on_resume() -> None:
+    """An engine whose start took its whole share measured nothing (steps run 4: none.full
+    and none.eager); one that ran out of time before b32 measured part: neither is complete,
+    and --resume starts both again. A measurement the workload never asks for is no cut."""
+    spec = next(s for s in phases.PHASES if s.name == "steps").engines({})[0]
+    whole = _fake_result(spec, [[1, 2]] * 32)
+    nothing = copy.deepcopy(whole)
+    for entry in nothing["steps"]["decode"].values():
+        entry["skipped"] = "deadline: no time left for its warm-up"
+    nothing["steps"]["ttft"]["skipped"] = "deadline: no time left"
+    part = copy.deepcopy(whole)
+    part["steps"]["decode"]["32"]["skipped"] = "deadline: a generation takes about 33.2 s"
+    part["steps"]["decode"]["8"]["repeats_cut"] = "deadline: a generation takes about 15 s"
+    by_design = copy.deepcopy(whole)
+    by_design["steps"]["ttft"]["skipped"] = "not measured (no prefill prompts in the workload)"
+    assert measure.cut_short(whole["steps"]) == [] == measure.cut_short(by_design["steps"])
+    assert len(measure.cut_short(nothing["steps"])) == 4
+    assert measure.cut_short(part["steps"]) == [
+        "b8: deadline: a generation takes about 15 s",
+        "b32: deadline: a generation takes about 33.2 s",
+    ]
+    for record in (nothing, part):
+        assert orchestrate.resumable([record]) == {}
+    # the later complete record of the same engine is the one kept
+    assert orchestrate.resumable([part, by_design]) == {spec.name: by_design}
 
 
 def test_log_facts() -> None:

@@ -243,22 +243,23 @@ PREFETCH_OFFLOAD = Offload(
 GiB resident and 1.125 GiB in flight, the 2.25 GiB of 32 slots per layer."""
 
 # Estimated seconds (start, then everything once / with every repeat), from the recorded runs
-# (docs/vllm, ../shared/DESIGN.md section 9): a compiled engine starts in 70 to 95 s, an eager
-# one in about 60 s (20 s of imports, 41 s to build: steps run 3's attempt at 21f3ea7, where
-# `none.eager` had 60 s and measured nothing); decode per step from the b1 and b8 figures, b32
-# copy-bound engines at about 125 (UVA) to 160 ms (32 slots, hit rate near 0) per step, the
-# prefetch offloader at about 165 ms per step at every batch size (7 x 1.125 GiB per step at
-# about 50 GB/s); `row32dev.eager` as measured there: b1 4.3 s, b8 16 s and b32 36 s a
-# generation.
+# (docs/vllm, ../shared/DESIGN.md section 9): a compiled engine starts in 70 to 105 s, an eager
+# one in 70 to 80 s (20 to 27 s of imports, 47 to 77 s to build: steps run 4 at 64905c3, where
+# `none.full` had 90 s, `none.eager` 85 s and both measured nothing, and `row32dev.eager` had
+# 150 s and ran no b32); decode per step from the b1 and b8 figures, b32 copy-bound engines at
+# about 125 (UVA) to 160 ms (32 slots, hit rate near 0) per step, the prefetch offloader at
+# about 155 ms per step at every batch size (7 x 1.125 GiB per step at about 50 GB/s; 39.4 s a
+# b1 generation in run 4); `row32dev.eager` as measured: b1 4 to 5.5 s, b8 15 s and b32 33 s a
+# generation, each batch size warmed up by one generation first.
 _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     # label: ((plain once, plain full), (skewed once, skewed full))
-    "none.full": ((90, 100), (90, 100)),
-    "none2.full": ((90, 100), (90, 100)),
+    "none.full": ((115, 125), (115, 125)),
+    "none2.full": ((115, 125), (115, 125)),
     "uva675.full": ((150, 250), (150, 250)),
-    "prefetch.full": ((240, 500), (240, 500)),
+    "prefetch.full": ((370, 610), (370, 610)),
     "row32dev.full": ((160, 280), (120, 180)),
-    "none.eager": ((85, 110), (85, 110)),
-    "row32dev.eager": ((150, 260), (110, 180)),
+    "none.eager": ((100, 125), (100, 125)),
+    "row32dev.eager": ((200, 300), (140, 200)),
 }
 
 

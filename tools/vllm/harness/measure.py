@@ -250,6 +250,19 @@ class Measurement:
         self._event(f"ttft: {len(entry['ms_runs'])} prompts")
 
 
+def cut_short(record: Record) -> list[str]:
+    """What the deadline left unmeasured in a workload's record ("b8: ...", "ttft: ..."):
+    a record with any is not complete, and ``run --resume`` runs its engine again."""
+    entries = [(f"b{b}", e) for b, e in record.get("decode", {}).items()]
+    entries.append(("ttft", record.get("ttft", {})))
+    return [
+        f"{label}: {why}"
+        for label, entry in entries
+        for why in (entry.get("skipped"), entry.get("repeats_cut"))
+        if isinstance(why, str) and why.startswith("deadline")
+    ]
+
+
 def run_workload(
     workload: Workload,
     generate: Generate,

@@ -24,6 +24,7 @@ from typing import Any
 
 from tools.vllm.harness import checkpoints, phases
 from tools.vllm.harness.child import JOB_SUFFIX, RESULT_SUFFIX
+from tools.vllm.harness.measure import cut_short
 from tools.vllm.harness.phases import Results
 from tools.vllm.harness.specs import Checkpoint, EngineSpec, Job
 from tools.vllm.harness.summary import summarize
@@ -64,10 +65,13 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def resumable(records: list[dict[str, Any]]) -> Results:
     """The engines that ended complete in earlier calls (``run --resume`` does not run them
-    again), by name: the last complete record of each."""
+    again), by name: the last complete record of each. A record the deadline cut short (a
+    batch size or the TTFT not measured, or fewer repeats) is not complete: its engine runs
+    again."""
     done: Results = {}
     for record in records:
-        if record.get("ok") and not record.get("partial"):
+        complete = not record.get("partial") and not cut_short(record.get("steps") or {})
+        if record.get("ok") and complete:
             done[record["name"]] = record
     return done
 
