@@ -37,13 +37,19 @@ cd "$(dirname "$0")/.."
 from_caller() { case $1 in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }
 
 MACHINE=test_conformance_machine_on_the_real_cuda_provider
+LOCKSTEP=test_device_planner_in_lockstep_inside_graphs
 KILLS=test_cuda_machine_kills_gpu_mutant
 # The three mutants the CUDA machine takes longest to kill run in parts of their own.
 SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
-# step.part | seconds (estimated: attempt D's times, each beside two other lanes on one GPU,
-# so upper bounds; they only deal the parts out to GPUs) | -k expression
+# step.part | seconds (estimated, upper bounds; they decide which parts a call starts and deal
+# the parts out to GPUs) | -k expression. The suite's lockstep cells from the 64905c3 call on
+# one H200 (seven of its eight cells in 540 s, in the proportions of the sanitized cells of
+# attempt D: about 42 s a bf16 cell, 54 bf16_scaled, 95 fp8_block, 125 nvfp4); the others from
+# attempt D's times, each beside two other lanes on one GPU.
 PARTS=(
-  "suite.rest|300|not $MACHINE"
+  "suite.rest|90|not $MACHINE and not $LOCKSTEP"
+  "suite.lockstep|400|$LOCKSTEP and not nvfp4"
+  "suite.lockstep-nvfp4|270|$LOCKSTEP and nvfp4"
   "suite.machine|60|$MACHINE"
   "sanitizer.machine|30|$MACHINE"
   "sanitizer.rest|425|not $MACHINE"
