@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -59,6 +60,23 @@ SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
 GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block")
 RACE_RUNS = [f"run{n}" for n in range(1, int(os.environ.get("ROWCACHE_RACE_RUNS", "5")) + 1)]
+
+
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """Cyclic garbage collection held off while a capture or a race fixture runs: collecting
+    an earlier example's pinned buffers frees them, which queries their events, and a capture
+    forbids that (it invalidated a capture once). Nothing is collected before: a full
+    collection per capture is what torch's own ``torch.cuda.graph`` stopped doing by default
+    (``torch.compiler.config.force_cudagraph_gc``) because of its cost with many captures in a
+    row, and an example here captures one graph per step size it meets."""
+    was_enabled = gc.isenabled()  # nested uses leave it held off until the outermost ends
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
@@ -190,20 +208,12 @@ class Harness:
         maps = [torch.empty(E, dtype=torch.int32, device="cuda") for _ in range(total)]
         snaps = [[torch.empty_like(t) for t in slot_buffers(self.gpu)] for _ in range(total)]
         graph = torch.cuda.CUDAGraph()
-        # No garbage collection inside the capture: freeing an earlier example's pinned buffers
-        # queries their events, which a capture forbids (torch.cuda.graph collects before it
-        # begins, not during).
-        gc.collect()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph):
-                for index in range(total):
-                    result = self.gpu.prepare(ids, pass_index=index, passes=total)
-                    maps[index].copy_(result.expert_map)
-                    for snap, buf in zip(snaps[index], slot_buffers(self.gpu), strict=True):
-                        snap.copy_(buf)
-        finally:
-            gc.enable()
+        with no_collection(), torch.cuda.graph(graph):
+            for index in range(total):
+                result = self.gpu.prepare(ids, pass_index=index, passes=total)
+                maps[index].copy_(result.expert_map)
+                for snap, buf in zip(snaps[index], slot_buffers(self.gpu), strict=True):
+                    snap.copy_(buf)
         staged = torch.zeros(rows, K, dtype=torch.int32, pin_memory=True)
         return Captured(graph, ids, total, maps, snaps, staged)
 
@@ -412,8 +422,7 @@ def _race(handoff_mutant: str | None) -> Observation:
     canary = Canary()
     replay_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize()
-    gc.disable()  # no finalizer runs between the two streams' commands
-    try:
+    with no_collection():  # no finalizer runs between the two streams' commands
         with torch.cuda.stream(h.streams[0]):
             hold.launch()
             for snap, buf in zip(seen, slot_buffers(h.gpu), strict=True):
@@ -423,8 +432,6 @@ def _race(handoff_mutant: str | None) -> Observation:
         issued = h.issue(RACE_ROWS, stream=1, replay=True)  # the call under test
         replay_done.record(h.streams[1])
         raced, control = hold.hold_then_release(replay_done.query, canary.ran)
-    finally:
-        gc.enable()
     torch.cuda.synchronize()
     spin = hold.result()
     reads, maps = h.check(issued)
@@ -481,8 +488,7 @@ def _invalidate_during_replay(handoff_mutant: str | None) -> Observation:
         return now is not None and now[counter] != before[counter]
 
     torch.cuda.synchronize()
-    gc.disable()
-    try:
+    with no_collection():
         with torch.cuda.stream(owner):
             hold.launch()
             captured.ids.copy_(captured.staged, non_blocking=True)
@@ -492,8 +498,6 @@ def _invalidate_during_replay(handoff_mutant: str | None) -> Observation:
             canary.launch()
             h.gpu.invalidate(INVALIDATED)
         raced, control = hold.hold_then_release(invalidated, canary.ran)
-    finally:
-        gc.enable()
     torch.cuda.synchronize()
     spin = hold.result()
     reads, maps = h.check(Issued(REPLAY_ROWS, captured.passes, captured.maps, captured.slots))
@@ -650,14 +654,9 @@ def _error_step(p: DevicePlannedProvider, mode: str, seeded: str | None) -> erro
     for shape, passes in errors.SHAPES.items():
         ids = torch.zeros(shape, dtype=torch.int32, device="cuda")
         graph = torch.cuda.CUDAGraph()
-        gc.collect()
-        gc.disable()  # see Harness._capture
-        try:
-            with torch.cuda.graph(graph):
-                for index in range(passes):
-                    p.prepare(ids, pass_index=index, passes=passes)
-        finally:
-            gc.enable()
+        with no_collection(), torch.cuda.graph(graph):
+            for index in range(passes):
+                p.prepare(ids, pass_index=index, passes=passes)
         graphs[shape] = (graph, ids, passes)
 
     def step(rows: list[list[int]], passes: int) -> None:
