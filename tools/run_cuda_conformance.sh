@@ -18,6 +18,9 @@
 #                                when they are missing (else pip installs them from the index)
 #   ROWCACHE_CUDA_EXAMPLES       hypothesis examples of the CUDA machine (default 200)
 #   ROWCACHE_SANITIZER_EXAMPLES  the same, in the sanitizer pass (default 50)
+#   ROWCACHE_LOCKSTEP_EXAMPLES   examples in each cell of the device planner's lockstep in the
+#                                suite (default: a share of ROWCACHE_CUDA_EXAMPLES, 33 to 66 a
+#                                cell; the sanitizer pass always takes its share)
 #   ROWCACHE_STEP_TIMEOUT        seconds allowed for each of the three pytest runs (default 900)
 #   ROWCACHE_COMMIT              the commit to report (default: git rev-parse HEAD)
 #   ROWCACHE_PYTEST_ARGS         more pytest arguments for every step (e.g. -k to split a step)
@@ -137,7 +140,7 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   shift
   local select=()
   if [ -n "${ROWCACHE_PYTEST_K:-}" ]; then select=(-k "$ROWCACHE_PYTEST_K"); fi
-  echo "== $stem: pytest tests/cuda $* ${select[*]} ${ROWCACHE_PYTEST_ARGS:-}"
+  echo "== $stem: ${assignments[*]} pytest tests/cuda $* ${select[*]} ${ROWCACHE_PYTEST_ARGS:-}"
   if [ -n "$PART" ]; then  # the whole step's tests, for the summary's check of the parts
     "$PY" -m pytest tests/cuda -p no:cacheprovider -q --collect-only "$@" 2>/dev/null \
       | grep '::' > "$LOGS/$name.collected"
@@ -161,9 +164,10 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
 STEPS_RC=0
 for name in "${PYTEST_STEPS[@]}"; do
   case $name in
-    suite) step suite "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m "not gpu_mutant" ;;
+    suite) step suite "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" \
+      "ROWCACHE_LOCKSTEP_EXAMPLES=${ROWCACHE_LOCKSTEP_EXAMPLES:-}" -- -m "not gpu_mutant" ;;
     mutants) step mutants "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m gpu_mutant ;;
-    sanitizer) step sanitizer TORCH_CUDA_SANITIZER=1 \
+    sanitizer) step sanitizer TORCH_CUDA_SANITIZER=1 ROWCACHE_LOCKSTEP_EXAMPLES= \
       "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_SANITIZER_EXAMPLES:-50}" -- -m "not gpu_mutant and not csan_subprocess" ;;
   esac
 done

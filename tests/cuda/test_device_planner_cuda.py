@@ -24,8 +24,10 @@ mutated table (``tests/device_handoff_mutants.py``); each must be detected. The 
 counts (bad ids once per step, overflow once per step, the first bad id named) are checked on
 the fused planner, eagerly and replayed from graphs (``tests/test_device_errors.py``).
 
-``ROWCACHE_CUDA_EXAMPLES`` sets the number of examples (default 200); ``ROWCACHE_RACE_RUNS``
-the number of runs of every race test (default 5: each must decide as required every time).
+``ROWCACHE_CUDA_EXAMPLES`` sets the number of examples (default 200), shared out over the
+lockstep's cells unless ``ROWCACHE_LOCKSTEP_EXAMPLES`` gives each cell its own;
+``ROWCACHE_RACE_RUNS`` the number of runs of every race test (default 5: each must decide as
+required every time).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ pytestmark = pytest.mark.cuda
 E, C, K = 8, 3, 2
 SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
+# Examples in every lockstep cell; unset or empty: the cell's share of EXAMPLES.
+PER_CELL = int(os.environ.get("ROWCACHE_LOCKSTEP_EXAMPLES") or 0)
 GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block")
 RACE_RUNS = [f"run{n}" for n in range(1, int(os.environ.get("ROWCACHE_RACE_RUNS", "5")) + 1)]
 
@@ -344,11 +348,10 @@ def run_machine(geometry: str, layout: Layout, examples: int, mutant: int = 0) -
 @pytest.mark.parametrize("layout", ["separate", "packed"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_device_planner_in_lockstep_inside_graphs(geometry: str, layout: Layout) -> None:
-    # EXAMPLES x 4/3 in all by default (NVFP4, six tensors, a third of them per layout, the
-    # three others a sixth), over the eight geometry x layout cells.
-    run_machine(
-        geometry, layout, max(1, EXAMPLES // 3) if geometry == "nvfp4" else max(1, EXAMPLES // 6)
-    )
+    # PER_CELL each, else EXAMPLES x 4/3 in all (NVFP4, six tensors, a third of them per layout,
+    # the three others a sixth), over the eight geometry x layout cells.
+    share = max(1, EXAMPLES // 3) if geometry == "nvfp4" else max(1, EXAMPLES // 6)
+    run_machine(geometry, layout, PER_CELL or share)
 
 
 def _kernel_copy(dst: Tensor, src: Tensor) -> None:
