@@ -27,6 +27,7 @@ from model_check.table.reference import (
     Counters,
     HostState,
     _plan_prepare,
+    expert_outside,
     plan_invalidate,
 )
 
@@ -341,10 +342,7 @@ def valid_pass(args: Args, unread: bool, bounds: Bounds) -> str | None:
 
 
 def valid_invalidate(args: Args, unread: bool, bounds: Bounds) -> str | None:
-    e = args[0]
-    if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
-        return f"expert id {e} outside [0, {bounds.num_experts})"
-    return None
+    return expert_outside(args[0], bounds)
 
 
 def forward_unread(args: Args, unread: bool, bounds: Bounds) -> str | None:

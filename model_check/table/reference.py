@@ -80,12 +80,20 @@ PreGuard = Callable[[HostState, Bounds, Args], HostState]
 # ---------------------------------------------------------------- guards
 
 
+def expert_outside(e: object, bounds: Bounds) -> str | None:
+    """Why ``e`` is not an expert id (the words the runtime's checks use), or None."""
+    if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
+        return f"expert id {e} outside [0, {bounds.num_experts})"
+    return None
+
+
 def valid_prepare(host: HostState, bounds: Bounds, args: Args) -> str | None:
     ids = args[0]
     assert isinstance(ids, tuple)
     for e in ids:
-        if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
-            return f"expert id {e} out of range [0, {bounds.num_experts})"
+        why = expert_outside(e, bounds)
+        if why:
+            return why
     if len(set(ids)) != len(ids):
         dup = next(e for e in ids if ids.count(e) > 1)
         return f"expert id {dup} given twice"
@@ -95,10 +103,7 @@ def valid_prepare(host: HostState, bounds: Bounds, args: Args) -> str | None:
 
 
 def valid_invalidate(host: HostState, bounds: Bounds, args: Args) -> str | None:
-    e = args[0]
-    if not isinstance(e, int) or not 0 <= e < bounds.num_experts:
-        return f"expert id {e} out of range [0, {bounds.num_experts})"
-    return None
+    return expert_outside(args[0], bounds)
 
 
 def has_forward(host: HostState, bounds: Bounds, args: Args) -> str | None:
