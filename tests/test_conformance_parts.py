@@ -90,7 +90,7 @@ def test_an_unknown_part_is_refused_before_anything_is_written(tmp_path: Path) -
         text=True,
     )
     assert run.returncode == 2
-    known = "known: suite.rest suite.lockstep suite.lockstep-nvfp4"
+    known = "known: suite.rest suite.lockstep-bf16 suite.lockstep-bf16_scaled"
     assert f"unknown part 'suite.typo'; {known}" in run.stderr
     assert not logs.exists() and not (tmp_path / "a.tgz").exists()
 
@@ -101,29 +101,36 @@ def test_a_part_longer_than_the_time_left_is_not_started(tmp_path: Path) -> None
     logs, archive = tmp_path / "logs", tmp_path / "a.tgz"
     env = {**os.environ, "ROWCACHE_CALL_SECONDS": "200"}
     run = subprocess.run(
-        ["bash", str(SCRIPT), str(logs), str(archive), "suite.lockstep", "sanitizer.rest"],
+        ["bash", str(SCRIPT), str(logs), str(archive), "suite.lockstep-nvfp4", "sanitizer.rest"],
         capture_output=True,
         text=True,
         env=env,
     )
     assert run.returncode == 1
-    said = "== part suite.lockstep: not started (estimated 400 s, 200 s left in the call)"
+    said = "== part suite.lockstep-nvfp4: not started (estimated 270 s, 200 s left in the call)"
     assert said in run.stdout
     assert "== part sanitizer.rest: not started (estimated 425 s," in run.stdout
-    assert sorted(p.name for p in logs.iterdir()) == ["sanitizer-rest.out", "suite-lockstep.out"]
+    made = sorted(p.name for p in logs.iterdir())
+    assert made == ["sanitizer-rest.out", "suite-lockstep-nvfp4.out"]
     assert archive.exists()
 
 
-def _plan(gpus: str, *parts: str) -> dict[str, list[str]]:
-    env = {**os.environ, "ROWCACHE_GPUS": gpus}
+def _plan_seconds(gpus: str, *parts: str, estimates: str = "") -> dict[str, tuple[int, list[str]]]:
+    """Each lane's estimated seconds and parts, as --plan prints them."""
+    env = {**os.environ, "ROWCACHE_GPUS": gpus, "ROWCACHE_PART_ESTIMATES": estimates}
     out = subprocess.run(
         ["bash", str(SCRIPT), "--plan", *parts], capture_output=True, text=True, check=True, env=env
     ).stdout
     lanes = {}
     for line in out.splitlines():
         label, _, rest = line.partition(": about ")
-        lanes[label] = rest.partition(" s:")[2].split()
+        seconds, _, names = rest.partition(" s:")
+        lanes[label] = (int(seconds), names.split())
     return lanes
+
+
+def _plan(gpus: str, *parts: str) -> dict[str, list[str]]:
+    return {label: names for label, (_, names) in _plan_seconds(gpus, *parts).items()}
 
 
 def test_one_gpu_runs_every_part_in_order() -> None:
@@ -133,7 +140,7 @@ def test_one_gpu_runs_every_part_in_order() -> None:
 @pytest.mark.parametrize("gpus", ["0 1", "0 1 2 3", "3 5"])
 def test_gpus_share_the_parts_each_part_once(gpus: str) -> None:
     """One lane a GPU; every part in exactly one lane, in the parts' order; the longest part
-    (the sanitized suite) alone on the first GPU."""
+    (the sanitized suite) on the first GPU; on four GPUs every lane fits one call's 540 s."""
     lanes = _plan(gpus)
     assert list(lanes) == [f"GPU {g}" for g in gpus.split()]
     dealt = [name for names in lanes.values() for name in names]
@@ -143,7 +150,42 @@ def test_gpus_share_the_parts_each_part_once(gpus: str) -> None:
         assert names == sorted(names, key=order.index)
     assert "sanitizer.rest" in lanes[f"GPU {gpus.split()[0]}"]
     if len(gpus.split()) == 4:
-        assert lanes["GPU 0"] == ["sanitizer.rest"]
+        assert all(seconds <= 540 for seconds, _ in _plan_seconds(gpus).values())
+
+
+def test_estimates_measured_since_replace_the_scripts() -> None:
+    """ROWCACHE_PART_ESTIMATES: what a call starts and how the lanes are dealt follow it."""
+    [(seconds, names)] = _plan_seconds("", "suite.rest", "suite.lockstep-nvfp4").values()
+    assert (seconds, names) == (90 + 270, ["suite.rest", "suite.lockstep-nvfp4"])
+    given = "suite.rest=10,suite.lockstep-nvfp4=500"
+    [(seconds, _)] = _plan_seconds(
+        "", "suite.rest", "suite.lockstep-nvfp4", estimates=given
+    ).values()
+    assert seconds == 510
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("suite.typo=10", "ROWCACHE_PART_ESTIMATES: unknown part in 'suite.typo=10'; known:"),
+        ("suite.rest", "ROWCACHE_PART_ESTIMATES: unknown part in 'suite.rest'; known:"),
+        ("suite.rest=ten", "ROWCACHE_PART_ESTIMATES: 'ten' is not whole seconds"),
+    ],
+)
+def test_bad_estimates_are_refused_before_anything_is_written(
+    tmp_path: Path, given: str, said: str
+) -> None:
+    logs = tmp_path / "logs"
+    env = {**os.environ, "ROWCACHE_PART_ESTIMATES": given}
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(logs), str(tmp_path / "a.tgz"), "suite.rest"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 2
+    assert said in run.stderr
+    assert not logs.exists() and not (tmp_path / "a.tgz").exists()
 
 
 def test_a_bad_gpu_index_is_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@
 # summary's status.
 #
 # Environment: ROWCACHE_CALL_SECONDS (default 540) is the call's time from its start;
+# ROWCACHE_PART_ESTIMATES (e.g. "suite.lockstep-nvfp4=300,suite.rest=60") replaces the
+# estimates of the parts it names;
 # ROWCACHE_GPUS (default: unset) the GPUs to spread the parts over, e.g. "0 1 2 3": one lane a
 # GPU (CUDA_VISIBLE_DEVICES), each running its parts one after another, the parts dealt out
 # longest first to the lane with the least work (the seconds in PARTS); the rest as for
@@ -48,7 +50,9 @@ SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
 # attempt D's times, each beside two other lanes on one GPU.
 PARTS=(
   "suite.rest|90|not $MACHINE and not $LOCKSTEP"
-  "suite.lockstep|400|$LOCKSTEP and not nvfp4"
+  "suite.lockstep-bf16|100|$LOCKSTEP and bf16 and not bf16_scaled"
+  "suite.lockstep-bf16_scaled|120|$LOCKSTEP and bf16_scaled"
+  "suite.lockstep-fp8_block|200|$LOCKSTEP and fp8_block"
   "suite.lockstep-nvfp4|270|$LOCKSTEP and nvfp4"
   "suite.machine|60|$MACHINE"
   "sanitizer.machine|30|$MACHINE"
@@ -129,6 +133,21 @@ SELECTED=("$@")
 for name in "${SELECTED[@]}"; do
   [[ " ${NAMES[*]} " == *" $name "* ]] \
     || { echo "unknown part '$name'; known: ${NAMES[*]}" >&2; exit 2; }
+done
+# ROWCACHE_PART_ESTIMATES="name=seconds,...": estimates measured since (a part's examples
+# changed, e.g. ROWCACHE_LOCKSTEP_EXAMPLES), in place of those in PARTS.
+for given in ${ROWCACHE_PART_ESTIMATES:+${ROWCACHE_PART_ESTIMATES//,/ }}; do
+  name=${given%%=*}
+  seconds=${given#*=}
+  [[ " ${NAMES[*]} " == *" $name "* && $given == *=* ]] \
+    || { echo "ROWCACHE_PART_ESTIMATES: unknown part in '$given'; known: ${NAMES[*]}" >&2; exit 2; }
+  [[ $seconds =~ ^[0-9]+$ ]] \
+    || { echo "ROWCACHE_PART_ESTIMATES: '$seconds' is not whole seconds (in '$given')" >&2; exit 2; }
+  for i in "${!PARTS[@]}"; do
+    if [ "${PARTS[i]%%|*}" = "$name" ]; then
+      PARTS[i]="$name|$seconds|$(field "${PARTS[i]}" k)"
+    fi
+  done
 done
 read -r -a GPUS <<< "${ROWCACHE_GPUS:-}"
 for gpu in "${GPUS[@]}"; do
