@@ -390,8 +390,9 @@ def parse_device_table(data: dict[str, Any]) -> DeviceTable:
         )
         validate_device_operation(op)
         ops.append(op)
+    by_name = {op.name: op for op in ops}
     for name, first in begins.items():
-        _check_begins_with({op.name: op for op in ops}, name, first)
+        _check_begins_with(by_name, name, first)
     return DeviceTable(
         consumer_streams=tuple(str(s) for s in section["consumer"]),
         capture_stream=str(section["capture"]),

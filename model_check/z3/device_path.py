@@ -196,17 +196,16 @@ class Item(NamedTuple):
     kind: str = ""
 
 
-Accesses = tuple[tuple[int, int, tuple[Bool, ...] | None], ...]
-
-# The accesses of each kind of step: (resource, mode, the slots it touches). The slots of a
-# gather or a read come from the data in the bounded check; None means every slot set meets.
-ACCESSES: dict[str, Accesses] = {
-    "plan": ((0, W_, None), (1, W_, None), (2, W_, None), (3, W_, None)),
-    "gather": ((2, R_, None), (SLOT0, W_, None)),
-    "consumer_read": ((1, R_, None), (SLOT0, R_, None)),
-    "free_slot": ((0, W_, None),),
-    "read_errors": ((3, R_, None),),
-    "reset_errors": ((3, W_, None),),
+# The accesses of each kind of step: (resource, mode). The slots a gather or a read touches
+# (SLOT0) come from the data in the bounded check (`step_items`' slots; None: every slot set
+# meets).
+ACCESSES: dict[str, tuple[tuple[int, int], ...]] = {
+    "plan": ((0, W_), (1, W_), (2, W_), (3, W_)),
+    "gather": ((2, R_), (SLOT0, W_)),
+    "consumer_read": ((1, R_), (SLOT0, R_)),
+    "free_slot": ((0, W_),),
+    "read_errors": ((3, R_),),
+    "reset_errors": ((3, W_),),
 }
 
 
@@ -232,7 +231,7 @@ def step_items(
         e = table.events.index(step.event)
         items.append(Item(tag, step.stream, e, cond=cond, owner_change=oc))
     else:
-        accesses = tuple((r, m, slots if r == SLOT0 else None) for r, m, _ in ACCESSES[kind])
+        accesses = tuple((r, m, slots if r == SLOT0 else None) for r, m in ACCESSES[kind])
         items.append(
             Item("access", step.stream, accesses=accesses, cond=cond, owner_change=oc, kind=kind)
         )
