@@ -209,6 +209,24 @@ SEAMS: tuple[TorchSeam, ...] = (
         (_ORACLE,),
     ),
     TorchSeam(
+        "torch.cuda._gpu_trace",
+        "DeviceSynchronizationCallbacks.callback_list",
+        "importing the sanitizer module registers its handler in each of this module's "
+        "callback registries for the life of the process (enabled or not), and the handler's "
+        "cost grows with every event, stream and synchronization it sees; the oracle takes "
+        "those callbacks back off when the sanitizer is not enabled",
+        "the oracle cannot be imported (tests fail); were the registries renamed instead, "
+        "every GPU test after the oracle's import runs at the sanitizer's cost again",
+        (_ORACLE,),
+    ),
+    TorchSeam(
+        "torch._utils",
+        "CallbackRegistry",
+        "the type of the GPU trace's registries, to find them in the module",
+        "the oracle cannot be imported: its tests fail; the provider is unaffected",
+        (_ORACLE,),
+    ),
+    TorchSeam(
         "torch.cuda",
         "_sleep(cycles)",
         "GPU tests keep a reader kernel running while provider calls are issued (the race "

@@ -21,6 +21,20 @@ stream ids; slots and maps are synthetic data pointers. The sanitizer reports ev
 conflicting accesses (write/write or read/write of one pointer) that no chain of event
 records and waits orders, whatever the device timing, so a clean replay means the trace's
 events order every conflicting access.
+
+**Importing the sanitizer module costs every later GPU operation of the process.** Importing
+``torch.cuda._sanitizer`` builds its ``cuda_sanitizer``, whose constructor switches on
+PyTorch's GPU trace and registers its event handler for every event, stream, allocation and
+synchronization of the process, for the life of the process, whether the sanitizer is ever
+enabled or not; that handler's bookkeeping grows with everything it has seen. In a pytest run of
+``tests/cuda`` (whose collection imports this module) the device planner's lockstep at 200
+examples a cell took over 550 s for one geometry; the same test in a process without the import
+took 23 s (H200, 2026-12-01, ``docs/CONFORMANCE.md``, attempt F). So, unless the sanitizer is
+enabled when this module is imported, the import takes that handler's callbacks back off:
+only the analysis half (``EventHandler``, driven by hand below) is used here. A process that
+sanitizes must enable the sanitizer before importing this module, as ``TORCH_CUDA_SANITIZER=1``
+does (torch enables it as it is imported); ``handlers_attached`` tells, and the GPU suite
+checks it at start under ``TORCH_CUDA_SANITIZER``.
 """
 
 from __future__ import annotations
@@ -28,8 +42,45 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import torch.cuda._gpu_trace as gpu_trace
+import torch.cuda._sanitizer as csan
+from torch._utils import CallbackRegistry
 from torch.cuda._sanitizer import EventHandler, SynchronizationError, UnsynchronizedAccessError
+
+
+def _registries() -> list[CallbackRegistry[Any]]:
+    return [r for r in vars(gpu_trace).values() if isinstance(r, CallbackRegistry)]
+
+
+def _process_handler_callbacks() -> list[object]:
+    """The callbacks of the process's sanitizer (``cuda_sanitizer``) in the GPU trace."""
+    handler = csan.cuda_sanitizer.dispatch.event_handler
+    return [
+        cb
+        for registry in _registries()
+        for cb in registry.callback_list
+        if getattr(cb, "__self__", None) is handler
+    ]
+
+
+def handlers_attached() -> bool:
+    """Whether the process's sanitizer still gets the GPU trace's events."""
+    return bool(_process_handler_callbacks())
+
+
+def _detach_unless_enabled() -> None:
+    if csan.cuda_sanitizer.enabled:
+        return
+    handler = csan.cuda_sanitizer.dispatch.event_handler
+    for registry in _registries():
+        registry.callback_list[:] = [
+            cb for cb in registry.callback_list if getattr(cb, "__self__", None) is not handler
+        ]
+
+
+_detach_unless_enabled()
 
 STREAM_BASE = 1000
 SLOT_BASE = 10_000

@@ -8,8 +8,12 @@ lets a copy overwrite a slot under a pending read (or a map write race another),
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +198,49 @@ def test_the_machine_s_sanitizer_catches_what_conformance_cannot(
     monkeypatch.setattr(row_provider_module, "run_prepare", mutant.run_prepare)
     with pytest.raises(AssertionError, match="sanitizer: "):
         run_state_machine_as_test(AgainstMutatedTable, settings=MUTANT_SETTINGS)
+
+
+# -- importing the oracle leaves the process unsanitized unless the sanitizer is enabled ---------
+
+_COUNT = """
+import os, sys
+sys.path[:0] = [{tests!r}]
+{first}
+import torch.cuda._gpu_trace as gpu_trace
+import torch.cuda._sanitizer as csan
+handler = csan.cuda_sanitizer.dispatch.event_handler
+print(sum(
+    getattr(cb, "__self__", None) is handler
+    for registry in vars(gpu_trace).values()
+    for cb in getattr(registry, "callback_list", ())
+))
+"""
+
+
+def _handler_callbacks(first: str, sanitize: bool) -> int:
+    """The sanitizer handler's callbacks in the GPU trace of a fresh Python after ``first``."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
+    if sanitize:
+        env["TORCH_CUDA_SANITIZER"] = "1"
+    tests = str(Path(__file__).resolve().parent)
+    script = _COUNT.format(tests=tests, first=first)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+def test_importing_the_sanitizer_module_registers_its_handler_for_the_whole_process() -> None:
+    # What the oracle undoes: torch's own import-time behaviour (were torch to stop doing it,
+    # this fails, and the oracle's detaching can go).
+    assert _handler_callbacks("", sanitize=False) == 10
+
+
+def test_importing_the_oracle_takes_the_handler_off_where_the_sanitizer_is_not_enabled() -> None:
+    assert _handler_callbacks("import sanitizer_oracle", sanitize=False) == 0
+
+
+def test_the_oracle_leaves_an_enabled_sanitizer_its_handler() -> None:
+    # TORCH_CUDA_SANITIZER=1: torch enables the sanitizer as it is imported, before the oracle.
+    assert _handler_callbacks("import sanitizer_oracle", sanitize=True) == 10

@@ -19,8 +19,8 @@
 #   ROWCACHE_CUDA_EXAMPLES       hypothesis examples of the CUDA machine (default 200)
 #   ROWCACHE_SANITIZER_EXAMPLES  the same, in the sanitizer pass (default 50)
 #   ROWCACHE_LOCKSTEP_EXAMPLES   examples in each cell of the device planner's lockstep in the
-#                                suite (default: a share of ROWCACHE_CUDA_EXAMPLES, 33 to 66 a
-#                                cell; the sanitizer pass always takes its share)
+#                                suite (default 200; empty: a share of ROWCACHE_CUDA_EXAMPLES,
+#                                33 to 66 a cell; the sanitizer pass always takes its share)
 #   ROWCACHE_STEP_TIMEOUT        seconds allowed for each of the three pytest runs (default 900)
 #   ROWCACHE_COMMIT              the commit to report (default: git rev-parse HEAD)
 #   ROWCACHE_PYTEST_ARGS         more pytest arguments for every step (e.g. -k to split a step)
@@ -165,7 +165,7 @@ STEPS_RC=0
 for name in "${PYTEST_STEPS[@]}"; do
   case $name in
     suite) step suite "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" \
-      "ROWCACHE_LOCKSTEP_EXAMPLES=${ROWCACHE_LOCKSTEP_EXAMPLES:-}" -- -m "not gpu_mutant" ;;
+      "ROWCACHE_LOCKSTEP_EXAMPLES=${ROWCACHE_LOCKSTEP_EXAMPLES-200}" -- -m "not gpu_mutant" ;;
     mutants) step mutants "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_CUDA_EXAMPLES:-200}" -- -m gpu_mutant ;;
     sanitizer) step sanitizer TORCH_CUDA_SANITIZER=1 ROWCACHE_LOCKSTEP_EXAMPLES= \
       "ROWCACHE_CUDA_EXAMPLES=${ROWCACHE_SANITIZER_EXAMPLES:-50}" -- -m "not gpu_mutant and not csan_subprocess" ;;

@@ -3,6 +3,7 @@ with the reason, except those marked ``nogpu`` (checks of the suite's own machin
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,16 @@ from cuda_support import NO_CUDA_REASON  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("TORCH_CUDA_SANITIZER"):
+        # The sanitizer pass: torch enabled the sanitizer as it was imported, so the oracle's
+        # import (which takes the handler off where it is not enabled) must have left it on.
+        import sanitizer_oracle
+
+        if not sanitizer_oracle.handlers_attached():
+            raise pytest.UsageError(
+                "TORCH_CUDA_SANITIZER is set but the stream sanitizer gets no GPU events: "
+                "tests/sanitizer_oracle.py was imported before the sanitizer was enabled"
+            )
     config.addinivalue_line(
         "markers",
         "gpu_mutant: the real CUDA provider running a mutant schedule; passes when the race "

@@ -31,6 +31,7 @@ from rowcache import RowCacheWeightProvider
 from rowcache.backends.cuda import CudaBackend, CudaCall
 from rowcache.packing import Layout
 from rowcache.sources import SOURCE_NAMES
+from rowcache.torch_seams import SANITIZER_ENABLED, lookup
 
 FP8 = torch.float8_e4m3fn
 NO_CUDA_REASON = (
@@ -226,11 +227,11 @@ def sanitizer_enabled() -> bool:
 def sanitizer_paused() -> Iterator[None]:
     """Pause PyTorch's stream sanitizer (when enabled) around a graph capture: the ops seen
     while capturing do not run then, they run at each replay, which it cannot see."""
-    from torch.cuda import _sanitizer as csan
-
-    if not csan.cuda_sanitizer.enabled:
+    if not lookup(SANITIZER_ENABLED):  # never imports the sanitizer (that has a cost)
         yield
         return
+    from torch.cuda import _sanitizer as csan
+
     csan.cuda_sanitizer.disable()  # type: ignore[no-untyped-call]
     try:
         yield
