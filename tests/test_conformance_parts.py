@@ -115,6 +115,31 @@ def test_a_part_longer_than_the_time_left_is_not_started(tmp_path: Path) -> None
     assert archive.exists()
 
 
+def test_a_part_is_limited_to_twice_its_estimate(tmp_path: Path) -> None:
+    """One part gone wrong (attempt F: a lockstep part that took the whole call) leaves the
+    call's other parts their time: a part is cut at twice its estimate, or at what is left of
+    the call if that is less. (Without a CUDA torch each part then fails at once.)"""
+    env = {**os.environ, "ROWCACHE_CALL_SECONDS": "500", "PYTHON": "false"}
+    run = subprocess.run(
+        [
+            "bash",
+            str(SCRIPT),
+            str(tmp_path / "logs"),
+            str(tmp_path / "a.tgz"),
+            "suite.rest",
+            "sanitizer.rest",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 1
+    assert "== part suite.rest (500 s left, at most 180 s): -k" in run.stdout
+    assert "== part sanitizer.rest (5" in run.stdout
+    left = int(run.stdout.split("== part sanitizer.rest (")[1].split(" s left")[0])
+    assert f"== part sanitizer.rest ({left} s left, at most {left} s): -k" in run.stdout
+
+
 def _plan_seconds(gpus: str, *parts: str, estimates: str = "") -> dict[str, tuple[int, list[str]]]:
     """Each lane's estimated seconds and parts, as --plan prints them."""
     env = {**os.environ, "ROWCACHE_GPUS": gpus, "ROWCACHE_PART_ESTIMATES": estimates}

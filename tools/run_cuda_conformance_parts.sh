@@ -3,10 +3,10 @@
 # parts, for a machine that allows at most one 10-minute call: the suite at its default counts
 # alone outlasts that, and so does the whole run. Each part is one run of that script with
 # ROWCACHE_PART and a -k expression into its own folder. One call runs the parts it names one
-# after another, each limited by what is left of the call's time (a part whose estimate exceeds
-# it is not started: it runs whole in a later call), and packs them into one
-# archive; the archives of all calls are merged and summarized anywhere (no GPU needed), and
-# the summary fails when a test of a step ran in no part, a part is missing or was cut, or the
+# after another, each limited by twice its estimate or what is left of the call's time, if less
+# (a part whose estimate exceeds what is left is not started: it runs whole in a later call),
+# and packs them into one archive; the archives of all calls are merged and summarized anywhere
+# (no GPU needed), and the summary fails when a test of a step ran in no part, a part is missing or was cut, or the
 # parts ran at different commits, GPUs or torches.
 #
 #   tools/run_cuda_conformance_parts.sh LOG_DIR ARCHIVE.tar.gz [PART ...]   (on the GPU)
@@ -193,7 +193,7 @@ CALL_SECONDS=${ROWCACHE_CALL_SECONDS:-540}
 START=$SECONDS
 
 lane() {  # lane N: its parts in PARTS order, each limited by what is left of the call's time
-  local number=$1 entry name expression step part folder left estimate rc=0 where=""
+  local number=$1 entry name expression step part folder left estimate limit rc=0 where=""
   local visible=()
   if [ ${#GPUS[@]} -gt 0 ]; then
     visible=(env "CUDA_VISIBLE_DEVICES=${GPUS[number]}")
@@ -216,9 +216,13 @@ lane() {  # lane N: its parts in PARTS order, each limited by what is left of th
       rc=1
       continue  # its files stay absent: the summary reports the step missing
     fi
-    echo "== part $name$where ($left s): -k \"$expression\""
+    # A part that runs past twice its estimate (an upper bound) is cut there, so that one part
+    # gone wrong leaves the call's other parts their time.
+    limit=$((2 * estimate))
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "== part $name$where ($left s left, at most $limit s): -k \"$expression\""
     "${visible[@]}" env ROWCACHE_STEPS="$step" ROWCACHE_PART="$part" \
-      ROWCACHE_PYTEST_K="$expression" ROWCACHE_STEP_TIMEOUT="$left" \
+      ROWCACHE_PYTEST_K="$expression" ROWCACHE_STEP_TIMEOUT="$limit" \
       bash tools/run_cuda_conformance.sh "$folder" > "$folder.out" 2>&1 || rc=1
     tail -n 3 "$folder.out"
   done
