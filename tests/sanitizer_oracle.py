@@ -28,14 +28,14 @@ PyTorch's GPU trace and registers its event handler for every event, stream, all
 synchronization of the process, for the life of the process, whether the sanitizer is ever
 enabled or not; that handler's bookkeeping grows with everything it has seen. In a pytest run of
 ``tests/cuda`` (whose collection imports this module) the device planner's lockstep at 200
-examples a cell took over 550 s for one geometry; the same test in a process without the import
-took 23 s (H200, 2026-12-01, ``docs/CONFORMANCE.md``, attempt F; upstream, the same leak is
-pytorch/pytorch#181865). So, unless the sanitizer is enabled when this module is imported,
-the import takes that handler's callbacks back off: only the analysis half
-(``EventHandler``, driven by hand below) is used here. A process that sanitizes must enable
-the sanitizer before importing this module, as ``TORCH_CUDA_SANITIZER=1`` does (torch enables
-it as it is imported); ``handlers_attached`` tells, and the GPU suite checks it at start under
-``TORCH_CUDA_SANITIZER``.
+examples a cell ran over 550 s for one geometry (two cells) without finishing; one of those
+cells in a process without the import took 23 s (H200, 2026-12-01, ``docs/CONFORMANCE.md``,
+attempt F; upstream, the same leak is pytorch/pytorch#181865). So, unless the sanitizer is
+enabled when this module is imported, the import takes that handler's callbacks back off: only
+the analysis half (``EventHandler``, driven by hand below) is used here. A process that
+sanitizes must enable the sanitizer before importing this module, as ``TORCH_CUDA_SANITIZER=1``
+does (torch enables it as it is imported); ``handlers_attached`` tells, and the GPU suite checks
+it at start under ``TORCH_CUDA_SANITIZER``.
 """
 
 from __future__ import annotations
