@@ -342,3 +342,36 @@ def test_paths_are_the_callers_and_a_missing_archive_is_refused(tmp_path: Path) 
     )
     assert missing.returncode == 2 and "no archive two.tgz" in missing.stderr
     assert not (tmp_path / "other").exists()
+
+
+def test_a_part_writes_its_record_and_the_whole_steps_tests(tmp_path: Path) -> None:
+    """One part through tools/run_cuda_conformance.sh, with a Python that says it has CUDA
+    (tests/cuda then skips its GPU tests): the part's XML, log and status, and the whole step's
+    collected tests (gathered beside the part's own run), every test of the step."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'if [ "$1" = -c ] && [[ "$2" == *"torch.cuda.is_available()"* ]]; then exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    logs = tmp_path / "logs"
+    env = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "ROWCACHE_STEPS": "suite",
+        "ROWCACHE_PART": "rest",
+        "ROWCACHE_PYTEST_K": _parts()["suite.rest"],
+    }
+    subprocess.run(
+        ["bash", str(ROOT / "tools" / "run_cuda_conformance.sh"), str(logs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    made = {p.name for p in logs.iterdir()}
+    assert {"suite.rest.xml", "suite.rest.log", "suite.rest.rc", "suite.collected"} <= made
+    assert (logs / "suite.rest.rc").read_text().strip() == "0"
+    collected = (logs / "suite.collected").read_text().split()
+    assert sorted(collected) == sorted(_collected(MARKERS["suite"]))

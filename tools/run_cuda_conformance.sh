@@ -141,9 +141,12 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   local select=()
   if [ -n "${ROWCACHE_PYTEST_K:-}" ]; then select=(-k "$ROWCACHE_PYTEST_K"); fi
   echo "== $stem: ${assignments[*]} pytest tests/cuda $* ${select[*]} ${ROWCACHE_PYTEST_ARGS:-}"
+  local collecting=""
   if [ -n "$PART" ]; then  # the whole step's tests, for the summary's check of the parts
-    "$PY" -m pytest tests/cuda -p no:cacheprovider -q --collect-only "$@" 2>/dev/null \
-      | grep '::' > "$LOGS/$name.collected"
+    # In the background, beside the part's own run (it needs no GPU; 5 to 10 s a part).
+    ("$PY" -m pytest tests/cuda -p no:cacheprovider -q --collect-only "$@" 2>/dev/null \
+      | grep '::' > "$LOGS/$name.collected") &
+    collecting=$!
   fi
   # SIGINT first: pytest then ends the session and still writes the JUnit XML of the tests
   # it ran (a step cut by its limit keeps its partial record; its status stays non-zero).
@@ -155,6 +158,7 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
     --junitxml="$LOGS/$stem.xml" "$@" "${select[@]}" ${ROWCACHE_PYTEST_ARGS:-} \
     > "$LOGS/$stem.log" 2>&1
   local rc=$?
+  if [ -n "$collecting" ]; then wait "$collecting"; fi
   echo $rc > "$LOGS/$stem.rc"
   [ $rc -eq 0 ] || STEPS_RC=1
   cp "$LOGS/environment.txt" "$LOGS/environment.$stem.txt"
