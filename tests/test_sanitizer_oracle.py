@@ -244,3 +244,36 @@ def test_importing_the_oracle_takes_the_handler_off_where_the_sanitizer_is_not_e
 def test_the_oracle_leaves_an_enabled_sanitizer_its_handler() -> None:
     # TORCH_CUDA_SANITIZER=1: torch enables the sanitizer as it is imported, before the oracle.
     assert _handler_callbacks("import sanitizer_oracle", sanitize=True) == 10
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_the_gpu_suite_refuses_a_sanitizer_pass_whose_handler_is_off(
+    tmp_path: Path, detached: bool
+) -> None:
+    """tests/cuda's start under TORCH_CUDA_SANITIZER: it goes on with the handler attached, and
+    refuses to run when something took it off (seeded here by a sitecustomize that clears the
+    GPU trace's registries before pytest starts)."""
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    if detached:
+        (tmp_path / "sitecustomize.py").write_text(
+            "import torch.cuda._gpu_trace as gpu_trace\n"
+            "for registry in vars(gpu_trace).values():\n"
+            "    if hasattr(registry, 'callback_list'):\n"
+            "        registry.callback_list.clear()\n"
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/cuda", "-p", "no:cacheprovider", "--co", "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        check=False,
+    )
+    said = "TORCH_CUDA_SANITIZER is set but the stream sanitizer gets no GPU events"
+    if detached:
+        assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout[-2000:]
+        assert said in done.stderr
+    else:
+        assert done.returncode == pytest.ExitCode.OK, done.stdout[-2000:] + done.stderr[-2000:]
