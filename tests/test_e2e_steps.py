@@ -701,3 +701,36 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
     assert steps_report.exactness_line({}, "row32dev.full") is None
     assert steps_report.exactness_line(None, "row32dev.full") is None
     assert probes.EXACTNESS_ROWS[-1] == 2048  # a prefill step: every expert, several passes
+
+
+def test_an_engine_that_starts_alone_compiles_with_more_workers(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Inductor's compile workers: an engine alone on the machine (budgeted and one-at-a-time
+    phases) gets ``COMPILE_THREADS_ALONE``; engines that start together get two each."""
+    seen: list[tuple[str, str]] = []
+
+    class Exited:
+        returncode = 0
+
+        def poll(self) -> int:
+            return 0
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> Exited:
+        seen.append((Path(command[-1]).name, env["TORCHINDUCTOR_COMPILE_THREADS"]))
+        return Exited()
+
+    monkeypatch.setattr(orchestrate.subprocess, "Popen", popen)
+    monkeypatch.setattr(orchestrate, "require_plugin", lambda: None)
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    run = orchestrate.Run(tmp_path / "out", work, time.time() + 60, False, lambda: True)
+    specs = engines.steps()[:2]
+    run.engines(specs[:1])
+    run.engines(specs)
+    alone = str(orchestrate.COMPILE_THREADS_ALONE)
+    assert [threads for _, threads in seen] == [alone, "2", "2"]
+    assert orchestrate.COMPILE_THREADS_ALONE > orchestrate.COMPILE_THREADS_TOGETHER == 2

@@ -76,10 +76,23 @@ def resumable(records: list[dict[str, Any]]) -> Results:
     return done
 
 
-def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]:
+COMPILE_THREADS_TOGETHER = 2
+"""Inductor's compile workers of each engine when a phase's engines start together."""
+COMPILE_THREADS_ALONE = 8
+"""Inductor's compile workers of an engine that starts alone (the budgeted and one-at-a-time
+phases: the GPU machine's 16 cores are its own). The workers compile the same code either way,
+and compiled engines choose no kernel by timing, so this changes an engine's start-up time,
+not its kernels."""
+
+
+def env(
+    extra: dict[str, str],
+    cache_root: Path | None = None,
+    compile_threads: int = COMPILE_THREADS_TOGETHER,
+) -> dict[str, str]:
     """The environment of a child: in-process engine core (unless ``extra`` says otherwise),
-    ``apply_model`` allowed, no usage stats, two inductor compile threads. (Compiled engines
-    choose no kernel by timing through their ``compilation_config``:
+    ``apply_model`` allowed, no usage stats, ``compile_threads`` inductor compile workers.
+    (Compiled engines choose no kernel by timing through their ``compilation_config``:
     ``child.deterministic_inductor``.)"""
     out = dict(os.environ)
     out.update(
@@ -88,7 +101,7 @@ def env(extra: dict[str, str], cache_root: Path | None = None) -> dict[str, str]
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_USE_FLASHINFER_SAMPLER": "0",
             "VLLM_NO_USAGE_STATS": "1",
-            "TORCHINDUCTOR_COMPILE_THREADS": "2",
+            "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -138,7 +151,8 @@ class Run:
             deadline=deadline,
         )
 
-    def launch(self, job: Job) -> subprocess.Popen[bytes]:
+    def launch(self, job: Job, alone: bool = False) -> subprocess.Popen[bytes]:
+        """Start ``job``'s engine; ``alone``: no other engine starts beside it."""
         name = job.spec.name
         if job.spec.caches:
             require_plugin()
@@ -151,7 +165,11 @@ class Run:
             [sys.executable, str(E2E), "child", str(path)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env(job.spec.env(), self.work / "vcache" / name),
+            env=env(
+                job.spec.env(),
+                self.work / "vcache" / name,
+                COMPILE_THREADS_ALONE if alone else COMPILE_THREADS_TOGETHER,
+            ),
         )
 
     def collect(self, spec: EngineSpec, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
@@ -184,7 +202,8 @@ class Run:
         barrier = self.logs / f"barrier.{specs[0].name}"
         shutil.rmtree(barrier, ignore_errors=True)
         barrier.mkdir(parents=True)
-        procs = [(spec, self.launch(self.job(spec, barrier, deadline))) for spec in specs]
+        alone = len(specs) == 1
+        procs = [(spec, self.launch(self.job(spec, barrier, deadline), alone)) for spec in specs]
         stop = self.deadline if deadline is None else min(self.deadline, deadline + KILL_GRACE_S)
         # Timed sections start once every engine is ready (or gone) and the checkpoint build
         # has ended: no timed section overlaps a start-up or a build.
