@@ -55,29 +55,22 @@ def _registries() -> list[CallbackRegistry[Any]]:
     return [r for r in vars(gpu_trace).values() if isinstance(r, CallbackRegistry)]
 
 
-def _process_handler_callbacks() -> list[object]:
-    """The callbacks of the process's sanitizer (``cuda_sanitizer``) in the GPU trace."""
-    handler = csan.cuda_sanitizer.dispatch.event_handler
-    return [
-        cb
-        for registry in _registries()
-        for cb in registry.callback_list
-        if getattr(cb, "__self__", None) is handler
-    ]
+def _is_the_process_handlers(callback: object) -> bool:
+    """A callback of the process's sanitizer (``cuda_sanitizer``)."""
+    return getattr(callback, "__self__", None) is csan.cuda_sanitizer.dispatch.event_handler
 
 
 def handlers_attached() -> bool:
     """Whether the process's sanitizer still gets the GPU trace's events."""
-    return bool(_process_handler_callbacks())
+    return any(_is_the_process_handlers(cb) for r in _registries() for cb in r.callback_list)
 
 
 def _detach_unless_enabled() -> None:
     if csan.cuda_sanitizer.enabled:
         return
-    handler = csan.cuda_sanitizer.dispatch.event_handler
     for registry in _registries():
         registry.callback_list[:] = [
-            cb for cb in registry.callback_list if getattr(cb, "__self__", None) is not handler
+            cb for cb in registry.callback_list if not _is_the_process_handlers(cb)
         ]
 
 

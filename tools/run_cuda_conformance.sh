@@ -143,7 +143,7 @@ step() {  # step NAME [env assignments...] -- pytest arguments...
   echo "== $stem: ${assignments[*]} pytest tests/cuda $* ${select[*]} ${ROWCACHE_PYTEST_ARGS:-}"
   local collecting=""
   if [ -n "$PART" ]; then  # the whole step's tests, for the summary's check of the parts
-    # In the background, beside the part's own run (it needs no GPU; 5 to 10 s a part).
+    # In the background, beside the part's own run (it needs no GPU; a few seconds a part).
     ("$PY" -m pytest tests/cuda -p no:cacheprovider -q --collect-only "$@" 2>/dev/null \
       | grep '::' > "$LOGS/$name.collected") &
     collecting=$!

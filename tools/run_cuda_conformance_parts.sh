@@ -6,8 +6,8 @@
 # after another, each limited by twice its estimate or what is left of the call's time, if less
 # (a part whose estimate exceeds what is left is not started: it runs whole in a later call),
 # and packs them into one archive; the archives of all calls are merged and summarized anywhere
-# (no GPU needed), and the summary fails when a test of a step ran in no part, a part is missing or was cut, or the
-# parts ran at different commits, GPUs or torches.
+# (no GPU needed), and the summary fails when a test of a step ran in no part, a part is missing
+# or was cut, or the parts ran at different commits, GPUs or torches.
 #
 #   tools/run_cuda_conformance_parts.sh LOG_DIR ARCHIVE.tar.gz [PART ...]   (on the GPU)
 #   tools/run_cuda_conformance_parts.sh --merge DEST ARCHIVE.tar.gz ...     (anywhere)
@@ -47,9 +47,10 @@ SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
 # the parts out to GPUs) | -k expression. From attempt F (one H200, b03ec1a, one part at a time,
 # each part's whole time in the call, its collection included), made before the stream
 # sanitizer's handler was taken off the processes that do not sanitize
-# (tests/sanitizer_oracle.py), so upper bounds; the lockstep parts, at 200 examples a cell
-# (the suite's default), from one cell of bf16 alone (23 s) and the relative cost of the
-# geometries at 20 examples a cell, with margin: none of them has run at 200 whole yet.
+# (tests/sanitizer_oracle.py), so upper bounds. The lockstep parts, at 200 examples a cell (the
+# suite's default), are guesses with margin: one bf16 cell took 23 s alone, fp8_block cells took
+# about 1.4 times a bf16 cell at 20 examples, bf16_scaled and nvfp4 were not measured, and no
+# lockstep part has run whole at 200 yet.
 PARTS=(
   "suite.rest|90|not $MACHINE and not $LOCKSTEP"
   "suite.lockstep-bf16|120|$LOCKSTEP and bf16 and not bf16_scaled"
@@ -192,7 +193,8 @@ LOGS=$(cd "$LOGS" && pwd)
 CALL_SECONDS=${ROWCACHE_CALL_SECONDS:-540}
 START=$SECONDS
 
-lane() {  # lane N: its parts in PARTS order, each limited by what is left of the call's time
+lane() {  # lane N: its parts in PARTS order, each limited by twice its estimate or what is left
+  # of the call's time, if less
   local number=$1 entry name expression step part folder left estimate limit rc=0 where=""
   local visible=()
   if [ ${#GPUS[@]} -gt 0 ]; then
