@@ -99,7 +99,7 @@ def test_a_part_longer_than_the_time_left_is_not_started(tmp_path: Path) -> None
     """A part whose estimate exceeds what is left of the call waits for a later call rather
     than being cut with its time lost; the call says so, fails, and still packs its archive."""
     logs, archive = tmp_path / "logs", tmp_path / "a.tgz"
-    env = {**os.environ, "ROWCACHE_CALL_SECONDS": "150"}
+    env = {**os.environ, "ROWCACHE_CALL_SECONDS": "60"}
     run = subprocess.run(
         ["bash", str(SCRIPT), str(logs), str(archive), "suite.lockstep-nvfp4", "sanitizer.rest"],
         capture_output=True,
@@ -107,9 +107,9 @@ def test_a_part_longer_than_the_time_left_is_not_started(tmp_path: Path) -> None
         env=env,
     )
     assert run.returncode == 1
-    said = "== part suite.lockstep-nvfp4: not started (estimated 200 s, 150 s left in the call)"
+    said = "== part suite.lockstep-nvfp4: not started (estimated 75 s, 60 s left in the call)"
     assert said in run.stdout
-    assert "== part sanitizer.rest: not started (estimated 425 s," in run.stdout
+    assert "== part sanitizer.rest: not started (estimated 450 s," in run.stdout
     made = sorted(p.name for p in logs.iterdir())
     assert made == ["sanitizer-rest.out", "suite-lockstep-nvfp4.out"]
     assert archive.exists()
@@ -181,7 +181,7 @@ def test_gpus_share_the_parts_each_part_once(gpus: str) -> None:
 def test_estimates_measured_since_replace_the_scripts() -> None:
     """ROWCACHE_PART_ESTIMATES: what a call starts and how the lanes are dealt follow it."""
     [(seconds, names)] = _plan_seconds("", "suite.rest", "suite.lockstep-nvfp4").values()
-    assert (seconds, names) == (90 + 200, ["suite.rest", "suite.lockstep-nvfp4"])
+    assert (seconds, names) == (90 + 75, ["suite.rest", "suite.lockstep-nvfp4"])
     given = "suite.rest=10,suite.lockstep-nvfp4=500"
     [(seconds, _)] = _plan_seconds(
         "", "suite.rest", "suite.lockstep-nvfp4", estimates=given

@@ -18,6 +18,7 @@ ENVIRONMENT = (
     "commit: 0123456789abcdef\n"
     "gpu: NVIDIA H200, 580.159.04, 143771 MiB\n"
     "torch: 2.11.0+cu130 (CUDA 13.0)\n"
+    "triton: 3.6.0\n"
     "python: 3.12.3; pytest 9.1.1; hypothesis 6.168.3\n"
 )
 MUTANTS = (
@@ -189,6 +190,18 @@ def test_missing_environment_and_mixed_commits_fail(tmp_path: Path) -> None:
     ok, lines = summarize(tmp_path)
     assert not ok
     assert any("environment.txt is missing" in line for line in lines)
+
+
+def test_a_step_with_another_triton_fails_and_the_version_is_reported(tmp_path: Path) -> None:
+    """The kernels are Triton's: a part compiled by another Triton is another run."""
+    _complete(tmp_path)
+    ok, lines = summarize(tmp_path)
+    assert ok
+    assert lines[0].endswith("; Triton 3.6.0")
+    (tmp_path / "environment.suite.txt").write_text(ENVIRONMENT.replace("3.6.0", "3.7.0"))
+    ok, lines = summarize(tmp_path)
+    assert not ok
+    assert "problem: step suite ran with triton '3.7.0', environment.txt says '3.6.0'" in lines
 
 
 def test_main_writes_the_summary_and_sets_the_status(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ per part, merged here, and ``<step>.collected``, the test ids of the whole step;
 test that no part ran fails the run, so a split cannot drop a test unnoticed. Writes
 ``summary.txt`` and prints it; exit status 0 only when every step ran and passed with nothing
 skipped, every GPU mutant was detected, and the steps ran at one commit on one kind of GPU
-with one torch.
+with one torch and one Triton.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ STEPS = ("suite", "mutants", "sanitizer")
 SHORT = {"wrong_read": "R", "wrong_map": "M", "host_block": "H"}
 MUTANT_TEST = "test_gpu_mutant_is_detected["
 DEVICE_MUTANT_TEST = "test_device_mutant"
-ENVIRONMENT_KEYS = ("commit", "gpu", "torch")
+ENVIRONMENT_KEYS = ("commit", "gpu", "torch", "triton")
 
 
 @dataclass
@@ -226,7 +226,10 @@ def summarize(logs: Path) -> tuple[bool, list[str]]:
         and race_detected == race
         and device_detected == device
     )
-    out = [f"commit {env.get('commit')}; GPU {env.get('gpu')}; torch {env.get('torch')}"]
+    out = [
+        f"commit {env.get('commit')}; GPU {env.get('gpu')}; torch {env.get('torch')}; "
+        f"Triton {env.get('triton', 'not recorded')}"
+    ]
     out.append(f"suite:     {suite.text()}")
     if mutants.ran:
         out.append(

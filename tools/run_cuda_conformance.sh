@@ -125,6 +125,11 @@ except Exception:  # no nvidia-smi: fall back to torch
 print(f"commit: {sys.argv[1]}")
 print(f"gpu: {smi}")
 print(f"torch: {torch.__version__} (CUDA {torch.version.cuda})")
+try:
+    import triton
+    print(f"triton: {triton.__version__}")
+except ImportError:
+    print("triton: not installed")
 print(f"python: {platform.python_version()}; pytest {pytest.__version__}; "
       f"hypothesis {hypothesis.__version__}")
 PYEOF
