@@ -16,12 +16,15 @@ With the cache on and no ``moe_expert_cache_planner`` setting (nor
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It holds one record: in full graphs (vLLM's default ``FULL_AND_PIECEWISE``) the device planner's
-tokens were identical to no offload at batch 1, 8 and 32 and in the first token of 2,048-token
-prompts, with 32 slots for 128 experts, beside a second no-offload engine as the control
-(docs/VLLM.md, steps run 3). Piecewise graphs alone and eager mode have no such record yet;
-in eager mode the device planner was also slower than the host planner (50.5 to 55.7 against
-66.3 tok/s at 32 slots, batch 1, 2026-12-01).
+It holds two records, both with 32 slots for 128 experts: in full graphs (vLLM's default
+``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
+and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
+control (docs/VLLM.md, steps run 3); in eager mode they were identical to eager no offload at
+batch 1 and 8 and in the first tokens of the 2,048-token prompts (steps run 5; batch 32 not
+measured by the no-offload engine). Piecewise graphs alone have no such record yet, and eager
+mode no speed record: the device planner was slower than the host planner there (50.5 to 55.7
+against 66.3 tok/s at 32 slots, batch 1, 2026-12-01), and the two have not run side by side
+since its per-layer host time was cut; so eager mode stays on the host planner.
 
 This module imports no vLLM.
 """
@@ -86,6 +89,16 @@ EVIDENCE: tuple[Evidence, ...] = (
         vllm="vLLM 0.25.0",
         gpu="H200",
         record="docs/vllm/2026-12-01-steps/run3/",
+    ),
+    Evidence(
+        claim=TOKENS_EXACT,
+        modes=("eager",),
+        quantizations=(None,),
+        date="2026-12-02",
+        commit="97c0a35",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/2026-12-02-steps/run5/",
     ),
 )
 """The runs that switch a default (module docstring)."""
