@@ -94,6 +94,11 @@ def test_steps_engines_and_their_arguments() -> None:
     assert row == common | graphs | {"additional_config": {"rowcache": rowcache}}
     row_eager = child.engine_kwargs(by["row32dev.eager"], "/w/qwen8")
     assert row_eager["enforce_eager"] and row_eager["additional_config"]["rowcache"] == rowcache
+    host_eager = child.engine_kwargs(by["row32host.eager"], "/w/qwen8")
+    assert host_eager["enforce_eager"]
+    assert host_eager["additional_config"]["rowcache"] == rowcache | {
+        "moe_expert_cache_planner": "host"
+    }
     assert by["row32dev.full"].knob is not None
     assert by["row32dev.full"].knob.planner is Planner.DEVICE
     # A 2,048-token prompt plus its first token fits the model length; the prompt is one step.
@@ -510,6 +515,9 @@ def test_report_table_and_targets() -> None:
     assert "  ttft row32dev.full <= 1 x prefetch.full: 200 / 200 ms = 1.000 (met)" in text
     assert "  tokens row32dev.full identical to no offload: MISSED" in text
     assert "  tokens row32dev.eager identical to no offload: met" in text
+    assert "  tokens row32host.eager identical to no offload: met" in text
+    eager = "  b1 row32dev.eager >= 1 x row32host.eager: 100 / 100 tok/s = 1.000 (met)"
+    assert eager in text
     assert "  b1 row32dev.full >= 4 x uva675.full: 100 / 100 tok/s = 1.000 (MISSED)" in text
     assert "row32dev.eager   FAILED: not run: time" in text
     assert next(x for x in text.splitlines() if x.startswith("none.full")).endswith(

@@ -231,6 +231,7 @@ STEPS_LABELS = (
     "uva675.full",
     "none.eager",
     "row32dev.eager",
+    "row32host.eager",
     "prefetch.full",
 )
 """The engines of one checkpoint, in the order they run (``--only`` picks among them)."""
@@ -265,6 +266,9 @@ _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "row32dev.full": ((180, 300), (120, 180)),
     "none.eager": ((100, 140), (100, 125)),
     "row32dev.eager": ((200, 320), (140, 200)),
+    # As the device planner in eager mode, unmeasured: the host planner ran b1 at 66.3 tok/s
+    # (3.9 s a generation) on 2026-12-01, and both copy the same misses.
+    "row32host.eager": ((200, 320), (140, 200)),
 }
 
 
@@ -275,14 +279,17 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
     piecewise graphs), twice (the second engine is the control of the token comparison);
     vLLM's UVA offload of 6.75 GiB of experts; vLLM's prefetch offloader at the same expert
     memory; ``row`` with the device planner at 32 slots; no offload and the device planner
-    again in eager mode. Full-graph engines are compared with ``none.full``,
-    eager ones with ``none.eager``. ``only``: these labels (``STEPS_LABELS``), in run order."""
+    again in eager mode, then the host planner in eager mode (what the device planner must
+    match there to become eager mode's default, ``rowcache.vllm.defaults``). Full-graph engines
+    are compared with ``none.full``, eager ones with ``none.eager``. ``only``: these labels
+    (``STEPS_LABELS``), in run order."""
     prefix = STEPS_PREFIX[checkpoint]
     skewed = 1 if checkpoint.router_skew else 0
     unknown = sorted(set(only) - set(STEPS_LABELS))
     if unknown:
         raise SystemExit(f"unknown engines {unknown}; known: {', '.join(STEPS_LABELS)}")
     row32 = Knob(size=32, provider=Provider.ROW, planner=Planner.DEVICE)
+    row32host = Knob(size=32, provider=Provider.ROW, planner=Planner.HOST)
 
     def engine(label: str, mode: Mode, **fields: Any) -> EngineSpec:
         once, full = _TIMES[label][skewed]
@@ -319,6 +326,7 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
         engine("uva675.full", Mode.DEFAULT, offload=UVA_OFFLOAD),
         engine("none.eager", Mode.EAGER),
         engine("row32dev.eager", Mode.EAGER, knob=row32),
+        engine("row32host.eager", Mode.EAGER, knob=row32host),
         engine("prefetch.full", Mode.DEFAULT, offload=PREFETCH_OFFLOAD),
     ]
     return [s for s in specs if not only or s.name.removeprefix(prefix + ".") in only]

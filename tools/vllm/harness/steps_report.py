@@ -16,6 +16,8 @@ Sequences = list[list[int]]
 ROW = "row32dev.full"
 UVA = "uva675.full"
 PREFETCH = "prefetch.full"
+DEVICE_EAGER = "row32dev.eager"
+HOST_EAGER = "row32host.eager"
 MEASURES = ("b1", "b8", "b32", "ttft")
 
 
@@ -287,8 +289,12 @@ def targets(results: Results, prefix: str) -> list[str]:
             ("ttft", PREFETCH, 1.0, False),
             ("b1", UVA, 1.3, True),
         ]
+    # The eager default's speed claim (rowcache.vllm.defaults.EAGER_NOT_SLOWER): the device
+    # planner at batch 1 at least as fast as the host planner, same slots, same run.
     lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
-    for label in ("none2.full", "row32dev.full", "row32dev.eager"):
+    eager = _ratio(results, prefix, "b1", HOST_EAGER, 1.0, True, DEVICE_EAGER)
+    lines += [eager] if eager is not None else []
+    for label in ("none2.full", ROW, DEVICE_EAGER, HOST_EAGER):
         name = f"{prefix}.{label}"
         if name not in results or not steps_of(results[name]):
             continue
@@ -300,7 +306,7 @@ def targets(results: Results, prefix: str) -> list[str]:
         extra = f" (not measured: {', '.join(missing)})" if missing else ""
         what = " (the control: a second no-offload engine)" if label == "none2.full" else ""
         lines.append(f"  tokens {label} identical to no offload{what}: {verdict}{extra}")
-    for label in ("row32dev.full", "row32dev.eager"):
+    for label in (ROW, DEVICE_EAGER, HOST_EAGER):
         line = exactness_line(results.get(f"{prefix}.{label}"), label)
         if line is not None:
             lines.append(line)
