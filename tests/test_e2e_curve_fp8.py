@@ -10,19 +10,18 @@ import json
 import re
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import vllm_wheels
 
 from tools.vllm.harness import child, engines, measure, orchestrate, phases, probes, steps_report
 from tools.vllm.harness.measure import Completion
 from tools.vllm.harness.specs import EngineSpec, Job, Mode, OffloadBackend, Planner, Provider
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = Path("/tmp/rowcache-vllm-wheels")
 
 
 def _labels(specs: list[EngineSpec]) -> list[str]:
@@ -194,11 +193,8 @@ def test_phases_and_labels() -> None:
 @pytest.mark.parametrize("version", ["0.25.0", "0.33.0"])
 def test_engine_argument_names_are_vllms(version: str) -> None:
     """Every argument these engines pass is a field of vLLM's ``EngineArgs``."""
-    wheels = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
-    if not wheels:
-        pytest.skip(f"no vLLM {version} wheel under {WHEELS}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        args = wheel.read("vllm/engine/arg_utils.py").decode()
+    path = "vllm/engine/arg_utils.py"
+    args = vllm_wheels.read(version, path)[path]
     fields = set(re.findall(r"^    (\w+): ", args, flags=re.MULTILINE))
     specs = [
         *engines.curve(),
@@ -214,16 +210,16 @@ def test_engine_argument_names_are_vllms(version: str) -> None:
 def test_fp8_sources_the_backend_record_rests_on() -> None:
     """The attribute and log line names ``probes.backend_of`` and ``orchestrate.log_facts``
     read, in the vLLM 0.25.0 wheel."""
-    wheels = sorted(WHEELS.glob("vllm-0.25.0-*.whl"))
-    if not wheels:
-        pytest.skip(f"no vLLM 0.25.0 wheel under {WHEELS}")
     base = "vllm/model_executor/layers/"
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        fp8 = wheel.read(base + "quantization/fp8.py").decode()
-        online = wheel.read(base + "quantization/online/fp8.py").decode()
-        unquantized = wheel.read(base + "fused_moe/unquantized_fused_moe_method.py").decode()
-        oracle = wheel.read(base + "fused_moe/oracle/fp8.py").decode()
-        oracle_bf16 = wheel.read(base + "fused_moe/oracle/unquantized.py").decode()
+    names = (
+        "quantization/fp8.py",
+        "quantization/online/fp8.py",
+        "fused_moe/unquantized_fused_moe_method.py",
+        "fused_moe/oracle/fp8.py",
+        "fused_moe/oracle/unquantized.py",
+    )
+    found = vllm_wheels.read("0.25.0", *(base + name for name in names))
+    fp8, online, unquantized, oracle, oracle_bf16 = (found[base + name] for name in names)
     assert "self.fp8_backend, self.experts_cls = select_fp8_moe_backend(" in fp8
     assert "self.fp8_backend, self.experts_cls = select_fp8_moe_backend(" in online
     assert "self.unquantized_backend, self.experts_cls = " in unquantized

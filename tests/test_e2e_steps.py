@@ -13,19 +13,18 @@ import re
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import vllm_wheels
 
 from tools.vllm.harness import child, engines, measure, orchestrate, phases, probes, steps_report
 from tools.vllm.harness.measure import Completion
 from tools.vllm.harness.specs import EngineSpec, Job, Mode, Planner, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = Path("/tmp/rowcache-vllm-wheels")
 
 
 # -- specs --------------------------------------------------------------------------------
@@ -113,12 +112,9 @@ def test_steps_engines_and_their_arguments() -> None:
 def test_engine_argument_names_are_vllms(version: str) -> None:
     """Every argument a steps engine passes is a field of vLLM's ``EngineArgs`` (what ``LLM``
     hands its ``**kwargs`` to), and the offload backends are ``OffloadConfig``'s."""
-    wheels = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
-    if not wheels:
-        pytest.skip(f"no vLLM {version} wheel under {WHEELS}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        args = wheel.read("vllm/engine/arg_utils.py").decode()
-        offload = wheel.read("vllm/config/offload.py").decode()
+    args_path, offload_path = "vllm/engine/arg_utils.py", "vllm/config/offload.py"
+    found = vllm_wheels.read(version, args_path, offload_path)
+    args, offload = found[args_path], found[offload_path]
     fields = set(re.findall(r"^    (\w+): ", args, flags=re.MULTILINE))
     names = {k for s in engines.steps() for k in child.engine_kwargs(s, "/m")}
     assert names - fields == set()
@@ -711,6 +707,18 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
     assert probes.EXACTNESS_ROWS[-1] == 2048  # a prefill step: every expert, several passes
 
 
+class _Exited:
+    """A child engine that has already exited (``subprocess.Popen``'s face to the harness)."""
+
+    returncode = 0
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
 def test_an_engine_that_starts_alone_compiles_with_more_workers(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -718,18 +726,9 @@ def test_an_engine_that_starts_alone_compiles_with_more_workers(
     phases) gets ``COMPILE_THREADS_ALONE``; engines that start together get two each."""
     seen: list[str] = []
 
-    class Exited:
-        returncode = 0
-
-        def poll(self) -> int:
-            return 0
-
-        def wait(self, timeout: float | None = None) -> int:
-            return 0
-
-    def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> Exited:
+    def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> _Exited:
         seen.append(env["TORCHINDUCTOR_COMPILE_THREADS"])
-        return Exited()
+        return _Exited()
 
     monkeypatch.setattr(orchestrate.subprocess, "Popen", popen)
     monkeypatch.setattr(orchestrate, "require_plugin", lambda: None)
@@ -752,18 +751,9 @@ def test_engines_share_vllms_model_info_cache_and_nothing_else(
     steps run 5)."""
     roots: list[Path] = []
 
-    class Exited:
-        returncode = 0
-
-        def poll(self) -> int:
-            return 0
-
-        def wait(self, timeout: float | None = None) -> int:
-            return 0
-
-    def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> Exited:
+    def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> _Exited:
         roots.append(Path(env["VLLM_CACHE_ROOT"]))
-        return Exited()
+        return _Exited()
 
     monkeypatch.setattr(orchestrate.subprocess, "Popen", popen)
     monkeypatch.setattr(orchestrate, "require_plugin", lambda: None)
@@ -787,10 +777,7 @@ def test_engines_share_vllms_model_info_cache_and_nothing_else(
 
 @pytest.mark.parametrize("version", ["0.25.0", "0.33.0"])
 def test_vllm_keeps_model_infos_where_the_harness_links_them(version: str) -> None:
-    wheels = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
-    if not wheels:
-        pytest.skip(f"no vLLM {version} wheel under {WHEELS}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        registry = wheel.read("vllm/model_executor/models/registry.py").decode()
+    path = "vllm/model_executor/models/registry.py"
+    registry = vllm_wheels.read(version, path)[path]
     wanted = f'Path(envs.VLLM_CACHE_ROOT) / "{orchestrate.MODELINFOS}"'
     assert wanted in registry

@@ -9,17 +9,16 @@ and the literals all this rests on, checked against the wheel."""
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import vllm_wheels
 
 from tools.vllm import make_moe_checkpoint as mk
 from tools.vllm.harness import engines
 
-WHEELS = Path("/tmp/rowcache-vllm-wheels")
 SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16}
 
 
@@ -222,11 +221,7 @@ SOURCE_FRAGMENTS = {
 
 
 def test_literals_against_the_wheel() -> None:
-    wheels = sorted(WHEELS.glob("vllm-0.25.0-*.whl"))
-    if not wheels:
-        pytest.skip(f"no vLLM 0.25.0 wheel under {WHEELS}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        for path, fragments in SOURCE_FRAGMENTS.items():
-            text = wheel.read(path).decode()
-            for fragment in fragments:
-                assert fragment in text, (path, fragment)
+    sources = vllm_wheels.read("0.25.0", *SOURCE_FRAGMENTS)
+    for path, fragments in SOURCE_FRAGMENTS.items():
+        for fragment in fragments:
+            assert fragment in sources[path], (path, fragment)

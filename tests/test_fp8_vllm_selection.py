@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import ast
 import re
-import zipfile
 
 import pytest
-from test_vllm_seams import _wheel
+import vllm_wheels
 
 from rowcache.vllm.seams import SUPPORTED_VLLM
 
@@ -23,8 +22,7 @@ _QUANT = "vllm/model_executor/layers/quantization"
 
 
 def _read(version: str, path: str) -> str:
-    with zipfile.ZipFile(_wheel(version)) as wheel:
-        return wheel.read(path).decode("utf-8")
+    return vllm_wheels.read(version, path)[path]
 
 
 def _function(source: str, name: str, cls: str | None = None) -> str:

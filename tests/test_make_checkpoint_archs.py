@@ -9,12 +9,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import vllm_wheels
 
 from tools.vllm import make_moe_checkpoint as mk
 from tools.vllm.harness import engines, phases
@@ -251,10 +251,7 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_the_literals_hold_in_the_vllm_wheel() -> None:
-    from test_vllm_seams import _wheel
-
-    with zipfile.ZipFile(_wheel("0.25.0")) as wheel:
-        sources = {path: wheel.read(path).decode() for path in SOURCE_FRAGMENTS}
+    sources = vllm_wheels.read("0.25.0", *SOURCE_FRAGMENTS)
     for path, fragments in SOURCE_FRAGMENTS.items():
         for fragment in fragments:
             assert fragment in sources[path], (path, fragment)

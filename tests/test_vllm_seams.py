@@ -1,61 +1,23 @@
 """The seams table against the source of every supported vLLM release, read from its wheel.
 
-The wheels are downloaded once per machine with pip (no install) into
-``$ROWCACHE_VLLM_WHEELS`` (default: ``<tmp>/rowcache-vllm-wheels``, outside the checkout) and
-only the modules the table names are read from the zip. A failed download fails the test: the
-check is never skipped.
+The wheels come from ``tests/vllm_wheels.py`` (downloaded once per machine, never installed)
+and only the modules the table names are read from the zip. A failed download fails the test:
+the check is never skipped.
 """
 
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
+import vllm_wheels
 
 from rowcache.vllm import seams
 from rowcache.vllm.seams import SEAMS, SUPPORTED_VLLM, Seam, check_seam, check_source, module_path
 
 PLUGIN = sorted(Path(seams.__file__).parent.glob("*.py"))
-
-
-def _wheel_dir() -> Path:
-    default = Path(tempfile.gettempdir()) / "rowcache-vllm-wheels"
-    return Path(os.environ.get("ROWCACHE_VLLM_WHEELS", default))
-
-
-def _wheel(version: str) -> Path:
-    directory = _wheel_dir()
-    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if found:
-        return found[0]
-    directory.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        f"vllm=={version}",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(directory),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
-    found = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if done.returncode != 0 or not found:
-        pytest.fail(
-            f"could not download the vLLM {version} wheel for the seams check "
-            f"({' '.join(command)}): exit {done.returncode}\n{done.stderr[-2000:]}"
-        )
-    return found[0]
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +26,7 @@ def wheel_sources() -> dict[str, dict[str, str]]:
     wanted = {path for seam in SEAMS for path in module_path(seam.module)}
     sources: dict[str, dict[str, str]] = {}
     for version in SUPPORTED_VLLM:
-        with zipfile.ZipFile(_wheel(version)) as wheel:
+        with zipfile.ZipFile(vllm_wheels.wheel(version)) as wheel:
             names = set(wheel.namelist())
             sources[version] = {
                 path: wheel.read(path).decode("utf-8") for path in wanted if path in names
