@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from tools.vllm.harness import probes
+from tools.vllm.harness import kernel_profile, probes
 from tools.vllm.harness.measure import Completion, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
 from tools.vllm.harness.profiling import profile
@@ -154,7 +154,12 @@ def workload(
         result["steps"] = partial
         save({**result, "partial": True})
 
-    result["steps"] = run_workload(spec.workload, generate, deadline, time.time, stats, keep)
+    def kernels(prompt: list[int]) -> dict[str, Any]:
+        return kernel_profile.profile_step(lambda: generate([prompt], 1))
+
+    result["steps"] = run_workload(
+        spec.workload, generate, deadline, time.time, stats, keep, kernels
+    )
     if spec.caches:
         result["route"] = rpc(probes.routes, None)
         after = stats()

@@ -223,7 +223,7 @@ def story() -> list[EngineSpec]:
 # -- the steps comparison (issue 18, item 4) --------------------------------------------------
 
 STEPS_PREFIX = {QWEN8: "steps.plain", QWEN8_SKEW: "steps.skew"}
-STEPS_WORKLOAD = Workload()
+STEPS_WORKLOAD = Workload(ttft_kernel_profile=True)
 STEPS_LABELS = (
     "none.full",
     "none2.full",

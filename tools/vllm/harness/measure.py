@@ -44,6 +44,12 @@ class Completion:
 Generate = Callable[[list[list[int]], int], list[Completion]]
 Stats = Callable[[], list[dict[str, Any]] | None]
 Record = dict[str, Any]
+KernelProfile = Callable[[list[int]], dict[str, Any]]
+"""One step of a long prompt under the GPU profiler: its summary
+(``harness/kernel_profile.py``)."""
+KERNEL_PROFILE_S = 15.0
+"""Time the kernel profile is started with at least: a 2,048-token step takes under 0.3 s,
+the profiler's start and the processing of its events some seconds."""
 
 
 def decode_prompts(workload: Workload, batch: int) -> list[list[int]]:
@@ -216,6 +222,23 @@ class Measurement:
 
     # -- time to first token --------------------------------------------------------------
 
+    def kernels(self, profiler: KernelProfile | None) -> None:
+        """The first timed long prompt once more, under the GPU profiler (last: it times
+        nothing the other measurements report), where the workload asks for it."""
+        w = self.workload
+        if not w.ttft_kernel_profile or not w.prefill_prompts or profiler is None:
+            return
+        if self.left() < KERNEL_PROFILE_S:
+            self.record["ttft_kernels"] = {"skipped": "deadline: no time left"}
+            self._event("ttft kernels skipped")
+            return
+        try:
+            self.record["ttft_kernels"] = profiler(prefill_prompts(w)[1])
+        except Exception as error:  # the measurements stand without it
+            self.record["ttft_kernels"] = {"error": f"{type(error).__name__}: {error}"[:600]}
+        self._event("ttft kernels profiled")
+        self.flush()
+
     def ttft(self) -> None:
         entry = self.record["ttft"]
         w = self.workload
@@ -270,8 +293,10 @@ def run_workload(
     clock: Callable[[], float],
     stats: Stats | None = None,
     save: Callable[[Record], None] | None = None,
+    profiler: KernelProfile | None = None,
 ) -> Record:
-    """Every measurement of ``workload`` in the order of the module docstring."""
+    """Every measurement of ``workload`` in the order of the module docstring, then the kernel
+    profile of one long prompt where the workload asks for it (``profiler``)."""
     m = Measurement(workload, generate, deadline, clock, stats, save)
     warmed = []
     for batch in workload.batches:
@@ -283,5 +308,6 @@ def run_workload(
             entry = m.record["decode"][str(batch)]
             if entry.get("repeats_cut") is None:
                 m.decode_once(batch, 0.0)
+    m.kernels(profiler)
     m.flush()
     return m.record

@@ -197,6 +197,9 @@ class Workload:
     ttft_reserve_s: float = 5.0
     """Held back for the time to first token while decode runs: its four 2,048-token prompts
     took under 1 s in every engine of steps runs 4 and 5 (the slowest, UVA's, 0.22 s each)."""
+    ttft_kernel_profile: bool = False
+    """Last, one timed long prompt again under the GPU profiler: where its step's device time
+    goes, by kernel (``harness/kernel_profile.py``)."""
 
     @classmethod
     def from_json(cls, data: Json) -> Workload:

@@ -184,8 +184,56 @@ def report(results: Results) -> list[str]:
             )
             if not record.get("ok"):
                 lines.append(f"{'':16} PARTIAL: {str(record.get('error', '?'))[:160]}")
+        lines += kernel_lines(results, prefix)
         lines += targets(results, prefix)
     return lines
+
+
+KERNEL_COLUMNS = (
+    "rowcache gather",
+    "rowcache planner",
+    "MoE GEMM",
+    "MoE align and sort",
+    "MoE sum",
+    "attention",
+    "dense GEMM",
+    "copy",
+    "elementwise",
+)
+"""The categories of ``harness/kernel_profile.py`` shown as columns; the rest sum to 'rest'."""
+
+
+def kernel_lines(results: Results, prefix: str) -> list[str]:
+    """One profiled 2,048-token prompt step per engine (``Workload.ttft_kernel_profile``): its
+    GPU span, busy time (the union of its activities) and the time of each category, in ms."""
+    rows = []
+    for name, record in results.items():
+        if not name.startswith(prefix + "."):
+            continue
+        found = (steps_of(record) or {}).get("ttft_kernels")
+        if not found:
+            continue
+        label = name[len(prefix) + 1 :]
+        if "by_category" not in found:
+            why = found.get("skipped") or found.get("error") or "no device activity"
+            rows.append(f"{label:16} {str(why)[:120]}")
+            continue
+        cats = found["by_category"]
+        shown = [cats.get(c, {}).get("ms", 0.0) for c in KERNEL_COLUMNS]
+        rest = sum(v["ms"] for c, v in cats.items() if c not in KERNEL_COLUMNS)
+        rows.append(
+            f"{label:16} {found['span_ms']:>8.2f} {found['busy_ms']:>8.2f} "
+            + " ".join(f"{v:>8.2f}" for v in (*shown, rest))
+        )
+    if not rows:
+        return []
+    header = "span busy gather planner moe_gemm align moe_sum attn dense copy elemwise rest"
+    return [
+        "one 2,048-token prompt step on the GPU, by kernel category (ms; busy: the union of "
+        "the activities, less than their sum where some ran at once):",
+        f"{'engine':16} " + " ".join(f"{h:>8}" for h in header.split()),
+        *rows,
+    ]
 
 
 def _ratio(

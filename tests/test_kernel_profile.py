@@ -1,0 +1,140 @@
+"""The kernel profile of one long prompt step (tools/vllm/harness/kernel_profile.py): its pure
+summary, its reading of torch's profiler events, the measurement's call of it, and its table
+in the steps summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tools.vllm.harness import kernel_profile, measure, steps_report
+from tools.vllm.harness.kernel_profile import Activity, category, summarize
+from tools.vllm.harness.measure import Completion
+from tools.vllm.harness.specs import Workload
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        ("gather_kernel", "rowcache gather"),
+        ("plan_kernel", "rowcache planner"),
+        ("fused_moe_kernel", "MoE GEMM"),
+        ("void vllm::moe::moe_align_block_size_kernel<int>(...)", "MoE align and sort"),
+        ("void vllm::moe::moe_sum_kernel<c10::BFloat16, 8>(...)", "MoE sum"),
+        ("void flash::flash_fwd_kernel<...>", "attention"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "dense GEMM"),
+        ("Memcpy HtoD (Pinned -> Device)", "copy"),
+        ("Memset (Device)", "set"),
+        ("triton_poi_fused_add_0", "elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
+        ("some_unknown_kernel", "other"),
+    ],
+)
+def test_categories(name: str, label: str) -> None:
+    assert category(name) == label
+
+
+def test_summary_span_busy_sum_categories_and_top() -> None:
+    """Two activities at once (a copy beside a kernel) count once in the busy time and twice
+    in the sum; a gap counts in the span only."""
+    found = summarize(
+        [
+            Activity("gather_kernel", 0.0, 1000.0),
+            Activity("fused_moe_kernel", 500.0, 1500.0),  # overlaps the gather by 500 us
+            Activity("fused_moe_kernel", 3000.0, 3500.0),  # after a 1,500 us gap
+            Activity("Memcpy HtoD (Pinned -> Device)", 3100.0, 3200.0),  # inside the last
+        ]
+    )
+    assert found["activities"] == 4
+    assert (found["span_ms"], found["busy_ms"], found["sum_ms"]) == (3.5, 2.0, 2.6)
+    assert list(found["by_category"]) == ["MoE GEMM", "rowcache gather", "copy"]
+    assert found["by_category"]["MoE GEMM"] == {"ms": 1.5, "count": 2}
+    assert found["top"][0] == {"name": "fused_moe_kernel", "ms": 1.5, "count": 2}
+    assert summarize([]) == {"activities": 0}
+
+
+def test_device_activities_read_torchs_profiler_events() -> None:
+    """The attribute names the summary reads, on this torch's own events (on the CPU here;
+    the GPU run asks for the CUDA ones the same way)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (a @ a).sum()
+    cpu = kernel_profile.device_activities(prof.events(), "CPU")
+    assert any(x.name == "aten::mm" for x in cpu)
+    assert all(x.end_us >= x.start_us > 0 for x in cpu)
+    assert kernel_profile.device_activities(prof.events(), "CUDA") == []
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.prompts: list[list[list[int]]] = []
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        self.prompts.append(prompts)
+        self.now += 0.01 * max_tokens
+        return [Completion([1] * max_tokens) for _ in prompts]
+
+
+def _run(workload: Workload, seconds: float, profiler: Any) -> dict[str, Any]:
+    fake = _Clock()
+    return measure.run_workload(
+        workload, fake.generate, fake.now + seconds, lambda: fake.now, profiler=profiler
+    )
+
+
+def test_the_measurement_profiles_one_timed_prompt_last_where_asked() -> None:
+    seen: list[list[int]] = []
+
+    def profiler(prompt: list[int]) -> dict[str, Any]:
+        seen.append(prompt)
+        return {"activities": 1, "span_ms": 1.0}
+
+    w = Workload(batches=(1,), ttft_kernel_profile=True)
+    record = _run(w, 600, profiler)
+    assert seen == [measure.prefill_prompts(w)[1]]  # the first timed prompt, not the warm-up
+    assert record["ttft_kernels"] == {"activities": 1, "span_ms": 1.0}
+    assert record["events"][-1].endswith("ttft kernels profiled")
+    seen.clear()
+    record = _run(Workload(batches=(1,)), 600, profiler)  # not asked
+    assert seen == [] and "ttft_kernels" not in record
+    w_short = Workload(batches=(1,), ttft_kernel_profile=True, repeats=1)
+    record = _run(w_short, 9, profiler)  # everything else fits, the profile does not
+    assert seen == [] and record["ttft_kernels"] == {"skipped": "deadline: no time left"}
+    assert measure.cut_short(record) == []  # a profile left out is no measurement cut short
+
+
+def test_a_failed_profile_leaves_the_measurements() -> None:
+    def profiler(prompt: list[int]) -> dict[str, Any]:
+        raise RuntimeError("CUPTI unavailable")
+
+    record = _run(Workload(batches=(1,), ttft_kernel_profile=True), 600, profiler)
+    assert record["ttft_kernels"] == {"error": "RuntimeError: CUPTI unavailable"}
+    assert record["decode"]["1"]["tok_s"] is not None and record["ttft"]["ms"] is not None
+
+
+def test_the_summary_shows_each_engines_step_by_category() -> None:
+    row = summarize(
+        [
+            Activity("gather_kernel", 0.0, 17_800.0),
+            Activity("fused_moe_kernel", 17_800.0, 18_300.0),
+            Activity("weird", 18_300.0, 18_400.0),
+        ]
+    )
+    results = {
+        "steps.plain.row32dev.full": {"ok": True, "steps": {"ttft_kernels": row}},
+        "steps.plain.none.full": {"ok": True, "steps": {"ttft_kernels": {"skipped": "deadline"}}},
+        "steps.plain.uva675.full": {"ok": True, "steps": {}},
+    }
+    lines = steps_report.kernel_lines(results, "steps.plain")
+    assert lines[1].split()[:4] == ["engine", "span", "busy", "gather"]
+    mine = next(x for x in lines if x.startswith("row32dev.full"))
+    assert mine.split()[1:5] == ["18.40", "18.40", "17.80", "0.00"]
+    assert mine.split()[-1] == "0.10"  # 'weird' is in no column: the rest
+    assert any(x.startswith("none.full") and x.endswith("deadline") for x in lines)
+    assert not any(x.startswith("uva675.full") for x in lines)
+    assert steps_report.kernel_lines({}, "steps.plain") == []
