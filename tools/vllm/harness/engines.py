@@ -289,7 +289,11 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
     if unknown:
         raise SystemExit(f"unknown engines {unknown}; known: {', '.join(STEPS_LABELS)}")
     row32 = Knob(size=32, provider=Provider.ROW, planner=Planner.DEVICE)
-    row32host = Knob(size=32, provider=Provider.ROW, planner=Planner.HOST)
+    # The host planner's expert split: a step cut by experts copies each routed expert once
+    # and is exact (the unreduced route); the plugin's default for the host planner, the token
+    # split, cuts a 2,048-token prompt into hundreds of row ranges of at most 32 experts each,
+    # copying most experts again in each. At b1 the two are one pass alike.
+    row32host = Knob(size=32, provider=Provider.ROW, planner=Planner.HOST, split=Split.EXPERT)
 
     def engine(label: str, mode: Mode, **fields: Any) -> EngineSpec:
         once, full = _TIMES[label][skewed]
