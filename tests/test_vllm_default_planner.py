@@ -17,6 +17,8 @@ from rowcache.vllm.defaults import (
     EAGER_NOT_SLOWER,
     EVIDENCE,
     GRAPH_MODES,
+    HOST_EXPERT_EXACT,
+    NO_HOST_EXPERT,
     NO_TOKENS,
     NOT_FASTER,
     TOKENS_EXACT,
@@ -24,8 +26,17 @@ from rowcache.vllm.defaults import (
     GraphMode,
     choose_planner,
     default_planner,
+    default_split,
 )
-from rowcache.vllm.knob import ENV, PLANNER, PLANNER_CHOSEN, KnobError, parse_settings
+from rowcache.vllm.knob import (
+    ENV,
+    PLANNER,
+    PLANNER_CHOSEN,
+    SPLIT,
+    SPLIT_CHOSEN,
+    KnobError,
+    parse_settings,
+)
 
 PLANNER_ENV = ENV[PLANNER]
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +57,7 @@ def _evidence(
     )
 
 
+HOST_EXPERT = _evidence(HOST_EXPERT_EXACT, "eager")
 TOKENS_GRAPHS = _evidence(TOKENS_EXACT, "full", "piecewise")
 TOKENS_ALL = _evidence(TOKENS_EXACT, "full", "piecewise", "eager")
 EAGER_SPEED = _evidence(EAGER_NOT_SLOWER, "eager")
@@ -196,6 +208,77 @@ def test_the_chosen_record_is_read_back_and_checked() -> None:
         parse_settings({"rowcache": {"moe_expert_cache_size": 8, PLANNER_CHOSEN: "device"}}, {})
 
 
+# -- the host planner's split -----------------------------------------------------------------
+
+
+def test_the_host_planners_split_waits_for_its_record() -> None:
+    """The token split until a run records the host planner's expert split exact in that mode
+    (full graphs count as the piecewise graphs the host planner runs between) and for that
+    quantization; provider 'cached' keeps the token split."""
+    places = {
+        "eager": "eager mode",
+        "piecewise": "piecewise graphs",
+        "full": "piecewise graphs (full graphs lowered for the host planner)",
+    }
+    for mode in GRAPH_MODES:
+        assert default_split(mode) == ("token", f"default in {places[mode]}: {NO_HOST_EXPERT}")
+    cite = "host_expert_exact in vLLM 0.25.0 on H200, 2026-12-02 at abc1234"
+    assert default_split("eager", evidence=(HOST_EXPERT,)) == (
+        "expert",
+        f"default in eager mode: {cite}",
+    )
+    assert default_split("piecewise", evidence=(HOST_EXPERT,))[0] == "token"
+    piecewise = _evidence(HOST_EXPERT_EXACT, "piecewise")
+    assert default_split("full", evidence=(piecewise,))[0] == "expert"
+    assert default_split("eager", quantization="fp8", evidence=(HOST_EXPERT,))[0] == "token"
+    assert default_split("eager", provider="cached", evidence=(HOST_EXPERT,)) == (
+        "token",
+        "default for provider 'cached'",
+    )
+
+
+def test_the_split_is_chosen_for_the_host_planner_only_where_unset() -> None:
+    base: dict[str, object] = {"moe_expert_cache_size": 16}
+    evidence = (HOST_EXPERT,)  # no device record: the host planner in every mode
+    unset = choose_planner(parse_settings({"rowcache": base}, {}), "eager", evidence=evidence)
+    assert (unset.planner, unset.split, unset.split_source) == ("host", "expert", "default")
+    assert unset.split_line() == (
+        "rowcache: split expert (default in eager mode: host_expert_exact in vLLM 0.25.0 on "
+        "H200, 2026-12-02 at abc1234)"
+    )
+    assert choose_planner(unset, "eager", evidence=()).split == "expert"  # chosen once
+    host = parse_settings({"rowcache": {**base, PLANNER: "host"}}, {})
+    assert choose_planner(host, "eager", evidence=evidence).split == "expert"
+    given = parse_settings({"rowcache": {**base, SPLIT: "token"}}, {})
+    kept = choose_planner(given, "eager", evidence=evidence)
+    assert (kept.split, kept.split_source, kept.split_line()) == ("token", "setting", None)
+    device = choose_planner(
+        parse_settings({"rowcache": base}, {}), "full", evidence=(TOKENS_GRAPHS, HOST_EXPERT)
+    )
+    assert (device.planner, device.split, device.split_source) == ("device", "expert", "unset")
+    assert device.split_line() is None
+    today = choose_planner(parse_settings({"rowcache": base}, {}), "eager")
+    assert (today.split, today.split_source) == ("token", "default")
+    assert today.split_line() == f"rowcache: split token (default in eager mode: {NO_HOST_EXPERT})"
+
+
+def test_the_split_record_is_read_back_and_checked() -> None:
+    record = {"split": "expert", "reason": "default in eager mode: x"}
+    base: dict[str, object] = {"moe_expert_cache_size": 8}
+    settings = parse_settings({"rowcache": {**base, SPLIT_CHOSEN: record}}, {})
+    assert (settings.split, settings.split_source, settings.split_reason) == (
+        "expert",
+        "default",
+        "default in eager mode: x",
+    )
+    assert choose_planner(settings, "eager", evidence=()).split == "expert"
+    over = parse_settings({"rowcache": {**base, SPLIT_CHOSEN: record, SPLIT: "token"}}, {})
+    assert (over.split, over.split_source) == ("token", "setting")
+    for bad in ("expert", {"split": "rows", "reason": "x"}, {"split": "expert"}):
+        with pytest.raises(KnobError, match=SPLIT_CHOSEN):
+            parse_settings({"rowcache": {**base, SPLIT_CHOSEN: bad}}, {})
+
+
 # -- through the config hook ------------------------------------------------------------------
 
 
@@ -246,6 +329,37 @@ def test_hook_chooses_from_the_resolved_mode_and_logs_once(
     from rowcache.vllm._config import settings_of
 
     assert settings_of(configs[0]).planner_source == "default"
+
+
+def test_hook_records_and_logs_the_host_planners_split(
+    fake_vllm: Any,  # noqa: F811
+    said: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the host planner's expert split recorded for the piecewise graphs it runs between,
+    an engine in vLLM's default (full) mode without a device record takes the host planner and
+    the expert split; the choice is written back and said once; a given split stays."""
+    monkeypatch.delenv(PLANNER_ENV, raising=False)
+    monkeypatch.delenv(ENV[SPLIT], raising=False)
+    monkeypatch.setattr(defaults, "EVIDENCE", (_evidence(HOST_EXPERT_EXACT, "piecewise"),))
+    plugin.register()
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    configs = [_config(fake_vllm, {"moe_expert_cache_size": 16}) for _ in range(2)]
+    for config in configs:
+        assert config.additional_config["rowcache"][SPLIT_CHOSEN]["split"] == "expert"
+    splits = [m for m in caplog.messages if m.startswith("rowcache: split ")]
+    assert splits == [
+        "rowcache: split expert (default in piecewise graphs (full graphs lowered for the host "
+        "planner): host_expert_exact in vLLM 0.25.0 on H200, 2026-12-02 at abc1234)"
+    ]
+    from rowcache.vllm._config import settings_of
+
+    fake_vllm.config.VllmConfig.__post_init__(configs[0])
+    assert settings_of(configs[0]).split == "expert"
+    given = _config(fake_vllm, {"moe_expert_cache_size": 16, SPLIT: "token"})
+    assert SPLIT_CHOSEN not in given.additional_config["rowcache"]
+    assert settings_of(given).split == "token"
 
 
 def test_hook_with_device_evidence_keeps_full_graphs(

@@ -36,9 +36,11 @@ from rowcache.vllm.knob import (
     CONFIG_SECTION,
     PLANNER_CHOSEN,
     SIZE,
+    SPLIT_CHOSEN,
     CacheSettings,
     chosen_record,
     parse_settings,
+    split_record,
 )
 
 __all__ = ["MOE_OPS", "QUANTIZATIONS", "RowcacheError", "graph_mode", "install", "settings_of"]
@@ -74,9 +76,8 @@ def settings_of(config: Any) -> CacheSettings:
     """The knob of ``config``, its planner chosen (written back by the config hook; chosen
     here from the config's graph mode where it could not be written back)."""
     settings = parse_settings(getattr(config, "additional_config", None), os.environ)
-    if settings.cache_on and settings.planner_source == "unset":
-        settings = choose_planner(settings, graph_mode(config), quantization_of(config))
-    return settings
+    # Chooses only what is neither set nor already chosen (the planner, the host's split).
+    return choose_planner(settings, graph_mode(config), quantization_of(config))
 
 
 def quantization_of(config: Any) -> str | None:
@@ -85,15 +86,19 @@ def quantization_of(config: Any) -> str | None:
 
 
 def _record_choice(config: Any, settings: CacheSettings) -> None:
-    """Write a default planner into ``additional_config`` (a new dict: the caller's is not
-    changed); an ``additional_config`` that is not a dict cannot carry it."""
+    """Write a default planner and a default split into ``additional_config`` (a new dict:
+    the caller's is not changed); an ``additional_config`` that is not a dict cannot carry
+    them."""
     extra = getattr(config, "additional_config", None)
-    if settings.planner_source != "default" or not (extra is None or isinstance(extra, dict)):
+    records = {}
+    if settings.planner_source == "default":
+        records[PLANNER_CHOSEN] = chosen_record(settings)
+    if settings.split_source == "default":
+        records[SPLIT_CHOSEN] = split_record(settings)
+    if not records or not (extra is None or isinstance(extra, dict)):
         return
     extra = dict(extra or {})
-    section = dict(extra.get(CONFIG_SECTION) or {})
-    section[PLANNER_CHOSEN] = chosen_record(settings)
-    extra[CONFIG_SECTION] = section
+    extra[CONFIG_SECTION] = {**(extra.get(CONFIG_SECTION) or {}), **records}
     config.additional_config = extra
 
 
@@ -222,6 +227,8 @@ def _wrap_post_init(
         _say_once(f"rowcache: {settings.describe()}")
         if settings.cache_on:
             _say_once(settings.planner_line())
+            if (split := settings.split_line()) is not None:
+                _say_once(split)
 
     setattr(__post_init__, _WRAPPED, True)
     __post_init__.__wrapped__ = original  # type: ignore[attr-defined]

@@ -14,6 +14,14 @@ With the cache on and no ``moe_expert_cache_planner`` setting (nor
 * a record covers the model quantizations it ran (``None``: unquantized); an FP8 engine needs
   its own.
 
+The host planner's split, when none is set, comes from ``default_split`` by the same rule: the
+expert split (each routed expert copied once a step, a step cut by experts made exact by the
+unreduced route of ``rowcache.vllm._method``) once a run has recorded its tokens identical to no
+offload in that mode (``HOST_EXPERT_EXACT``), else the token split (every row in one kernel
+call, exact by construction, but a step of many rows is cut into row ranges that copy most
+experts again: about 2 times the misses of the expert split at 32 rows and over 100 times on a
+2,048-token prompt, 32 slots of 128 experts). Provider ``cached`` keeps the token split.
+
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
 It holds two records, both with 32 slots for 128 experts: in full graphs (vLLM's default
@@ -35,17 +43,20 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from rowcache.row_provider import Planner
-from rowcache.vllm.knob import CacheSettings, with_planner
+from rowcache.types import Split
+from rowcache.vllm.knob import CacheSettings, with_planner, with_split
 
 __all__ = [
     "EAGER_NOT_SLOWER",
     "EVIDENCE",
     "GRAPH_MODES",
+    "HOST_EXPERT_EXACT",
     "TOKENS_EXACT",
     "Evidence",
     "GraphMode",
     "choose_planner",
     "default_planner",
+    "default_split",
 ]
 
 GraphMode: TypeAlias = Literal["full", "piecewise", "eager"]
@@ -54,13 +65,16 @@ GraphMode: TypeAlias = Literal["full", "piecewise", "eager"]
 
 GRAPH_MODES: tuple[GraphMode, ...] = ("full", "piecewise", "eager")
 
-Claim: TypeAlias = Literal["tokens_exact", "eager_not_slower"]
+Claim: TypeAlias = Literal["tokens_exact", "eager_not_slower", "host_expert_exact"]
 TOKENS_EXACT: Claim = "tokens_exact"
 """The device planner's greedy tokens identical to no offload in the same graph mode, on every
 sequence of the run, with steps that need more than one pass."""
 EAGER_NOT_SLOWER: Claim = "eager_not_slower"
 """The device planner at least as fast as the host planner in eager mode (batch 1 decode, same
 slots, same checkpoint, one engine at a time)."""
+HOST_EXPERT_EXACT: Claim = "host_expert_exact"
+"""The host planner with the expert split: greedy tokens identical to no offload in the same
+graph mode, on every sequence of the run, with steps cut into several expert groups."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,7 @@ NO_TOKENS = "the device planner's tokens against no offload are not yet recorded
 NOT_FASTER = (
     "in eager mode the device planner is not yet recorded at least as fast as the host planner"
 )
+NO_HOST_EXPERT = "the host planner's expert split is not yet recorded exact against no offload"
 
 
 def _recorded(
@@ -153,6 +168,29 @@ def default_planner(
     return "device", f"default in {where}: {_cite(tokens)}"
 
 
+def default_split(
+    mode: GraphMode,
+    *,
+    provider: str = "row",
+    quantization: str | None = None,
+    evidence: tuple[Evidence, ...] | None = None,
+) -> tuple[Split, str]:
+    """The host planner's split for an engine in ``mode`` serving a model of ``quantization``
+    without a split setting, and why (``evidence``: ``EVIDENCE`` when not given)."""
+    evidence = EVIDENCE if evidence is None else evidence
+    where = "eager mode" if mode == "eager" else f"{mode} graphs"
+    if mode == "full":  # the host planner runs between piecewise graphs (adjust_graphs)
+        mode, where = "piecewise", "piecewise graphs (full graphs lowered for the host planner)"
+    if quantization is not None:
+        where += f", quantization {quantization!r}"
+    if provider == "cached":
+        return "token", "default for provider 'cached'"
+    exact = _recorded(evidence, HOST_EXPERT_EXACT, mode, quantization)
+    if exact is None:
+        return "token", f"default in {where}: {NO_HOST_EXPERT}"
+    return "expert", f"default in {where}: {_cite(exact)}"
+
+
 def choose_planner(
     settings: CacheSettings,
     mode: GraphMode,
@@ -160,14 +198,22 @@ def choose_planner(
     evidence: tuple[Evidence, ...] | None = None,
 ) -> CacheSettings:
     """``settings`` with the planner chosen for ``mode`` and the model's ``quantization``
-    unless it is set or already chosen."""
-    if settings.planner_source != "unset" or not settings.cache_on:
+    unless it is set or already chosen, then, for the host planner, the split unless it is
+    set or already chosen."""
+    if not settings.cache_on:
         return settings
-    planner, reason = default_planner(
-        mode,
-        provider=settings.provider,
-        token_split_set=settings.split_set and settings.split == "token",
-        quantization=quantization,
-        evidence=evidence,
+    if settings.planner_source == "unset":
+        planner, reason = default_planner(
+            mode,
+            provider=settings.provider,
+            token_split_set=settings.split_set and settings.split == "token",
+            quantization=quantization,
+            evidence=evidence,
+        )
+        settings = with_planner(settings, planner, reason)
+    if settings.planner != "host" or settings.split_source != "unset":
+        return settings
+    split, reason = default_split(
+        mode, provider=settings.provider, quantization=quantization, evidence=evidence
     )
-    return with_planner(settings, planner, reason)
+    return with_split(settings, split, reason)

@@ -10,9 +10,12 @@ Two sources, in order of precedence:
 eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``: planned and
 copied on the device, so vLLM's graph modes stay as the user set them). Without it the planner
 is chosen once vLLM has resolved its graph mode, by ``rowcache.vllm.defaults.choose_planner``
-from that mode and the recorded evidence (``host`` in every mode for now); the choice is
-written back into ``additional_config`` under ``moe_expert_cache_planner_chosen`` (the plugin's
-own key) so that every process and every copy of the configuration serves the same planner.
+from that mode and the recorded evidence; the choice is written back into ``additional_config``
+under ``moe_expert_cache_planner_chosen`` (the plugin's own key) so that every process and every
+copy of the configuration serves the same planner. Likewise ``moe_expert_cache_split``: the
+device planner always splits by experts; without a setting, the host planner's split is chosen
+with the planner (``rowcache.vllm.defaults.default_split``) and written back under
+``moe_expert_cache_split_chosen``.
 
 Each key is taken from the first source that sets it, so an environment default can be
 overridden key by key on the command line. A size of 0 (or no size at all) means the cache is
@@ -27,7 +30,7 @@ vLLM builds its configuration, so a bad value stops the engine before anything i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias
 
 from rowcache.errors import InvalidInputError
@@ -41,19 +44,26 @@ __all__ = [
     "PLANNER_CHOSEN",
     "PROVIDERS",
     "SPLITS",
+    "SPLIT_CHOSEN",
     "CacheSettings",
     "KnobError",
     "PlannerSource",
     "ProviderName",
+    "SplitSource",
     "chosen_record",
     "parse_settings",
+    "split_record",
     "with_planner",
+    "with_split",
 ]
 
 ProviderName: TypeAlias = Literal["row", "cached"]
 PlannerSource: TypeAlias = Literal["unset", "setting", "default"]
 """Where ``CacheSettings.planner`` comes from: not chosen yet (``host`` stands in until the
 config hook chooses), a user's setting, or the default chosen for the engine's graph mode."""
+SplitSource: TypeAlias = Literal["unset", "setting", "default"]
+"""Where ``CacheSettings.split`` comes from, as ``PlannerSource`` (``token`` stands in until
+the config hook chooses; the device planner's ``expert`` needs no choice)."""
 
 CONFIG_SECTION = "rowcache"
 SIZE = "moe_expert_cache_size"
@@ -66,6 +76,9 @@ ENV = {key: "ROWCACHE_" + key.upper() for key in KEYS}
 PLANNER_CHOSEN = "moe_expert_cache_planner_chosen"
 """Written by the plugin, not by users: ``{"planner": ..., "reason": ...}``, the default chosen
 for this configuration (``rowcache.vllm._config``)."""
+SPLIT_CHOSEN = "moe_expert_cache_split_chosen"
+"""Written by the plugin, not by users: ``{"split": ..., "reason": ...}``, the host planner's
+default split chosen for this configuration."""
 PROVIDERS: tuple[ProviderName, ...] = ("row", "cached")
 SPLITS: tuple[Split, ...] = ("token", "expert")
 PLANNERS: tuple[Planner, ...] = ("host", "device")
@@ -89,8 +102,13 @@ class CacheSettings:
     # Provenance, not part of what the cache is (equal settings serve alike):
     planner_source: PlannerSource = field(default="unset", compare=False)
     planner_reason: str = field(default="", compare=False)
-    split_set: bool = field(default=False, compare=False)
-    """Whether the split was given (a given ``token`` split rules the device planner out)."""
+    split_source: SplitSource = field(default="unset", compare=False)
+    split_reason: str = field(default="", compare=False)
+
+    @property
+    def split_set(self) -> bool:
+        """Whether the split was given (a given ``token`` split rules the device planner out)."""
+        return self.split_source == "setting"
 
     @property
     def cache_on(self) -> bool:
@@ -117,6 +135,13 @@ class CacheSettings:
         if self.planner_source == "unset":
             return f"rowcache: planner {self.planner} (not chosen yet)"
         return f"rowcache: planner {self.planner} ({self.planner_reason})"
+
+    def split_line(self) -> str | None:
+        """The start-up line that says which split the host planner takes and why (None for
+        the device planner, whose split is always by experts, and for a split given)."""
+        if self.planner != "host" or self.split_source != "default":
+            return None
+        return f"rowcache: split {self.split} ({self.split_reason})"
 
 
 def _where(key: str, from_config: bool) -> str:
@@ -175,7 +200,7 @@ def _section(additional_config: object) -> Mapping[str, object]:
             f"additional_config[{CONFIG_SECTION!r}]: {section!r} is not an object; allowed: "
             f'{{"{SIZE}": N, "{PROVIDER}": "row"|"cached", "{SPLIT}": "token"|"expert"}}'
         )
-    unknown = sorted(str(k) for k in section if k not in KEYS and k != PLANNER_CHOSEN)
+    unknown = sorted(str(k) for k in section if k not in (*KEYS, PLANNER_CHOSEN, SPLIT_CHOSEN))
     if unknown:
         raise KnobError(
             f"additional_config[{CONFIG_SECTION!r}]: unknown key(s) {', '.join(unknown)}; "
@@ -222,9 +247,16 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     if planner_raw is not None:
         source = "setting"
         reason = "set by " + (PLANNER if PLANNER in section else ENV[PLANNER])
-    elif (chosen := _chosen(section.get(PLANNER_CHOSEN))) is not None:
+    elif (chosen := _chosen(section.get(PLANNER_CHOSEN), PLANNER_CHOSEN, "planner")) is not None:
         planner, reason = chosen
         source = "default"
+    split_source: SplitSource = "unset"
+    split_reason = ""
+    if split_raw is not None:
+        split_source = "setting"
+    elif (chosen := _chosen(section.get(SPLIT_CHOSEN), SPLIT_CHOSEN, "split")) is not None:
+        split, split_reason = chosen
+        split_source = "default"
     return CacheSettings(
         size=size,
         provider="cached" if provider == "cached" else "row",
@@ -234,38 +266,47 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
         planner="device" if planner == "device" else "host",
         planner_source=source,
         planner_reason=reason,
-        split_set=split_raw is not None,
+        split_source=split_source,
+        split_reason=split_reason,
     )
 
 
-def _chosen(value: object) -> tuple[str, str] | None:
-    """The plugin's own record of a default planner; anything else is an error."""
+def _chosen(value: object, key: str, what: str) -> tuple[str, str] | None:
+    """The plugin's own record of a default ``what`` (``planner`` or ``split``) under ``key``;
+    anything else is an error."""
     if value is None:
         return None
-    where = f"additional_config[{CONFIG_SECTION!r}][{PLANNER_CHOSEN!r}]"
+    where = f"additional_config[{CONFIG_SECTION!r}][{key!r}]"
     if not isinstance(value, Mapping):
-        raise KnobError(f"{where}: {value!r} is not the plugin's record of a default planner")
-    planner = _choice(value.get("planner"), where, PLANNERS)
+        raise KnobError(f"{where}: {value!r} is not the plugin's record of a default {what}")
+    chosen = _choice(value.get(what), where, PLANNERS if what == "planner" else SPLITS)
     reason = value.get("reason")
     if not isinstance(reason, str):
         raise KnobError(f"{where}: {value!r} has no reason")
-    return planner, reason
+    return chosen, reason
 
 
 def with_planner(settings: CacheSettings, planner: Planner, reason: str) -> CacheSettings:
     """``settings`` with a default planner chosen (the device planner splits by experts)."""
-    return CacheSettings(
-        size=settings.size,
-        provider=settings.provider,
+    return replace(
+        settings,
         split="expert" if planner == "device" else settings.split,
-        eager_between_graphs=settings.eager_between_graphs,
         planner=planner,
         planner_source="default",
         planner_reason=reason,
-        split_set=settings.split_set,
     )
+
+
+def with_split(settings: CacheSettings, split: Split, reason: str) -> CacheSettings:
+    """``settings`` with the host planner's default split chosen."""
+    return replace(settings, split=split, split_source="default", split_reason=reason)
 
 
 def chosen_record(settings: CacheSettings) -> dict[str, str]:
     """What ``PLANNER_CHOSEN`` holds for a default choice."""
     return {"planner": settings.planner, "reason": settings.planner_reason}
+
+
+def split_record(settings: CacheSettings) -> dict[str, str]:
+    """What ``SPLIT_CHOSEN`` holds for a default split."""
+    return {"split": settings.split, "reason": settings.split_reason}
