@@ -20,7 +20,8 @@ unreduced route of ``rowcache.vllm._method``) once a run has recorded its tokens
 offload in that mode (``HOST_EXPERT_EXACT``), else the token split (every row in one kernel
 call, exact by construction, but a step of many rows is cut into row ranges that copy most
 experts again: about 2 times the misses of the expert split at 32 rows and over 100 times on a
-2,048-token prompt, 32 slots of 128 experts). Provider ``cached`` keeps the token split.
+2,048-token prompt, 32 slots of 128 experts: ``tests/test_split_copies.py``). Provider
+``cached`` keeps the token split.
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
