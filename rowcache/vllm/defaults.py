@@ -138,6 +138,13 @@ def _cite(item: Evidence) -> str:
     return f"{item.claim} in {item.vllm} on {item.gpu}, {item.date} at {item.commit}"
 
 
+def _where(mode: GraphMode, quantization: str | None, place: str = "") -> str:
+    """The engine a default is chosen for, in its reason: ``place`` (else the mode's name) and
+    the quantization."""
+    place = place or ("eager mode" if mode == "eager" else f"{mode} graphs")
+    return place if quantization is None else f"{place}, quantization {quantization!r}"
+
+
 def default_planner(
     mode: GraphMode,
     *,
@@ -149,9 +156,7 @@ def default_planner(
     """The planner for an engine in ``mode`` serving a model of ``quantization`` without a
     planner setting, and why (``evidence``: ``EVIDENCE`` when not given)."""
     evidence = EVIDENCE if evidence is None else evidence
-    where = "eager mode" if mode == "eager" else f"{mode} graphs"
-    if quantization is not None:
-        where += f", quantization {quantization!r}"
+    where = _where(mode, quantization)
     if provider == "cached":
         return "host", "default: provider 'cached' has no device planner"
     if token_split_set:
@@ -179,11 +184,12 @@ def default_split(
     """The host planner's split for an engine in ``mode`` serving a model of ``quantization``
     without a split setting, and why (``evidence``: ``EVIDENCE`` when not given)."""
     evidence = EVIDENCE if evidence is None else evidence
-    where = "eager mode" if mode == "eager" else f"{mode} graphs"
+    where = _where(mode, quantization)
     if mode == "full":  # the host planner runs between piecewise graphs (adjust_graphs)
-        mode, where = "piecewise", "piecewise graphs (full graphs lowered for the host planner)"
-    if quantization is not None:
-        where += f", quantization {quantization!r}"
+        mode = "piecewise"
+        where = _where(
+            mode, quantization, "piecewise graphs (full graphs lowered for the host planner)"
+        )
     if provider == "cached":
         return "token", "default for provider 'cached'"
     exact = _recorded(evidence, HOST_EXPERT_EXACT, mode, quantization)

@@ -247,14 +247,14 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     if planner_raw is not None:
         source = "setting"
         reason = "set by " + (PLANNER if PLANNER in section else ENV[PLANNER])
-    elif (chosen := _chosen(section.get(PLANNER_CHOSEN), PLANNER_CHOSEN, "planner")) is not None:
+    elif (chosen := _chosen(section, PLANNER_CHOSEN, "planner", PLANNERS)) is not None:
         planner, reason = chosen
         source = "default"
     split_source: SplitSource = "unset"
     split_reason = ""
     if split_raw is not None:
         split_source = "setting"
-    elif (chosen := _chosen(section.get(SPLIT_CHOSEN), SPLIT_CHOSEN, "split")) is not None:
+    elif (chosen := _chosen(section, SPLIT_CHOSEN, "split", SPLITS)) is not None:
         split, split_reason = chosen
         split_source = "default"
     return CacheSettings(
@@ -271,15 +271,18 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     )
 
 
-def _chosen(value: object, key: str, what: str) -> tuple[str, str] | None:
-    """The plugin's own record of a default ``what`` (``planner`` or ``split``) under ``key``;
+def _chosen(
+    section: Mapping[str, object], key: str, what: str, allowed: tuple[str, ...]
+) -> tuple[str, str] | None:
+    """The plugin's own record of a default ``what`` (one of ``allowed``) under ``key``;
     anything else is an error."""
+    value = section.get(key)
     if value is None:
         return None
     where = f"additional_config[{CONFIG_SECTION!r}][{key!r}]"
     if not isinstance(value, Mapping):
         raise KnobError(f"{where}: {value!r} is not the plugin's record of a default {what}")
-    chosen = _choice(value.get(what), where, PLANNERS if what == "planner" else SPLITS)
+    chosen = _choice(value.get(what), where, allowed)
     reason = value.get("reason")
     if not isinstance(reason, str):
         raise KnobError(f"{where}: {value!r} has no reason")
