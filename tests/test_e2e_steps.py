@@ -782,3 +782,19 @@ def test_vllm_keeps_model_infos_where_the_harness_links_them(version: str) -> No
     registry = vllm_wheels.read(version, path)[path]
     wanted = f'Path(envs.VLLM_CACHE_ROOT) / "{orchestrate.MODELINFOS}"'
     assert wanted in registry
+
+
+def test_tokens_not_compared_everywhere_are_incomplete_not_met() -> None:
+    """Steps run 5: the no-offload engines never reached b32, so the cache engines' tokens were
+    compared at b1, b8 and the prompts only; that is incomplete, neither met nor missed."""
+    results = _results()
+    results["steps.plain.none.eager"]["steps"]["decode"]["32"]["tokens"] = None
+    text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert "  tokens row32dev.eager identical to no offload: incomplete (not measured: b32)" in text
+    assert (
+        "  tokens row32host.eager identical to no offload: incomplete (not measured: b32)" in text
+    )
+    fp8 = "\n".join(
+        steps_report.fp8_targets(results, "steps.plain")  # same verdict, the FP8 line's words
+    )
+    assert "  tokens row32dev.full identical to none.full (b1, b8): MISSED" in fp8  # b8 differs

@@ -270,21 +270,28 @@ def _ratio(
     )
 
 
+def _token_verdict(results: Results, name: str, measures: tuple[str, ...] = MEASURES) -> str | None:
+    """Whether engine ``name``'s tokens are identical to its reference's in ``measures``: met,
+    MISSED, or incomplete with what was not measured (None where the engine has no record)."""
+    if name not in results or not steps_of(results[name]):
+        return None
+    compared = compare(results, name, reference(results, name))
+    div = {m: d for m, d in compared.items() if m in measures}
+    same = all(p is None for d in div.values() if d is not None for p in d)
+    missing = [m for m, d in div.items() if d is None]
+    verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
+    return verdict + (f" (not measured: {', '.join(missing)})" if missing else "")
+
+
 def _tokens(results: Results, prefix: str, label: str, measures: tuple[str, ...]) -> str | None:
     """Whether ``label``'s tokens are identical to its reference's in ``measures``: a target
     line (None where the engine has no record)."""
     name = f"{prefix}.{label}"
-    if name not in results or not steps_of(results[name]):
+    verdict = _token_verdict(results, name, measures)
+    if verdict is None:
         return None
-    ref = reference(results, name)
-    div = {m: d for m, d in compare(results, name, ref).items() if m in measures}
-    known = [d for d in div.values() if d is not None]
-    same = all(p is None for d in known for p in d)
-    missing = [m for m, d in div.items() if d is None]
-    verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
-    extra = f" (not measured: {', '.join(missing)})" if missing else ""
-    where = ", ".join(measures)
-    return f"  tokens {label} identical to {ref[len(prefix) + 1 :]} ({where}): {verdict}{extra}"
+    ref = reference(results, name)[len(prefix) + 1 :]
+    return f"  tokens {label} identical to {ref} ({', '.join(measures)}): {verdict}"
 
 
 FP8_UVA = "uva3375.full"
@@ -343,17 +350,11 @@ def targets(results: Results, prefix: str) -> list[str]:
     eager = _ratio(results, prefix, "b1", HOST_EAGER, 1.0, True, DEVICE_EAGER)
     lines += [eager] if eager is not None else []
     for label in ("none2.full", ROW, DEVICE_EAGER, HOST_EAGER):
-        name = f"{prefix}.{label}"
-        if name not in results or not steps_of(results[name]):
+        verdict = _token_verdict(results, f"{prefix}.{label}")
+        if verdict is None:
             continue
-        div = compare(results, name, reference(results, name))
-        known = [d for d in div.values() if d is not None]
-        same = all(p is None for d in known for p in d)
-        missing = [m for m, d in div.items() if d is None]
-        verdict = "met" if same and not missing else "MISSED" if not same else "incomplete"
-        extra = f" (not measured: {', '.join(missing)})" if missing else ""
         what = " (the control: a second no-offload engine)" if label == "none2.full" else ""
-        lines.append(f"  tokens {label} identical to no offload{what}: {verdict}{extra}")
+        lines.append(f"  tokens {label} identical to no offload{what}: {verdict}")
     for label in (ROW, DEVICE_EAGER, HOST_EAGER):
         line = exactness_line(results.get(f"{prefix}.{label}"), label)
         if line is not None:
