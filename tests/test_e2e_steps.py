@@ -411,6 +411,34 @@ def test_a_record_the_deadline_cut_short_runs_again_on_resume() -> None:
     assert orchestrate.resumable([part, by_design]) == {spec.name: by_design}
 
 
+def test_one_repeat_measures_everything_once_and_is_complete() -> None:
+    """``run --repeats 1``: a call short of device time measures every batch size and prompt
+    once; the record is complete (``--resume`` keeps it), and the engine's estimate is its
+    estimate once. Bad values are refused, naming the value."""
+    spec = next(s for s in phases.PHASES if s.name == "steps").engines({})[0]
+    once = orchestrate.with_repeats(spec, 1)
+    assert once.repeats == 1 and once.workload is not None and once.workload.repeats == 1
+    assert once.time_full_s == spec.time_once_s and once.name == spec.name
+    assert orchestrate.with_repeats(spec, None) is spec
+    assert orchestrate.with_repeats(spec, 3).time_full_s == spec.time_full_s
+    with pytest.raises(ValueError, match="got 0"):
+        orchestrate.with_repeats(spec, 0)
+    fake = FakeEngine({1: 0.01, 8: 0.02, 32: 0.05})
+    assert once.workload is not None
+    record = measure.run_workload(once.workload, fake.generate, fake.now + 600, fake.clock)
+    assert [record["decode"][str(b)]["repeats_run"] for b in (1, 8, 32)] == [1, 1, 1]
+    # the time to first token is a median over distinct prompts, not repeats of one
+    assert len(record["ttft"]["ms_runs"]) == 3 and measure.cut_short(record) == []
+    done = subprocess.run(
+        [sys.executable, "tools/vllm/e2e.py", "run", "--out", "/nonexistent", "--repeats", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and "--repeats: must be at least 1, got 0" in done.stderr
+
+
 def test_log_facts() -> None:
     log = "\n".join(
         [

@@ -1,7 +1,7 @@
 """End-to-end run of the rowcache vLLM plugin on a GPU machine (issue 5, section 5).
 
     python3 tools/vllm/e2e.py run --out OUTDIR [--phases tiny,mp,qwen8,story] [--profile]
-        [--deadline S] [--work DIR] [--only LABEL,...] [--resume]
+        [--deadline S] [--work DIR] [--only LABEL,...] [--resume] [--repeats N]
     python3 tools/vllm/e2e.py merge --out OUTDIR A/results.json B/records.jsonl ...
 
 (or ``python3 -m tools.vllm.e2e ...`` from the repository root). One device call is limited to
@@ -157,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         "complete records an earlier call on this machine left in WORK/records.jsonl (and "
         "include them)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="budgeted phases: every engine measures each batch size and prompt this many "
+        "times (default: the phase's, three); 1 is complete at one repeat for --resume",
+    )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
         if not ns.inputs:
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         known = ", ".join(engines.BUDGETED_LABELS)
         ap.error(f"--only: unknown engines {unknown}; known: {known}")
+    if ns.repeats is not None and ns.repeats < 1:
+        ap.error(f"--repeats: must be at least 1, got {ns.repeats}")
     return orchestrate.run(
         Path(ns.out),
         Path(ns.work),
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.deadline,
         only,
         ns.resume,
+        ns.repeats,
     )
 
 

@@ -19,6 +19,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,24 @@ def engine_deadline(
         return None
     share = max(once, left - sum(later_once))
     return now + min(left, share, 1.5 * full if full else left)
+
+
+def with_repeats(spec: EngineSpec, repeats: int | None) -> EngineSpec:
+    """``spec`` measuring each of its workload's measurements ``repeats`` times (``run
+    --repeats``; None: as the spec says). A call short of device time measures everything
+    once: its record is complete at one repeat, so ``--resume`` does not run it again, and its
+    medians are marked as of one. Its estimate with every repeat becomes its estimate once."""
+    if repeats is None or spec.workload is None:
+        return spec
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    full = spec.time_once_s if repeats == 1 else spec.time_full_s
+    return replace(
+        spec,
+        repeats=repeats,
+        workload=replace(spec.workload, repeats=repeats),
+        time_full_s=full,
+    )
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -148,6 +167,7 @@ class Run:
         only: tuple[str, ...] = (),
         done: Results | None = None,
         run_id: str = "",
+        repeats: int | None = None,
     ) -> None:
         self.out = out
         self.run_id = run_id
@@ -158,6 +178,8 @@ class Run:
         self.profile = profile
         self.build_done = build_done
         self.only = only
+        self.repeats = repeats
+        """``run --repeats``: every budgeted engine's repeats (None: its own)."""
         self.done: Results = done or {}
         """Complete records of earlier calls (``--resume``): not run again."""
         self.records: list[dict[str, Any]] = list(self.done.values())
@@ -252,8 +274,9 @@ class Run:
         return results
 
     def picked(self, specs: list[EngineSpec]) -> list[EngineSpec]:
-        """The engines of ``specs`` that ``--only`` names (all without it)."""
-        return [s for s in specs if _label(s) in self.only] if self.only else specs
+        """The engines of ``specs`` that ``--only`` names (all without it), with ``--repeats``."""
+        picked = [s for s in specs if _label(s) in self.only] if self.only else specs
+        return [with_repeats(s, self.repeats) for s in picked]
 
     def to_run(self, specs: list[EngineSpec]) -> list[EngineSpec]:
         """The engines of ``specs`` this call would start: those ``--only`` names, less those
@@ -409,6 +432,7 @@ def run(
     deadline_s: float,
     only: tuple[str, ...] = (),
     resume: bool = False,
+    repeats: int | None = None,
 ) -> int:
     start = time.time()
     deadline = start + deadline_s
@@ -425,6 +449,7 @@ def run(
         "commit": os.environ.get("ROWCACHE_COMMIT", "?"),
         "only": list(only),
         "resume": resume,
+        "repeats": repeats,
     }
     done = resumable(read_records(work / RECORDS)) if resume else {}
     if not resume:
@@ -450,7 +475,7 @@ def run(
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
-    runner = Run(out, work, deadline, profile, build.done, only, done, run_id)
+    runner = Run(out, work, deadline, profile, build.done, only, done, run_id, repeats)
     for phase in selected:
         specs = phase.engines(results)
         if build.needed_by([s.checkpoint for s in specs]) and not build.wait(
