@@ -251,7 +251,10 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path) -> None:
     job = Job(spec, "/m", str(tmp_path), 30.0, deadline=None)
     layer = {"hits": 3, "misses": 1, "capacity": 32, "provider": "DevicePlannedProvider"}
 
+    asked: list[Any] = []
+
     def rpc(fn: Any, default: Any) -> Any:
+        asked.append(fn)
         return [layer | {"split": "expert"}] if fn is probes.stats else {"routes": {}}
 
     saved: list[dict[str, Any]] = []
@@ -265,6 +268,9 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path) -> None:
     assert result["steps"]["ttft"]["engine_ms_runs"] == [20.0] * 3
     assert result["cache"]["capacity"] == 32 and result["route"] == {"routes": {}}
     assert saved and all(s["partial"] for s in saved)
+    # the exactness probe, last, asks only for steps the engine can schedule
+    assert asked[-1].func is probes.exactness
+    assert asked[-1].keywords == {"row_counts": probes.exactness_rows(2048)}
     out = tmp_path / "r.json"
     child.write_atomic(out, result)
     assert json.loads(out.read_text())["steps"]["decode"]["1"]["repeats_run"] == 3
@@ -715,6 +721,22 @@ def test_compiled_engines_choose_no_kernel_by_timing() -> None:
     }
     eager = next(s for s in engines.steps() if s.name.endswith("none.eager"))
     assert "compilation_config" not in child.engine_kwargs(eager, "/w/qwen8")
+
+
+def test_the_exactness_probe_asks_only_for_steps_the_engine_schedules() -> None:
+    """vLLM locks its MoE workspace after start-up, sized by the largest step: an engine of
+    512 tokens a step refused the probe's 2,048 rows (curve phase, 2026-12-02)."""
+    assert probes.exactness_rows(2048) == probes.EXACTNESS_ROWS == (1, 8, 32, 512, 2048)
+    assert probes.exactness_rows(4096) == probes.EXACTNESS_ROWS
+    assert probes.exactness_rows(512) == (1, 8, 32, 512)
+    assert probes.exactness_rows(100) == (1, 8, 32, 100)
+    assert probes.exactness_rows(1) == (1,)
+    with pytest.raises(ValueError, match="got 0"):
+        probes.exactness_rows(0)
+    for spec in [s for p in phases.PHASES if p.name in ("curve", "fp8") for s in p.engines({})]:
+        assert max(probes.exactness_rows(spec.max_num_batched_tokens)) <= (
+            spec.max_num_batched_tokens
+        )
 
 
 def test_the_in_engine_exactness_is_reported_per_row_count() -> None:

@@ -173,7 +173,7 @@ def workload(
             }
         # Last: its random forwards move the cache (after the stats above are taken).
         if time.time() < deadline:
-            result["exactness"] = rpc(probes.exactness, None)
+            result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)
 
 
 def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) -> None:

@@ -7,7 +7,9 @@ beyond the standard library at import time.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -179,6 +181,25 @@ def offloader(model: Any) -> dict[str, Any]:
 EXACTNESS_ROWS = (1, 8, 32, 512, 2048)
 """Rows of the random forwards :func:`exactness` compares: decode batches, and prefill steps
 that route to every expert (more passes than one at any slot count below the expert count)."""
+
+
+def exactness_rows(max_batched_tokens: int) -> tuple[int, ...]:
+    """The rows :func:`exactness` compares in an engine that schedules at most
+    ``max_batched_tokens`` tokens a step: those of :data:`EXACTNESS_ROWS` it can run, and its
+    largest step. More would not be a step of the engine, and vLLM's MoE workspace, sized by
+    its largest step and locked after start-up, refuses them (the curve phase's first call:
+    512 tokens a step, 2,048 rows asked)."""
+    if max_batched_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be at least 1, got {max_batched_tokens}")
+    rows = [m for m in EXACTNESS_ROWS if m <= max_batched_tokens]
+    if not rows or rows[-1] < max_batched_tokens < EXACTNESS_ROWS[-1]:
+        rows.append(max_batched_tokens)
+    return tuple(rows)
+
+
+def exactness_in(max_batched_tokens: int) -> Callable[[Any], dict[str, Any]]:
+    """:func:`exactness` over :func:`exactness_rows`, for ``llm.apply_model``."""
+    return functools.partial(exactness, row_counts=exactness_rows(max_batched_tokens))
 
 
 def exactness(
