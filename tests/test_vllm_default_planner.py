@@ -63,13 +63,15 @@ TOKENS_ALL = _evidence(TOKENS_EXACT, "full", "piecewise", "eager")
 EAGER_SPEED = _evidence(EAGER_NOT_SLOWER, "eager")
 
 
-def test_the_recorded_evidence_switches_full_graphs_only() -> None:
-    """The records (steps runs 3 and 5): tokens identical in full graphs and in eager mode;
-    their raw output is in the repository; piecewise graphs alone (no record) and eager mode
-    (no speed record) stay on the host planner."""
-    full, eager = EVIDENCE
+def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> None:
+    """The records (steps runs 3 and 6): the device planner's tokens identical in full graphs
+    and in eager mode, the host planner's expert split's in eager mode; their raw output is in
+    the repository. Piecewise graphs alone (no record) and eager mode (no speed record) stay on
+    the host planner; in eager mode it takes the expert split, elsewhere the token split."""
+    full, eager, host_split = EVIDENCE
     assert full.claim == TOKENS_EXACT and full.modes == ("full",)
     assert eager.claim == TOKENS_EXACT and eager.modes == ("eager",)
+    assert host_split.claim == HOST_EXPERT_EXACT and host_split.modes == ("eager",)
     for record in EVIDENCE:
         assert (ROOT / record.record / "records.jsonl").is_file()
         assert record.commit in (ROOT / "docs" / "VLLM.md").read_text()
@@ -77,6 +79,11 @@ def test_the_recorded_evidence_switches_full_graphs_only() -> None:
         "full": "device",
         "piecewise": "host",
         "eager": "host",
+    }
+    assert {mode: default_split(mode)[0] for mode in GRAPH_MODES} == {
+        "full": "token",
+        "piecewise": "token",
+        "eager": "expert",
     }
 
 
@@ -221,7 +228,10 @@ def test_the_host_planners_split_waits_for_its_record() -> None:
         "full": "piecewise graphs (full graphs lowered for the host planner)",
     }
     for mode in GRAPH_MODES:
-        assert default_split(mode) == ("token", f"default in {places[mode]}: {NO_HOST_EXPERT}")
+        assert default_split(mode, evidence=()) == (
+            "token",
+            f"default in {places[mode]}: {NO_HOST_EXPERT}",
+        )
     cite = "host_expert_exact in vLLM 0.25.0 on H200, 2026-12-02 at abc1234"
     assert default_split("eager", evidence=(HOST_EXPERT,)) == (
         "expert",
@@ -257,9 +267,17 @@ def test_the_split_is_chosen_for_the_host_planner_only_where_unset() -> None:
     )
     assert (device.planner, device.split, device.split_source) == ("device", "expert", "unset")
     assert device.split_line() is None
-    today = choose_planner(parse_settings({"rowcache": base}, {}), "eager")
+    today = choose_planner(parse_settings({"rowcache": base}, {}), "piecewise")
     assert (today.split, today.split_source) == ("token", "default")
-    assert today.split_line() == f"rowcache: split token (default in eager mode: {NO_HOST_EXPERT})"
+    assert today.split_line() == (
+        f"rowcache: split token (default in piecewise graphs: {NO_HOST_EXPERT})"
+    )
+    eager = choose_planner(parse_settings({"rowcache": base}, {}), "eager")
+    assert (eager.planner, eager.split, eager.split_source) == ("host", "expert", "default")
+    assert eager.split_line() == (
+        "rowcache: split expert (default in eager mode: host_expert_exact in vLLM 0.25.0 on "
+        "H200, 2026-12-02 at 17fd5a4)"
+    )
 
 
 def test_the_split_record_is_read_back_and_checked() -> None:

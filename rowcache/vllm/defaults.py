@@ -25,15 +25,16 @@ experts again: about 2 times the misses of the expert split at 32 rows and over 
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It holds two records, both with 32 slots for 128 experts: in full graphs (vLLM's default
+It holds three records, all with 32 slots for 128 experts. In full graphs (vLLM's default
 ``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
 and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
-control (docs/VLLM.md, steps run 3); in eager mode they were identical to eager no offload at
-batch 1 and 8 and in the first tokens of the 2,048-token prompts (steps run 5; batch 32 not
-measured by the no-offload engine). Piecewise graphs alone have no such record yet, and eager
-mode no speed record: the device planner was slower than the host planner there (50.5 to 55.7
-against 66.3 tok/s at 32 slots, batch 1, 2026-12-01), and the two have not run side by side
-since its per-layer host time was cut; so eager mode stays on the host planner.
+control (docs/VLLM.md, steps run 3). In eager mode, steps run 6: the device planner's tokens
+and the host planner's with its expert split were identical to eager no offload at batch 1, 8
+and 32 and in the first tokens of the 2,048-token prompts, on the plain and the skewed
+checkpoint. Piecewise graphs alone have no record yet. Eager mode has no speed record: in run 6
+the device planner ran batch 1 at 0.925 times the host planner's speed on the plain checkpoint
+(61.6 against 66.6 tok/s) and 1.150 times on the skewed one, one generation each; so eager
+mode stays on the host planner, now with the expert split.
 
 This module imports no vLLM.
 """
@@ -110,10 +111,20 @@ EVIDENCE: tuple[Evidence, ...] = (
         modes=("eager",),
         quantizations=(None,),
         date="2026-12-02",
-        commit="97c0a35",
+        commit="17fd5a4",
         vllm="vLLM 0.25.0",
         gpu="H200",
-        record="docs/vllm/2026-12-02-steps/run5/",
+        record="docs/vllm/2026-12-02-steps/run6/",
+    ),
+    Evidence(
+        claim=HOST_EXPERT_EXACT,
+        modes=("eager",),
+        quantizations=(None,),
+        date="2026-12-02",
+        commit="17fd5a4",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/2026-12-02-steps/run6/",
     ),
 )
 """The runs that switch a default (module docstring)."""

@@ -243,32 +243,26 @@ PREFETCH_OFFLOAD = Offload(
 """Layers 1 to 7's experts offloaded, one layer's copied ahead into one static buffer: 1.125
 GiB resident and 1.125 GiB in flight, the 2.25 GiB of 32 slots per layer."""
 
-# Estimated seconds (start, then everything once / with every repeat), from the recorded runs
-# (docs/vllm, ../shared/DESIGN.md section 9): a compiled engine starts in 70 to 105 s, an eager
-# one in 70 to 80 s (20 to 27 s of imports, 47 to 77 s to build: steps run 4 at 64905c3, where
-# `none.full` had 90 s, `none.eager` 85 s and both measured nothing, and `row32dev.eager` had
-# 150 s and ran no b32); decode per step from the b1 and b8 figures, b32 copy-bound engines at
-# about 125 (UVA) to 160 ms (32 slots, hit rate near 0) per step, the prefetch offloader at
-# about 155 ms per step at every batch size (7 x 1.125 GiB per step at about 50 GB/s; 39.4 s a
-# b1 generation in run 4); `row32dev.eager` as measured: b1 4 to 5.5 s, b8 15 s and b32 33 s a
-# generation, each batch size warmed up by one generation first. Steps run 5 at 97c0a35 (one
-# call, 20 s then held back for the time to first token): `none.full` (115 s) and
-# `row32dev.full` (160 s) measured everything once but b32, 1 s and 27 s short of it (with 5 s
-# held back, as since: 0 and 12 s; `row32dev.full`: 90 s to start, b1 1.84 s, b8 14.6 s, b32
-# 33 s a generation); `none.eager` (106 s) all but b32, 1 s short; `row32dev.eager` (224 s)
-# everything once and all but one b32 repeat.
+# Estimated seconds (start, then everything once / with every repeat), from steps run 6 at
+# 17fd5a4 (docs/VLLM.md), the first run whose engines share vLLM's model-info cache: whole
+# engines took, plain, everything once: `none.full` 80 s, `row32dev.full` 142, `uva675.full`
+# 135, `none.eager` 54, `row32dev.eager` 113, `row32host.eager` 102; skewed, with every
+# repeat: `none.full` 73, `row32dev.full` 127, `uva675.full` 154; skewed once: `none.eager`
+# 45, `row32dev.eager` 62, `row32host.eager` 62. A repeat adds two generations of each batch
+# size (plain `row32dev.full`: b1 1.84 s, b8 14.6 s, b32 33 s a generation; eager engines b8
+# 15 s, b32 33 to 40 s). The margins cover a call's first engine (20 s more: it fills the
+# model-info cache) and a noisier machine. The prefetch offloader is run 4's (64905c3): about
+# 155 ms a step at every batch size (39.4 s a b1 generation).
 _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     # label: ((plain once, plain full), (skewed once, skewed full))
-    "none.full": ((115, 125), (115, 125)),
-    "none2.full": ((115, 125), (115, 125)),
-    "uva675.full": ((150, 250), (150, 250)),
+    "none.full": ((105, 120), (100, 110)),
+    "none2.full": ((105, 120), (100, 110)),
+    "uva675.full": ((160, 250), (130, 185)),
     "prefetch.full": ((370, 610), (370, 610)),
-    "row32dev.full": ((180, 300), (120, 180)),
-    "none.eager": ((100, 140), (100, 125)),
-    "row32dev.eager": ((200, 320), (140, 200)),
-    # As the device planner in eager mode, unmeasured: the host planner ran b1 at 66.3 tok/s
-    # (3.9 s a generation) on 2026-12-01, and both copy the same misses.
-    "row32host.eager": ((200, 320), (140, 200)),
+    "row32dev.full": ((170, 280), (110, 150)),
+    "none.eager": ((80, 100), (70, 90)),
+    "row32dev.eager": ((140, 250), (90, 140)),
+    "row32host.eager": ((130, 240), (90, 140)),
 }
 
 
