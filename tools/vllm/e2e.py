@@ -85,7 +85,9 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
 
 Each engine is a child process of this script (``e2e.py child JOB.json``,
 ``harness/child.py``); ``harness/orchestrate.py`` starts them, phase by phase, and collects
-their results. Writes OUTDIR/results.json, OUTDIR/summary.txt and OUTDIR/logs.tar.gz and
+their results. An engine that starts alone is forked from ``e2e.py zygote``, a process that
+imported vLLM once for the call (``harness/zygote.py``; ``--no-zygote``: every engine a fresh
+process). Writes OUTDIR/results.json, OUTDIR/summary.txt and OUTDIR/logs.tar.gz and
 prints the summary (``harness/summary.py``).
 
 The modules are imported from this checkout (``tools/``), put last on ``sys.path``: rowcache
@@ -123,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) >= 2 and args[0] == "child":
         child.main(args[1])  # leaves through os._exit
         return 0
+    if args[:1] == ["zygote"]:
+        from tools.vllm.harness import zygote
+
+        return zygote.serve(
+            zygote.preload_vllm, child.main, zygote.cuda_canary, sys.stdin, sys.stdout
+        )
     if len(args) >= 2 and args[0] == "register-probe":
         register_probe.main(args[1], fused_moe_first="--fused-moe-first" in args[2:])
         return 0
@@ -158,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         "include them)",
     )
     ap.add_argument(
+        "--no-zygote",
+        action="store_true",
+        help="start every engine as a fresh process (default: engines that start alone are "
+        "forked from one process that imported vLLM once for the call)",
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -185,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         only,
         ns.resume,
         ns.repeats,
+        not ns.no_zygote,
     )
 
 

@@ -22,6 +22,7 @@ from tools.vllm.harness.measure import Completion, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
 from tools.vllm.harness.profiling import profile
 from tools.vllm.harness.specs import OFFLOAD_SET_ARGS, EngineSpec, Job, Mode
+from tools.vllm.harness.zygote import FORKED_ENV
 
 JOB_SUFFIX = ".job.json"
 RESULT_SUFFIX = ".result.json"
@@ -265,6 +266,8 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         from vllm import LLM, SamplingParams
 
         result["import_s"] = round(time.time() - t0, 1)
+        if FORKED_ENV in os.environ:  # forked from the zygote, which imported vLLM once
+            result["forked"] = json.loads(os.environ[FORKED_ENV])
         from rowcache.vllm._config import MOE_OPS  # the plugin's own list (imports vllm.config)
 
         kw = engine_kwargs(spec, job.model)

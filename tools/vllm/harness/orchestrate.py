@@ -29,6 +29,7 @@ from tools.vllm.harness.measure import cut_short
 from tools.vllm.harness.phases import Results
 from tools.vllm.harness.specs import Checkpoint, EngineSpec, Job
 from tools.vllm.harness.summary import summarize
+from tools.vllm.harness.zygote import ForkedEngine, Zygote
 
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 """The command line every child process runs (``child``, ``register-probe``)."""
@@ -40,6 +41,13 @@ consecutive calls on one machine), new otherwise."""
 KILL_GRACE_S = 20.0
 """An engine still running this long after its deadline is stopped (it saved what it
 measured after every generation)."""
+
+ZYGOTE_READY_S = 120.0
+"""How long the zygote may take to import vLLM and pass its canary (about 20 s on the H200
+machine) before the call's engines start as processes of their own."""
+
+EngineProcess = subprocess.Popen[bytes] | ForkedEngine
+"""An engine's process: started by itself, or forked from the zygote."""
 
 
 def engine_deadline(
@@ -55,6 +63,11 @@ def engine_deadline(
         return None
     share = max(once, left - sum(later_once))
     return now + min(left, share, 1.5 * full if full else left)
+
+
+def zygote_command() -> list[str]:
+    """The zygote's command line (``harness/zygote.py``)."""
+    return [sys.executable, str(E2E), "zygote"]
 
 
 def with_repeats(spec: EngineSpec, repeats: int | None) -> EngineSpec:
@@ -168,6 +181,7 @@ class Run:
         done: Results | None = None,
         run_id: str = "",
         repeats: int | None = None,
+        zygote: bool = False,
     ) -> None:
         self.out = out
         self.run_id = run_id
@@ -180,6 +194,11 @@ class Run:
         self.only = only
         self.repeats = repeats
         """``run --repeats``: every budgeted engine's repeats (None: its own)."""
+        self.use_zygote = zygote
+        """Fork the engines that start alone from one process that imported vLLM
+        (``harness/zygote.py``); started at the first such engine."""
+        self.zygote: Zygote | None = None
+        self.zygote_status: dict[str, Any] = {"used": False}
         self.done: Results = done or {}
         """Complete records of earlier calls (``--resume``): not run again."""
         self.records: list[dict[str, Any]] = list(self.done.values())
@@ -197,7 +216,7 @@ class Run:
             deadline=deadline,
         )
 
-    def launch(self, job: Job, alone: bool = False) -> subprocess.Popen[bytes]:
+    def launch(self, job: Job, alone: bool = False) -> EngineProcess:
         """Start ``job``'s engine; ``alone``: no other engine starts beside it."""
         name = job.spec.name
         if job.spec.caches:
@@ -206,19 +225,45 @@ class Run:
         path.write_text(json.dumps(job.to_json()))
         # An earlier call on the same (warm) machine may have left a result under this name.
         (self.logs / f"{name}{RESULT_SUFFIX}").unlink(missing_ok=True)
+        environ = env(
+            job.spec.env(),
+            engine_cache_root(self.work, name),
+            COMPILE_THREADS_ALONE if alone else COMPILE_THREADS_TOGETHER,
+        )
+        if alone and self.use_zygote:
+            forked = self._zygote().spawn(str(path), str(self.logs / f"{name}.log"), environ)
+            if forked is not None:
+                self.zygote_status["forked"] = self.zygote_status.get("forked", 0) + 1
+                return forked
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it
         return subprocess.Popen(
             [sys.executable, str(E2E), "child", str(path)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env(
-                job.spec.env(),
-                engine_cache_root(self.work, name),
-                COMPILE_THREADS_ALONE if alone else COMPILE_THREADS_TOGETHER,
-            ),
+            env=environ,
         )
 
-    def collect(self, spec: EngineSpec, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    def _zygote(self) -> Zygote:
+        """The call's zygote, started at its first use with the environment of an engine that
+        starts alone (its ``zygote.IMPORT_TIME`` settings are those engines')."""
+        if self.zygote is None:
+            self.zygote = Zygote(
+                zygote_command(),
+                env({}, None, COMPILE_THREADS_ALONE),
+                ZYGOTE_READY_S,
+            )
+            self.zygote_status = {"used": True, **self.zygote.status}
+        else:
+            self.zygote_status.update(self.zygote.status)
+        return self.zygote
+
+    def close(self) -> None:
+        """End the zygote, if one was started."""
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote_status.update(self.zygote.status)
+
+    def collect(self, spec: EngineSpec, proc: EngineProcess) -> dict[str, Any]:
         out = self.logs / f"{spec.name}{RESULT_SUFFIX}"
         if out.exists():
             res: dict[str, Any] = json.loads(out.read_text())
@@ -433,6 +478,7 @@ def run(
     only: tuple[str, ...] = (),
     resume: bool = False,
     repeats: int | None = None,
+    zygote: bool = False,
 ) -> int:
     start = time.time()
     deadline = start + deadline_s
@@ -475,7 +521,7 @@ def run(
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
-    runner = Run(out, work, deadline, profile, build.done, only, done, run_id, repeats)
+    runner = Run(out, work, deadline, profile, build.done, only, done, run_id, repeats, zygote)
     for phase in selected:
         specs = phase.engines(results)
         if build.needed_by([s.checkpoint for s in specs]) and not build.wait(
@@ -484,6 +530,8 @@ def run(
             meta["build_unfinished_at"] = phase.name
         results.update(runner.phase(phase, specs))
         meta[f"after_{phase.name}_s"] = round(time.time() - start, 1)
+    runner.close()
+    meta["zygote"] = runner.zygote_status
     for key in ("register", "register_preloaded"):
         try:
             probe.wait(timeout=5)
