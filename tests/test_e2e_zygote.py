@@ -27,6 +27,9 @@ mode = os.environ.get("FAKE_ZYGOTE", "ok")
 def preload():
     if mode == "preload":
         raise ImportError("No module named 'vllm'")
+    if mode == "thread":
+        import threading
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
     print("a line an import printed", flush=True)  # not the protocol: ignored
 
 def canary():
@@ -113,6 +116,7 @@ def test_an_engine_with_other_import_time_settings_is_refused(tmp_path: Path) ->
     [
         ("preload", "ImportError: No module named 'vllm'"),
         ("canary", "the CUDA canary failed in a forked child: exit 1"),
+        ("thread", "2 threads run after the imports; a fork needs one"),
     ],
 )
 def test_a_zygote_that_cannot_start_says_why(tmp_path: Path, mode: str, said: str) -> None:

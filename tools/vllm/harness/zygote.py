@@ -8,8 +8,10 @@ have had, sends its output to the engine's log, takes /dev/null as its input and
 ``child.main`` as before; the zygote waits for it and reports its exit status.
 
 vLLM forks its own workers from a process that has imported it (its default start method
-where CUDA is not initialized): the zygote never initializes CUDA (it checks), and before
-serving it forks a canary that initializes CUDA and runs one operation. If the import, the
+where CUDA is not initialized): the zygote never initializes CUDA (it checks), runs no thread
+but its own when it forks (it checks: a fork copies only the calling thread, and a lock
+another thread held would hang the engine), and before serving it forks a canary that
+initializes CUDA and runs one operation. If the import, the
 check or the canary fails, the zygote says so and ends, and the orchestrator starts every
 engine as a process of its own, as before, and records why (``Run.zygote_status``).
 
@@ -89,6 +91,14 @@ def _cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
+def _threads() -> int:
+    """The process's threads, native ones included (Linux), else Python's."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
 def _say(out: IO[str], message: dict[str, Any]) -> None:
     out.write(json.dumps(message) + "\n")
     out.flush()
@@ -159,6 +169,12 @@ def serve(
         preload()
         if _cuda_initialized():
             raise RuntimeError("CUDA was initialized while importing: forked engines cannot use it")
+        threads = _threads()
+        if threads > 1:
+            # A fork copies only the calling thread: a lock another thread holds at that
+            # moment stays held in the child forever, and the engine would hang to its
+            # deadline instead of failing.
+            raise RuntimeError(f"{threads} threads run after the imports; a fork needs one")
         import_s = round(time.time() - t0, 1)
         checked = _canary(canary)
         if checked != "ok":
