@@ -27,6 +27,8 @@ mode = os.environ.get("FAKE_ZYGOTE", "ok")
 def preload():
     if mode == "preload":
         raise ImportError("No module named 'vllm'")
+    if mode == "torch":  # as the real zygote: torch (and numpy's native threads) imported
+        import torch
     if mode == "thread":
         import threading
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
@@ -47,6 +49,9 @@ def child(job):
     time.sleep(spec.get("sleep", 0))
     if spec.get("raise"):
         raise ValueError("boom")
+    if spec.get("matmul"):
+        import torch
+        print("matmul", float((torch.ones(64, 64) @ torch.ones(64, 64)).sum()), flush=True)
     os._exit(spec.get("exit", 0))
 
 sys.exit(zygote.serve(preload, child, canary, sys.stdin, sys.stdout))
@@ -73,6 +78,7 @@ def test_engines_are_forked_waited_for_and_killed(tmp_path: Path) -> None:
     z = zygote.Zygote(_command(), _env(), 60)
     try:
         assert z.ready and isinstance(z.status["import_s"], float)
+        assert "python" in z.status["threads"]  # the native threads, recorded
         job, log = _job(tmp_path, "a", exit=0)
         engine = z.spawn(job, log, _env(ENGINE_VAR="seen"))
         assert engine is not None and engine.wait(30) == 0 and engine.poll() == 0
@@ -98,6 +104,18 @@ def test_engines_are_forked_waited_for_and_killed(tmp_path: Path) -> None:
     assert z._proc.returncode == 0  # its input closed, it ended
 
 
+def test_a_forked_engine_computes_with_the_torch_its_zygote_imported(tmp_path: Path) -> None:
+    z = zygote.Zygote(_command(), _env("torch"), 120)
+    try:
+        assert z.ready, z.status
+        job, log = _job(tmp_path, "a", matmul=True)
+        engine = z.spawn(job, log, _env())
+        assert engine is not None and engine.wait(60) == 0
+        assert "matmul 262144.0" in Path(log).read_text()
+    finally:
+        z.close()
+
+
 def test_an_engine_with_other_import_time_settings_is_refused(tmp_path: Path) -> None:
     z = zygote.Zygote(_command(), _env(), 60)
     try:
@@ -116,7 +134,7 @@ def test_an_engine_with_other_import_time_settings_is_refused(tmp_path: Path) ->
     [
         ("preload", "ImportError: No module named 'vllm'"),
         ("canary", "the CUDA canary failed in a forked child: exit 1"),
-        ("thread", "2 threads run after the imports; a fork needs one"),
+        ("thread", "2 Python threads run after the imports; a fork needs one"),
     ],
 )
 def test_a_zygote_that_cannot_start_says_why(tmp_path: Path, mode: str, said: str) -> None:

@@ -8,10 +8,11 @@ have had, sends its output to the engine's log, takes /dev/null as its input and
 ``child.main`` as before; the zygote waits for it and reports its exit status.
 
 vLLM forks its own workers from a process that has imported it (its default start method
-where CUDA is not initialized): the zygote never initializes CUDA (it checks), runs no thread
-but its own when it forks (it checks: a fork copies only the calling thread, and a lock
-another thread held would hang the engine), and before serving it forks a canary that
-initializes CUDA and runs one operation. If the import, the
+where CUDA is not initialized): the zygote never initializes CUDA (it checks), runs no Python
+thread but its own when it forks (it checks: a fork copies only the calling thread, and a lock
+another thread held would hang the engine; it records the native threads, such as the BLAS
+pool numpy's import starts, which handle a fork themselves), and before serving it forks a
+canary that initializes CUDA and runs one operation. If the import, the
 check or the canary fails, the zygote says so and ends, and the orchestrator starts every
 engine as a process of its own, as before, and records why (``Run.zygote_status``).
 
@@ -91,12 +92,20 @@ def _cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def _threads() -> int:
-    """The process's threads, native ones included (Linux), else Python's."""
+def _native_threads() -> list[str]:
+    """The names of the process's threads, native ones included (Linux; none elsewhere)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = os.listdir("/proc/self/task")
     except OSError:
-        return threading.active_count()
+        return []
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            continue
+    return names
 
 
 def _say(out: IO[str], message: dict[str, Any]) -> None:
@@ -169,12 +178,13 @@ def serve(
         preload()
         if _cuda_initialized():
             raise RuntimeError("CUDA was initialized while importing: forked engines cannot use it")
-        threads = _threads()
+        threads = threading.active_count()
         if threads > 1:
-            # A fork copies only the calling thread: a lock another thread holds at that
-            # moment stays held in the child forever, and the engine would hang to its
-            # deadline instead of failing.
-            raise RuntimeError(f"{threads} threads run after the imports; a fork needs one")
+            # A fork copies only the calling thread: a lock another Python thread holds at
+            # that moment stays held in the child forever, and the engine would hang to its
+            # deadline instead of failing. (Native pools such as OpenBLAS's, which numpy's
+            # import starts, handle a fork themselves, as they do under multiprocessing.)
+            raise RuntimeError(f"{threads} Python threads run after the imports; a fork needs one")
         import_s = round(time.time() - t0, 1)
         checked = _canary(canary)
         if checked != "ok":
@@ -182,7 +192,7 @@ def serve(
     except BaseException as exc:
         _say(replies, {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         return 1
-    _say(replies, {"ready": True, "import_s": import_s})
+    _say(replies, {"ready": True, "import_s": import_s, "threads": _native_threads()})
     forked = json.dumps({"import_s": import_s})
     for line in requests:
         if not line.strip():
@@ -224,7 +234,7 @@ class Zygote:
         except queue.Empty:
             first = {"ready": False, "error": f"not ready after {ready_timeout_s:.0f} s"}
         if first.get("ready"):
-            self.status = {"import_s": first.get("import_s")}
+            self.status = {"import_s": first.get("import_s"), "threads": first.get("threads")}
         else:
             self.status = {"error": first.get("error", "ended before it was ready")}
             self.close()
