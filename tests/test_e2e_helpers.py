@@ -296,9 +296,12 @@ def test_phases_pick_engines_by_their_attributes() -> None:
         "tiny.piecewise.eager_moe.idmap",
         "qwen8.b.eager_moe.idmap",
     ]
-    # Only the qwen8 phase profiles (with --profile): (b) and (c).
+    # With --profile: the qwen8 phase's (b) and (c), and the steps phases' eager engines.
     profiled = [s.name for specs in _all_engines().values() for s in specs if s.profiled]
-    assert profiled == ["qwen8.b.eager_moe", "qwen8.c.cached128", "qwen8.c.row128"]
+    eager = [f"{p}.{e}.eager" for p in ("plain", "skew") for e in ("none", "row32dev", "row32host")]
+    assert profiled == ["qwen8.b.eager_moe", "qwen8.c.cached128", "qwen8.c.row128"] + [
+        f"steps.{name}" for name in eager
+    ]
     assert [p.name for p in phases.select(["story", "tiny", "rerun"])] == [
         "rerun",
         "tiny",

@@ -226,7 +226,7 @@ def test_no_time_at_all() -> None:
     assert record["ttft"]["skipped"] == "deadline: no time left"
 
 
-def test_child_workload_with_a_fake_llm(tmp_path: Path) -> None:
+def test_child_workload_with_a_fake_llm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """child.workload against an object with vLLM's generate/apply_model surface."""
 
     class LLM:
@@ -273,6 +273,26 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path) -> None:
     assert asked[-1].keywords == {"row_counts": probes.exactness_rows(2048)}
     out = tmp_path / "r.json"
     child.write_atomic(out, result)
+    assert "profile" not in result  # not asked for: no profile_out
+
+    # With ``run --profile``: one profile of a b1 decode after the measurements; a failing
+    # profile is recorded and the measurements stand.
+    asked_profile: list[Any] = []
+
+    def fake_profile(llm: Any, name: str, out: Path, prompts: list[Any]) -> dict[str, Any]:
+        asked_profile.append((name, out, prompts))
+        if len(asked_profile) > 1:
+            raise RuntimeError("profiler busy")
+        return {"tokens": 64}
+
+    monkeypatch.setattr(child, "profile", fake_profile)
+    profiled = Job(spec, "/m", str(tmp_path), 30.0, profile_out=str(tmp_path / "p.txt"))
+    for expected in ({"tokens": 64}, None):
+        again: dict[str, Any] = {}
+        child.workload(profiled, LLM(), rpc, again, saved.append, sampling)
+        assert again.get("profile") == expected and again["steps"]["decode"]["1"]["tok_s"]
+    assert again["profile_error"] == "RuntimeError: profiler busy"
+    assert asked_profile[0][2] == [{"prompt_token_ids": measure.decode_prompts(small, 1)[0]}]
     assert json.loads(out.read_text())["steps"]["decode"]["1"]["repeats_run"] == 3
 
 

@@ -58,7 +58,8 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
   (``orchestrate.engine_deadline``); engines ``none.full``, ``uva675.full``,
   ``prefetch.full``, ``row32dev.full``, ``none.eager``, ``row32dev.eager``
   (``engines.steps``; ``--only`` picks some, ``--resume`` skips those an earlier call on the
-  same machine completed). Each engine's record goes to OUTDIR/records.jsonl as it ends; the
+  same machine completed; with ``--profile`` the eager engines are profiled as ``qwen8``'s
+  are, after their measurements). Each engine's record goes to OUTDIR/records.jsonl as it ends; the
   summary compares tokens sequence by sequence and marks issue 18's targets
   (``harness/steps_report.py``).
 * ``curve``, ``curve_skew``: the curve users choose from (issue 21, item 3) on the 8-layer
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) >= 2 and args[0] == "register-probe":
         register_probe.main(args[1], fused_moe_first="--fused-moe-first" in args[2:])
         return 0
-    profiled = [spec.name for spec in engines.qwen8() if spec.profiled]
+    profiled = [spec.name for spec in engines.qwen8() + engines.steps() if spec.profiled]
     ap = argparse.ArgumentParser(
         prog="e2e.py",
         description=(__doc__ or "").split("\n\n")[0],
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help=f"qwen8: profile {', '.join(profiled)} after their timed runs",
+        help=f"qwen8 and steps: profile {', '.join(profiled)} after their timed runs",
     )
     ap.add_argument("--deadline", type=float, default=540.0)
     ap.add_argument(

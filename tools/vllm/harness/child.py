@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tools.vllm.harness import kernel_profile, probes
-from tools.vllm.harness.measure import Completion, run_workload
+from tools.vllm.harness.measure import Completion, decode_prompts, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
 from tools.vllm.harness.profiling import profile
 from tools.vllm.harness.specs import OFFLOAD_SET_ARGS, EngineSpec, Job, Mode
@@ -172,9 +172,17 @@ def workload(
                 "provider": after[0].get("provider"),
                 "split": after[0].get("split"),
             }
-        # Last: its random forwards move the cache (after the stats above are taken).
-        if time.time() < deadline:
-            result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)
+    if job.profile_out is not None and time.time() < deadline:
+        # After every measurement, as in ``single``: where a decode step's host time goes.
+        prompts = [{"prompt_token_ids": p} for p in decode_prompts(spec.workload, 1)]
+        try:
+            result["profile"] = profile(llm, spec.name, Path(job.profile_out), prompts)
+        except Exception as exc:  # the measurements stand without the profile
+            result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
+            result["profile_traceback"] = traceback.format_exc()[-3000:]
+    # Last: its random forwards move the cache (after the stats above are taken).
+    if spec.caches and time.time() < deadline:
+        result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)
 
 
 def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) -> None:

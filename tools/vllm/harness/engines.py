@@ -322,9 +322,10 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
         # runs out of time keeps what decides the most.
         engine("row32dev.full", Mode.DEFAULT, knob=row32),
         engine("uva675.full", Mode.DEFAULT, offload=UVA_OFFLOAD),
-        engine("none.eager", Mode.EAGER),
-        engine("row32dev.eager", Mode.EAGER, knob=row32),
-        engine("row32host.eager", Mode.EAGER, knob=row32host),
+        # Profiled with ``run --profile``: the host time of an eager decode step, by planner.
+        engine("none.eager", Mode.EAGER, profiled=True),
+        engine("row32dev.eager", Mode.EAGER, knob=row32, profiled=True),
+        engine("row32host.eager", Mode.EAGER, knob=row32host, profiled=True),
         engine("prefetch.full", Mode.DEFAULT, offload=PREFETCH_OFFLOAD),
     ]
     return [s for s in specs if not only or s.name.removeprefix(prefix + ".") in only]
