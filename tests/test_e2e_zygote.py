@@ -80,6 +80,7 @@ def test_engines_are_forked_waited_for_and_killed(tmp_path: Path) -> None:
         assert z.ready and isinstance(z.status["import_s"], float)
         assert "python" in z.status["threads"]  # the native threads, recorded
         job, log = _job(tmp_path, "a", exit=0)
+        z._messages.put({"pid": 1, "exit": 0})  # an earlier engine's exit, never waited for
         engine = z.spawn(job, log, _env(ENGINE_VAR="seen"))
         assert engine is not None and engine.wait(30) == 0 and engine.poll() == 0
         said = Path(log).read_text()
@@ -101,7 +102,7 @@ def test_engines_are_forked_waited_for_and_killed(tmp_path: Path) -> None:
         assert engine.wait(30) == -9
     finally:
         z.close()
-    assert z._proc.returncode == 0  # its input closed, it ended
+    assert z._proc is not None and z._proc.returncode == 0  # its input closed, it ended
 
 
 def test_a_forked_engine_computes_with_the_torch_its_zygote_imported(tmp_path: Path) -> None:
@@ -144,7 +145,13 @@ def test_a_zygote_that_cannot_start_says_why(tmp_path: Path, mode: str, said: st
         assert "initialization error" in z.status["error"]
     job, log = _job(tmp_path, "a")
     assert z.spawn(job, log, _env()) is None
-    assert z._proc.returncode == 1
+    assert z._proc is not None and z._proc.returncode == 1
+
+
+def test_a_zygote_that_cannot_be_started_says_why() -> None:
+    z = zygote.Zygote(["/nonexistent/python"], _env(), 5)
+    assert not z.ready and z.status["error"].startswith("not started:")
+    z.close()
 
 
 def test_cuda_initialized_by_the_imports_is_refused() -> None:

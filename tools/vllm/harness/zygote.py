@@ -221,13 +221,18 @@ class Zygote:
         self.env = env
         self.status: dict[str, Any] = {}
         self._messages: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._proc = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
+        self._proc: subprocess.Popen[str] | None = None
+        try:
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                text=True,
+            )
+        except OSError as exc:
+            self.status = {"error": f"not started: {exc}"}
+            return
         threading.Thread(target=self._read, daemon=True).start()
         try:
             first = self._messages.get(timeout=ready_timeout_s)
@@ -244,7 +249,7 @@ class Zygote:
         return "error" not in self.status
 
     def _read(self) -> None:
-        assert self._proc.stdout is not None
+        assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
             try:
                 self._messages.put(json.loads(line))
@@ -255,7 +260,7 @@ class Zygote:
     def spawn(self, job: str, log: str, env: dict[str, str]) -> ForkedEngine | None:
         """Fork the engine of ``job`` (None, with ``status["refused"]``, when the zygote
         refuses it or has ended: start that engine as a process of its own)."""
-        if not self.ready or self._proc.stdin is None:
+        if not self.ready or self._proc is None or self._proc.stdin is None:
             return None
         try:
             self._proc.stdin.write(json.dumps({"job": job, "log": log, "env": env}) + "\n")
@@ -263,10 +268,12 @@ class Zygote:
         except OSError as exc:
             self.status["error"] = f"its input is closed: {exc}"
             return None
-        try:
-            reply = self._messages.get(timeout=30)
-        except queue.Empty:
-            reply = {"eof": True}
+        reply: dict[str, Any] = {"exit": None}
+        while "exit" in reply:  # an earlier engine's exit nobody waited for is not the reply
+            try:
+                reply = self._messages.get(timeout=30)
+            except queue.Empty:
+                reply = {"eof": True}
         pid = reply.get("pid")
         if not isinstance(pid, int):
             why = reply.get("error") or "ended"
@@ -278,6 +285,8 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (its input closed) and wait for it."""
+        if self._proc is None:
+            return
         if self._proc.stdin is not None and not self._proc.stdin.closed:
             with contextlib.suppress(OSError):
                 self._proc.stdin.close()
