@@ -387,7 +387,7 @@ def _layer(fake: Any, section: dict[str, object] | None, online: bool = False) -
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    _engine(fake, section)
+    _engine(fake, section, quantization="fp8")
     config = Fp8Config(is_checkpoint_fp8_serialized=not online, weight_block_size=[128, 128])
     if online:
         config.weight_block_size = None
@@ -601,7 +601,7 @@ def test_other_fp8_checkpoints_are_rejected_by_name(
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    _engine(fake_fp8, {"moe_expert_cache_size": 4})
+    _engine(fake_fp8, {"moe_expert_cache_size": 4}, quantization="fp8")
     with pytest.raises(RuntimeError) as info:
         RoutedExperts(_moe(), Fp8Config(weight_block_size=block))
     assert fragment in str(info.value) and "moe_expert_cache_size=4" in str(info.value)
@@ -616,20 +616,20 @@ def test_other_quantized_methods_are_rejected_by_name(fake_fp8: Any) -> None:
         moe = _moe()
 
     quant_config = SimpleNamespace(get_quant_method=lambda layer, prefix: ModelOptNvFp4FusedMoE())
-    _engine(fake_fp8, {"moe_expert_cache_size": 4})
+    _engine(fake_fp8, {"moe_expert_cache_size": 4}, quantization="fp8")
     with pytest.raises(RuntimeError) as info:
         RoutedExperts(_moe(), quant_config)
     message = str(info.value)
     assert "does not support vLLM's MoE method ModelOptNvFp4FusedMoE yet" in message
     assert "Fp8MoEMethod with 128 x 128 block scales" in message
     # The knob off: vLLM's method, whatever it is.
-    _engine(fake_fp8, None)
+    _engine(fake_fp8, None, quantization="fp8")
     method = RoutedExperts(_moe(), quant_config).quant_method
     assert type(method) is ModelOptNvFp4FusedMoE
     # No quantization: the unquantized method, ours through the registry.
     from rowcache.vllm._method import RowcacheMoEMethod
 
-    _engine(fake_fp8, {"moe_expert_cache_size": 4})
+    _engine(fake_fp8, {"moe_expert_cache_size": 4}, quantization="fp8")
     assert type(RoutedExperts(_moe()).quant_method) is RowcacheMoEMethod
 
 

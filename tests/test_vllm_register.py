@@ -602,7 +602,14 @@ class ReferenceKernel:
         return out
 
 
-def _engine(fake: Any, section: dict[str, object] | None, graph_rows: int = 0) -> None:
+def _engine(
+    fake: Any,
+    section: dict[str, object] | None,
+    graph_rows: int = 0,
+    quantization: str | None = None,
+) -> None:
+    """The current engine's configuration as the method reads it: eager, or piecewise graphs
+    up to ``graph_rows``; ``quantization``: the model's (the defaults depend on it)."""
     from vllm.config.compilation import CUDAGraphMode
 
     mode = CUDAGraphMode.PIECEWISE if graph_rows else CUDAGraphMode.NONE
@@ -611,6 +618,7 @@ def _engine(fake: Any, section: dict[str, object] | None, graph_rows: int = 0) -
         compilation_config=SimpleNamespace(
             cudagraph_mode=mode, max_cudagraph_capture_size=graph_rows
         ),
+        model_config=SimpleNamespace(quantization=quantization),
     )
     fake.config.CURRENT.append(config)
 
