@@ -8,22 +8,22 @@ have had, sends its output to the engine's log, takes /dev/null as its input and
 ``child.main`` as before; the zygote waits for it and reports its exit status.
 
 vLLM forks its own workers from a process that has imported it (its default start method
-where CUDA is not initialized): the zygote never initializes CUDA (it checks), runs no Python
-thread but its own when it forks (it checks: a fork copies only the calling thread, and a lock
-another thread held would hang the engine; it records the native threads, such as the BLAS
-pool numpy's import starts, which handle a fork themselves), and before serving it forks a
-canary that initializes CUDA and runs one operation. If the import, the
-check or the canary fails, the zygote says so and ends, and the orchestrator starts every
-engine as a process of its own, as before, and records why (``Run.zygote_status``).
+where CUDA is not initialized). The zygote checks three things before it serves: CUDA is not
+initialized; no Python thread runs but its own (a fork copies only the calling thread, and a
+lock another thread held would hang the engine instead of failing it; native threads, such as
+the BLAS pool numpy's import starts, handle a fork themselves and are only recorded); and a
+forked canary can initialize CUDA and run one operation. If the import or a check fails, the
+zygote says so and ends, and the orchestrator starts every engine as a process of its own, as
+before, and records why (``Run.zygote_status``).
 
 Only engines whose start needs no other import-time setting than the zygote's are forked
 (``IMPORT_TIME``: torch's inductor reads its worker count when it is imported, vLLM
 configures its logging when it is imported); the zygote refuses any other, and that engine
 starts as a process of its own.
 
-Protocol, one JSON object a line: the zygote says ``{"ready": true, "import_s": s}`` or
-``{"ready": false, "error": e}``; the orchestrator asks ``{"job": path, "log": path, "env":
-{...}}``; the zygote answers ``{"pid": n}`` (or ``{"pid": null, "error": e}``) and, once the
+Protocol, one JSON object a line: the zygote says ``{"ready": true, "import_s": s,
+"threads": [names]}`` or ``{"ready": false, "error": e}``; the orchestrator asks ``{"job":
+path, "log": path, "env": {...}}``; the zygote answers ``{"pid": n}`` (or ``{"pid": null, "error": e}``) and, once the
 child has ended, ``{"pid": n, "exit": code}`` (a negative code: the signal that ended it, as
 ``subprocess.Popen.returncode`` says it). One engine at a time: the next request is read
 after the last child's exit is reported. The zygote ends when its input ends.
