@@ -20,6 +20,8 @@ of:
 * ``lfu``: after each step the cache keeps the ``capacity`` experts of highest decayed
   request count among the residents and the step's experts (counts multiplied by ``decay``
   every step): a frequency-aware victim choice;
+* ``lfu passes``: the same where a step has more experts than slots and is served in passes,
+  whose last pass's experts stay (``lfu_passes_hit_rate``);
 * ``bound``: the same choice by the step of next use (the nearest kept), which knows the
   future: no policy of this kind does better.
 
@@ -46,6 +48,7 @@ from tools.vllm.router_skew import zipf_scales
 __all__ = [
     "bound_hit_rate",
     "lfu_hit_rate",
+    "lfu_passes_hit_rate",
     "lru_hit_rate",
     "main",
     "provider_hit_rate",
@@ -177,6 +180,40 @@ def lfu_hit_rate(
     return _keeping(steps, warm, capacity, lambda _i, e: -counts[e], after)
 
 
+def lfu_passes_hit_rate(
+    steps: Sequence[Tensor], warm: int, capacity: int = CAPACITY, decay: float = 0.99
+) -> float:
+    """``lfu_hit_rate`` where a step has more experts than slots, as passes must serve it: the
+    hits first, then the misses from the least requested up, ``capacity`` a pass; each later
+    pass evicts the least requested experts of the earlier passes (every slot holds one of
+    them by then), so the last pass's experts stay."""
+    counts = [0.0] * EXPERTS
+    resident: set[int] = set()
+
+    def hits_of(_index: int, wanted: list[int]) -> int:
+        nonlocal resident
+        hits = [e for e in wanted if e in resident]
+        for expert in range(EXPERTS):
+            counts[expert] *= decay
+        for expert in wanted:
+            counts[expert] += 1.0
+        if len(wanted) <= capacity:
+            candidates = sorted(resident | set(wanted), key=lambda e: (-counts[e], e))
+            resident = set(candidates[:capacity])
+            return len(hits)
+        misses = sorted((e for e in wanted if e not in resident), key=lambda e: (counts[e], e))
+        order = hits + misses
+        slots = set(order[:capacity])
+        for start in range(capacity, len(order), capacity):
+            loading = order[start : start + capacity]
+            victims = sorted(slots, key=lambda e: (counts[e], e))[: len(loading)]
+            slots = (slots - set(victims)) | set(loading)
+        resident = slots
+        return len(hits)
+
+    return _rate(steps, warm, hits_of)
+
+
 def bound_hit_rate(steps: Sequence[Tensor], warm: int, capacity: int = CAPACITY) -> float:
     """Keep the experts requested soonest after this step (it knows the future)."""
     never = len(steps)
@@ -225,6 +262,7 @@ POLICIES: dict[str, Callable[[Sequence[Tensor], Tensor, int], float]] = {
     "device": lambda steps, _s, warm: provider_hit_rate("device", steps, warm),
     "static": lambda steps, scales, warm: static_hit_rate(steps, scales, warm),
     "lfu": lambda steps, _s, warm: lfu_hit_rate(steps, warm),
+    "lfu passes": lambda steps, _s, warm: lfu_passes_hit_rate(steps, warm),
     "bound": lambda steps, _s, warm: bound_hit_rate(steps, warm),
 }
 

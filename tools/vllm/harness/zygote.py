@@ -23,10 +23,11 @@ starts as a process of its own.
 
 Protocol, one JSON object a line: the zygote says ``{"ready": true, "import_s": s,
 "threads": [names]}`` or ``{"ready": false, "error": e}``; the orchestrator asks ``{"job":
-path, "log": path, "env": {...}}``; the zygote answers ``{"pid": n}`` (or ``{"pid": null, "error": e}``) and, once the
-child has ended, ``{"pid": n, "exit": code}`` (a negative code: the signal that ended it, as
-``subprocess.Popen.returncode`` says it). One engine at a time: the next request is read
-after the last child's exit is reported. The zygote ends when its input ends.
+path, "log": path, "env": {...}}``; the zygote answers ``{"pid": n}`` (or ``{"pid": null,
+"error": e}``) and, once the child has ended, ``{"pid": n, "exit": code}`` (a negative code:
+the signal that ended it, as ``subprocess.Popen.returncode`` says it). One engine at a time:
+the next request is read after the last child's exit is reported. The zygote ends when its
+input ends.
 """
 
 from __future__ import annotations
