@@ -43,6 +43,8 @@ def child(job):
     spec = given.get("fake", {{}})
     print("child", job, os.environ.get("ENGINE_VAR"), os.environ.get(zygote.FORKED_ENV),
           flush=True)
+    if "spec" in given and os.environ.get("FAKE_CHILD_FAILS"):
+        os._exit(1)  # no result: a failed engine
     if "spec" in given:  # an orchestrator's job: write its result as an engine would
         out = job.replace({JOB_SUFFIX!r}, {RESULT_SUFFIX!r})
         json.dump({{"name": given["spec"]["name"], "ok": True}}, open(out, "w"))
@@ -244,3 +246,29 @@ def test_without_a_zygote_engines_start_as_processes_of_their_own(
     assert isinstance(proc, Popen) and started and started[0][-2] == "child"
     assert run.zygote_status["used"] is True
     assert "ImportError" in run.zygote_status["error"]
+
+
+def test_a_failed_forked_engine_turns_the_zygote_off_for_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It may have failed for being forked: the later engines start as before."""
+    run = _run(tmp_path, monkeypatch, "ok")
+    monkeypatch.setenv("FAKE_CHILD_FAILS", "1")
+    first, second = engines.steps(only=("none.full", "row32dev.full"))
+    monkeypatch.setattr(orchestrate, "require_plugin", lambda: None)
+    try:
+        (record,) = run.engines([first], orchestrate.time.time() + 60)
+        assert record["ok"] is False and record["exit"] == 1
+        assert run.use_zygote is False
+        assert run.zygote_status["disabled"] == f"after {first.name}: no result (exit 1)"
+        started: list[list[str]] = []
+
+        class Popen:
+            def __init__(self, args: list[str], **kwargs: Any) -> None:
+                started.append(args)
+
+        monkeypatch.setattr(orchestrate.subprocess, "Popen", Popen)
+        run.launch(run.job(second, tmp_path), alone=True)
+        assert started and started[0][-2] == "child"
+    finally:
+        run.close()

@@ -316,6 +316,12 @@ class Run:
                 proc.kill()
                 proc.wait()
             results.append(self.collect(spec, proc))
+            if isinstance(proc, ForkedEngine) and not results[-1].get("ok"):
+                # A forked engine that failed may have failed for being forked: the call's
+                # later engines start as processes of their own, at the cost of their imports.
+                self.use_zygote = False
+                why = results[-1].get("error") or f"exit {proc.returncode}"
+                self.zygote_status["disabled"] = f"after {spec.name}: {why}"[:400]
         return results
 
     def picked(self, specs: list[EngineSpec]) -> list[EngineSpec]:
