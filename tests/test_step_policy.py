@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from rowcache import HostPlannedProvider, RowCacheWeightProvider
-from rowcache.forward import run_with_expert_cache
-from rowcache.types import ExpertWeightResult
+from rowcache.bench.steps import hit_rate_over
 
 E, C, K = 128, 32, 8
 WARM, MEASURED = 50, 150
@@ -30,20 +29,10 @@ def hit_rate(planner: str, rows: int, seed: int = 0) -> float:
         planner=planner,  # type: ignore[arg-type]
     )
     rng = random.Random(seed)
-
-    def run(weights: ExpertWeightResult, part: slice, shared: bool) -> Tensor:
-        return torch.zeros(rows, 1)
-
-    before = (0, 0)
-    for step in range(WARM + MEASURED):
-        if step == WARM:
-            stats = provider.stats()
-            before = (stats["hits"], stats["misses"])
-        ids = torch.tensor([rng.sample(range(E), K) for _ in range(rows)])
-        run_with_expert_cache(provider, ids, run)
-    stats = provider.stats()
-    hits, misses = stats["hits"] - before[0], stats["misses"] - before[1]
-    return hits / (hits + misses)
+    steps = [
+        torch.tensor([rng.sample(range(E), K) for _ in range(rows)]) for _ in range(WARM + MEASURED)
+    ]
+    return hit_rate_over(provider, steps, WARM)
 
 
 @pytest.mark.parametrize("rows", [8, 32])

@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from rowcache import RowCacheWeightProvider
-from rowcache.forward import run_with_expert_cache
+from rowcache.bench.steps import hit_rate_over
 from rowcache.provider_base import Planner
-from rowcache.types import ExpertWeightResult
+from tools.vllm.router_skew import lru_hit_rate as router_lru
 from tools.vllm.router_skew import zipf_scales
 
 __all__ = [
@@ -103,36 +102,12 @@ def provider_hit_rate(
         split="expert",
         planner=planner,
     )
-
-    def run(weights: ExpertWeightResult, part: slice, shared: bool) -> Tensor:
-        return torch.zeros(part.stop - part.start, 1)
-
-    before = (0, 0)
-    for index, step in enumerate(steps):
-        if index == warm:
-            stats = provider.stats()
-            before = (int(stats["hits"]), int(stats["misses"]))
-        run_with_expert_cache(provider, step, run)
-    stats = provider.stats()
-    hits, misses = int(stats["hits"]) - before[0], int(stats["misses"]) - before[1]
-    return hits / max(1, hits + misses)
+    return hit_rate_over(provider, steps, warm)
 
 
 def lru_hit_rate(steps: Sequence[Tensor], warm: int, capacity: int = CAPACITY) -> float:
-    """The providers' policy, as a few lines: hits served first, then misses; the least
-    recently served leave first (residents the step did not request before any it did)."""
-    resident: OrderedDict[int, None] = OrderedDict()
-
-    def hits_of(_index: int, wanted: list[int]) -> int:
-        hits = [e for e in wanted if e in resident]
-        for expert in hits + [e for e in wanted if e not in resident]:
-            resident.pop(expert, None)
-            resident[expert] = None
-        while len(resident) > capacity:
-            resident.popitem(last=False)
-        return len(hits)
-
-    return _rate(steps, warm, hits_of)
+    """The providers' policy in a few lines (``tools/vllm/router_skew.lru_hit_rate``)."""
+    return router_lru([_distinct(s) for s in steps], capacity, warm)
 
 
 def static_hit_rate(

@@ -42,17 +42,20 @@ def skew_router_(weight: Tensor, alpha: float, seed: int) -> Tensor:
     return scales
 
 
-def lru_hit_rate(steps: list[list[int]], capacity: int) -> float:
+def lru_hit_rate(steps: list[list[int]], capacity: int, warm: int = 0) -> float:
     """Hits over requests of an LRU cache of ``capacity`` experts fed ``steps`` (each a list
-    of distinct experts; the requested ones become the most recently used)."""
+    of distinct experts), counted after the first ``warm`` steps. The cache's own order: a
+    step's hits are served first, then its misses, and the least recently served leave first
+    (residents the step did not request before any it did), so a step of more experts than
+    slots keeps those it served last."""
     resident: OrderedDict[int, None] = OrderedDict()
     hits = requests = 0
-    for step in steps:
-        requests += len(step)
-        for expert in step:
-            if expert in resident:
-                hits += 1
-        for expert in sorted(step):
+    for index, step in enumerate(steps):
+        found = [e for e in sorted(step) if e in resident]
+        if index >= warm:
+            hits += len(found)
+            requests += len(step)
+        for expert in found + [e for e in sorted(step) if e not in resident]:
             resident.pop(expert, None)
             resident[expert] = None
         while len(resident) > capacity:
