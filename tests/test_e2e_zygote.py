@@ -237,7 +237,8 @@ def test_without_a_zygote_engines_start_as_processes_of_their_own(
             return 0
 
     try:
-        run._zygote()  # it fails to start (its import); its own process is not patched
+        # The zygote fails to start (its import), before Popen is patched for the engine.
+        run.zygote = zygote.Zygote(_command(), _env("preload"), 60)
         monkeypatch.setattr(orchestrate.subprocess, "Popen", Popen)
         job = run.job(spec, tmp_path)
         proc = run.launch(job, alone=True)

@@ -175,14 +175,22 @@ def workload(
     if job.profile_out is not None and time.time() < deadline:
         # After every measurement, as in ``single``: where a decode step's host time goes.
         prompts = [{"prompt_token_ids": p} for p in decode_prompts(spec.workload, 1)]
-        try:
-            result["profile"] = profile(llm, spec.name, Path(job.profile_out), prompts)
-        except Exception as exc:  # the measurements stand without the profile
-            result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
-            result["profile_traceback"] = traceback.format_exc()[-3000:]
+        profile_into(result, llm, spec.name, Path(job.profile_out), prompts)
     # Last: its random forwards move the cache (after the stats above are taken).
     if spec.caches and time.time() < deadline:
         result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)
+
+
+def profile_into(
+    result: dict[str, Any], llm: Any, name: str, out: Path, prompts: list[dict[str, Any]]
+) -> None:
+    """``profiling.profile`` of ``prompts`` into ``result["profile"]``; a failure is recorded
+    beside the measurements, which stand without it."""
+    try:
+        result["profile"] = profile(llm, name, out, prompts)
+    except Exception as exc:
+        result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
+        result["profile_traceback"] = traceback.format_exc()[-3000:]
 
 
 def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) -> None:
@@ -206,11 +214,7 @@ def single(job: Job, llm: Any, rpc: Any, result: dict[str, Any], sampling: Any) 
             runs.append([list(o.outputs[0].token_ids) for o in outs])
         after_layers = rpc(probes.stats, None)
         if job.profile_out is not None:
-            try:
-                result["profile"] = profile(llm, spec.name, Path(job.profile_out), prompts)
-            except Exception as exc:  # the timed results stand without the profile
-                result["profile_error"] = f"{type(exc).__name__}: {exc}"[:600]
-                result["profile_traceback"] = traceback.format_exc()[-3000:]
+            profile_into(result, llm, spec.name, Path(job.profile_out), prompts)
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
         lock.close()

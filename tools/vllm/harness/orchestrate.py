@@ -198,7 +198,8 @@ class Run:
         """Fork the engines that start alone from one process that imported vLLM
         (``harness/zygote.py``); started at the first such engine."""
         self.zygote: Zygote | None = None
-        self.zygote_status: dict[str, Any] = {"used": False}
+        self.forked = 0
+        self.zygote_disabled: str | None = None
         self.done: Results = done or {}
         """Complete records of earlier calls (``--resume``): not run again."""
         self.records: list[dict[str, Any]] = list(self.done.values())
@@ -231,9 +232,13 @@ class Run:
             COMPILE_THREADS_ALONE if alone else COMPILE_THREADS_TOGETHER,
         )
         if alone and self.use_zygote:
-            forked = self._zygote().spawn(str(path), str(self.logs / f"{name}.log"), environ)
+            if self.zygote is None:  # started with an engine's environment that starts alone
+                self.zygote = Zygote(
+                    zygote_command(), env({}, None, COMPILE_THREADS_ALONE), ZYGOTE_READY_S
+                )
+            forked = self.zygote.spawn(str(path), str(self.logs / f"{name}.log"), environ)
             if forked is not None:
-                self.zygote_status["forked"] = self.zygote_status.get("forked", 0) + 1
+                self.forked += 1
                 return forked
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it
         return subprocess.Popen(
@@ -243,25 +248,22 @@ class Run:
             env=environ,
         )
 
-    def _zygote(self) -> Zygote:
-        """The call's zygote, started at its first use with the environment of an engine that
-        starts alone (its ``zygote.IMPORT_TIME`` settings are those engines')."""
+    @property
+    def zygote_status(self) -> dict[str, Any]:
+        """For the run's record: whether a zygote was started, what it said (its import time
+        and threads, or why it could not serve, engines it refused), engines forked, and why
+        it was turned off."""
         if self.zygote is None:
-            self.zygote = Zygote(
-                zygote_command(),
-                env({}, None, COMPILE_THREADS_ALONE),
-                ZYGOTE_READY_S,
-            )
-            self.zygote_status = {"used": True, **self.zygote.status}
-        else:
-            self.zygote_status.update(self.zygote.status)
-        return self.zygote
+            return {"used": False}
+        status: dict[str, Any] = {"used": True, **self.zygote.status, "forked": self.forked}
+        if self.zygote_disabled is not None:
+            status["disabled"] = self.zygote_disabled
+        return status
 
     def close(self) -> None:
         """End the zygote, if one was started."""
         if self.zygote is not None:
             self.zygote.close()
-            self.zygote_status.update(self.zygote.status)
 
     def collect(self, spec: EngineSpec, proc: EngineProcess) -> dict[str, Any]:
         out = self.logs / f"{spec.name}{RESULT_SUFFIX}"
@@ -321,7 +323,7 @@ class Run:
                 # later engines start as processes of their own, at the cost of their imports.
                 self.use_zygote = False
                 why = results[-1].get("error") or f"exit {proc.returncode}"
-                self.zygote_status["disabled"] = f"after {spec.name}: {why}"[:400]
+                self.zygote_disabled = f"after {spec.name}: {why}"[:400]
         return results
 
     def picked(self, specs: list[EngineSpec]) -> list[EngineSpec]:
@@ -528,15 +530,17 @@ def run(
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
     runner = Run(out, work, deadline, profile, build.done, only, done, run_id, repeats, zygote)
-    for phase in selected:
-        specs = phase.engines(results)
-        if build.needed_by([s.checkpoint for s in specs]) and not build.wait(
-            deadline - time.time()
-        ):
-            meta["build_unfinished_at"] = phase.name
-        results.update(runner.phase(phase, specs))
-        meta[f"after_{phase.name}_s"] = round(time.time() - start, 1)
-    runner.close()
+    try:
+        for phase in selected:
+            specs = phase.engines(results)
+            if build.needed_by([s.checkpoint for s in specs]) and not build.wait(
+                deadline - time.time()
+            ):
+                meta["build_unfinished_at"] = phase.name
+            results.update(runner.phase(phase, specs))
+            meta[f"after_{phase.name}_s"] = round(time.time() - start, 1)
+    finally:
+        runner.close()
     meta["zygote"] = runner.zygote_status
     for key in ("register", "register_preloaded"):
         try:

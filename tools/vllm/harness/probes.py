@@ -191,8 +191,8 @@ def exactness_rows(max_batched_tokens: int) -> tuple[int, ...]:
     512 tokens a step, 2,048 rows asked)."""
     if max_batched_tokens < 1:
         raise ValueError(f"max_batched_tokens must be at least 1, got {max_batched_tokens}")
-    rows = [m for m in EXACTNESS_ROWS if m <= max_batched_tokens]
-    if not rows or rows[-1] < max_batched_tokens < EXACTNESS_ROWS[-1]:
+    rows = [m for m in EXACTNESS_ROWS if m <= max_batched_tokens]  # 1 at least
+    if rows[-1] < max_batched_tokens < EXACTNESS_ROWS[-1]:
         rows.append(max_batched_tokens)
     return tuple(rows)
 

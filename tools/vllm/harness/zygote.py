@@ -121,14 +121,13 @@ def _fork(body: Callable[[], None]) -> int:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child's coverage is its observable effects
-        code = 1
         try:
             body()
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            os._exit(1)
     return pid
 
 
