@@ -195,12 +195,10 @@ def default_split(
     """The host planner's split for an engine in ``mode`` serving a model of ``quantization``
     without a split setting, and why (``evidence``: ``EVIDENCE`` when not given)."""
     evidence = EVIDENCE if evidence is None else evidence
-    where = _where(mode, quantization)
+    place = ""
     if mode == "full":  # the host planner runs between piecewise graphs (adjust_graphs)
-        mode = "piecewise"
-        where = _where(
-            mode, quantization, "piecewise graphs (full graphs lowered for the host planner)"
-        )
+        mode, place = "piecewise", "piecewise graphs (full graphs lowered for the host planner)"
+    where = _where(mode, quantization, place)
     if provider == "cached":
         return "token", "default for provider 'cached'"
     exact = _recorded(evidence, HOST_EXPERT_EXACT, mode, quantization)
