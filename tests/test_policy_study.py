@@ -52,20 +52,18 @@ def test_the_byte_model() -> None:
     assert study.uva_ratio(0.625) == pytest.approx(2.0)
 
 
-def test_the_command_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tools.policy_study", "--rows", "8", "--steps", "60"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "host" in done.stdout and "bound" in done.stdout
-    refused = subprocess.run(
-        [sys.executable, "-m", "tools.policy_study", "--steps", "10", "--warm", "10"],
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tools.policy_study", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def test_the_command_line() -> None:
+    done = _cli("--rows", "8", "--steps", "60")
+    assert done.returncode == 0 and "host" in done.stdout and "bound" in done.stdout
+    refused = _cli("--steps", "10", "--warm", "10")
     assert refused.returncode == 2 and "--warm 10 must be below --steps 10" in refused.stderr

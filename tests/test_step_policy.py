@@ -11,33 +11,26 @@ import pytest
 import torch
 from torch import Tensor
 
-from rowcache import HostPlannedProvider, RowCacheWeightProvider
-from rowcache.bench.steps import hit_rate_over
+from rowcache import HostPlannedProvider
+from rowcache.provider_base import Planner
+from tools.policy_study import provider_hit_rate
 
 E, C, K = 128, 32, 8
 WARM, MEASURED = 50, 150
 TARGET = 0.24
 
 
-def hit_rate(planner: str, rows: int, seed: int = 0) -> float:
-    provider = RowCacheWeightProvider(
-        torch.zeros(E, 2, 1),
-        torch.zeros(E, 1, 1),
-        capacity=C,
-        device="cpu",
-        split="expert",
-        planner=planner,  # type: ignore[arg-type]
-    )
+def hit_rate(planner: Planner, rows: int, seed: int = 0) -> float:
     rng = random.Random(seed)
     steps = [
         torch.tensor([rng.sample(range(E), K) for _ in range(rows)]) for _ in range(WARM + MEASURED)
     ]
-    return hit_rate_over(provider, steps, WARM)
+    return provider_hit_rate(planner, steps, WARM, capacity=C)
 
 
 @pytest.mark.parametrize("rows", [8, 32])
 @pytest.mark.parametrize("planner", ["host", "device"])
-def test_steps_larger_than_the_cache_keep_the_static_hit_rate(planner: str, rows: int) -> None:
+def test_steps_larger_than_the_cache_keep_the_static_hit_rate(planner: Planner, rows: int) -> None:
     rate = hit_rate(planner, rows)
     assert rate >= TARGET, f"{planner} planner, {rows} rows: hit rate {rate:.3f} < {TARGET}"
 
