@@ -32,6 +32,10 @@ def preload():
     if mode == "thread":
         import threading
         threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    if mode == "rewrite":  # as vLLM's env_override does when it is imported
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        os.environ["SET_BY_IMPORT"] = "yes"
+        del os.environ["REMOVED_BY_IMPORT"]
     print("a line an import printed", flush=True)  # not the protocol: ignored
 
 def canary():
@@ -43,6 +47,8 @@ def child(job):
     spec = given.get("fake", {{}})
     print("child", job, os.environ.get("ENGINE_VAR"), os.environ.get(zygote.FORKED_ENV),
           flush=True)
+    print("env", *(os.environ.get(k) for k in
+          ("TORCHINDUCTOR_COMPILE_THREADS", "SET_BY_IMPORT", "REMOVED_BY_IMPORT")), flush=True)
     if "spec" in given and os.environ.get("FAKE_CHILD_FAILS"):
         os._exit(1)  # no result: a failed engine
     if "spec" in given:  # an orchestrator's job: write its result as an engine would
@@ -128,6 +134,28 @@ def test_an_engine_with_other_import_time_settings_is_refused(tmp_path: Path) ->
         assert z.ready  # the next engine is still forked
         engine = z.spawn(job, log, _env())
         assert engine is not None and engine.wait(30) == 0
+    finally:
+        z.close()
+
+
+def test_what_importing_rewrote_is_no_refusal_and_reaches_the_engine(tmp_path: Path) -> None:
+    # vLLM's import sets TORCHINDUCTOR_COMPILE_THREADS=1 in its own process: the engine asked
+    # for the 8 the zygote started with, and gets what its own process would have had.
+    z = zygote.Zygote(_command(), _env("rewrite", REMOVED_BY_IMPORT="x"), 60)
+    try:
+        assert z.ready, z.status
+        assert z.status["import_rewrites"] == [
+            "REMOVED_BY_IMPORT",
+            "SET_BY_IMPORT",
+            "TORCHINDUCTOR_COMPILE_THREADS",
+        ]
+        job, log = _job(tmp_path, "a")
+        engine = z.spawn(job, log, _env(REMOVED_BY_IMPORT="x"))
+        assert engine is not None, z.status
+        assert engine.wait(30) == 0
+        assert "env 1 yes None" in Path(log).read_text()
+        assert z.spawn(job, log, _env(TORCHINDUCTOR_COMPILE_THREADS="1")) is None
+        assert "TORCHINDUCTOR_COMPILE_THREADS" in z.status["refused"][0]
     finally:
         z.close()
 

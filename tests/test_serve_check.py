@@ -228,7 +228,7 @@ def test_deadline_stops_a_server_that_never_answers(tmp_path: Path, fakes: Fakes
     assert fakes.alive() == []
 
 
-def test_sequential_servers_and_the_deadline_between_them(tmp_path: Path, fakes: Fakes) -> None:
+def test_servers_one_at_a_time_and_the_deadline_between_them(tmp_path: Path, fakes: Fakes) -> None:
     now = [0.0]
     complete = fakes.complete
 
@@ -241,7 +241,7 @@ def test_sequential_servers_and_the_deadline_between_them(tmp_path: Path, fakes:
         now[0] += seconds
 
     record = sc.run(
-        _options(tmp_path, deadline=50, sequential=True),
+        _options(tmp_path, deadline=50),  # one at a time is the default
         launcher=fakes.launcher,
         complete=slow_complete,
         clock=lambda: now[0],
@@ -256,6 +256,26 @@ def test_sequential_servers_and_the_deadline_between_them(tmp_path: Path, fakes:
     }
     assert record["verdict"] == "incomplete"
     assert len(fakes.launched) == 1
+    assert fakes.alive() == []
+
+
+def test_concurrent_servers_all_start_before_the_first_query(tmp_path: Path, fakes: Fakes) -> None:
+    launched_at_first_query: list[int] = []
+    complete = fakes.complete
+
+    def counting_complete(*args: Any) -> list[dict[str, Any]]:
+        launched_at_first_query.append(len(fakes.launched))
+        return complete(*args)
+
+    record = sc.run(
+        _options(tmp_path, deadline=60, concurrent=True),
+        launcher=fakes.launcher,
+        complete=counting_complete,
+        vocab=512,
+        sleep=time.sleep,
+    )
+    assert record["verdict"] == "pass", sc.summary(record)
+    assert launched_at_first_query[0] == 3
     assert fakes.alive() == []
 
 

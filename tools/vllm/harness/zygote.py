@@ -19,15 +19,19 @@ before, and records why (``Run.zygote_status``).
 Only engines whose start needs no other import-time setting than the zygote's are forked
 (``IMPORT_TIME``: torch's inductor reads its worker count when it is imported, vLLM
 configures its logging when it is imported); the zygote refuses any other, and that engine
-starts as a process of its own.
+starts as a process of its own. Both sides of that comparison are environments as a process
+starts: importing vLLM rewrites some of its own variables (0.25.0's ``env_override`` sets
+``TORCHINDUCTOR_COMPILE_THREADS=1`` and ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), so the zygote
+keeps the values it started with, and a forked engine gets its own environment with the
+import's rewrites applied on top, as its own process would have after the same import.
 
 Protocol, one JSON object a line: the zygote says ``{"ready": true, "import_s": s,
-"threads": [names]}`` or ``{"ready": false, "error": e}``; the orchestrator asks ``{"job":
-path, "log": path, "env": {...}}``; the zygote answers ``{"pid": n}`` (or ``{"pid": null,
-"error": e}``) and, once the child has ended, ``{"pid": n, "exit": code}`` (a negative code:
-the signal that ended it, as ``subprocess.Popen.returncode`` says it). One engine at a time:
-the next request is read after the last child's exit is reported. The zygote ends when its
-input ends.
+"threads": [names], "import_rewrites": [names]}`` or ``{"ready": false, "error": e}``; the
+orchestrator asks ``{"job": path, "log": path, "env": {...}}``; the zygote answers
+``{"pid": n}`` (or ``{"pid": null, "error": e}``) and, once the child has ended, ``{"pid": n,
+"exit": code}`` (a negative code: the signal that ended it, as ``subprocess.Popen.returncode``
+says it). One engine at a time: the next request is read after the last child's exit is
+reported. The zygote ends when its input ends.
 """
 
 from __future__ import annotations
@@ -150,8 +154,22 @@ def _canary(canary: Callable[[], None]) -> str:
     return "ok" if code == 0 else f"exit {code}: {said.strip()[-1500:]}"
 
 
-def _engine(request: dict[str, Any], run_child: Callable[[str], None], forked: str) -> None:
-    """The forked engine: its log as output, no input, its environment, then the child."""
+def _import_rewrites(before: dict[str, str], after: dict[str, str]) -> dict[str, str | None]:
+    """What importing did to the environment: a value set (or changed), or None: removed."""
+    out: dict[str, str | None] = {k: v for k, v in after.items() if before.get(k) != v}
+    out.update({k: None for k in before if k not in after})
+    return out
+
+
+def _engine(
+    request: dict[str, Any],
+    run_child: Callable[[str], None],
+    forked: str,
+    rewrites: dict[str, str | None],
+) -> None:
+    """The forked engine: its log as output, no input, its environment with the imports'
+    ``rewrites`` applied (what its own process would have after the same imports), then the
+    child."""
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -161,6 +179,11 @@ def _engine(request: dict[str, Any], run_child: Callable[[str], None], forked: s
     os.close(null)
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, value in rewrites.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     os.environ[FORKED_ENV] = forked
     run_child(request["job"])
 
@@ -174,6 +197,7 @@ def serve(
 ) -> int:
     """The zygote's life (module docstring): import, check, canary, then one engine a request."""
     t0 = time.time()
+    started_with = dict(os.environ)  # the comparison's side: as a process starts (docstring)
     try:
         preload()
         if _cuda_initialized():
@@ -192,17 +216,26 @@ def serve(
     except BaseException as exc:
         _say(replies, {"ready": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         return 1
-    _say(replies, {"ready": True, "import_s": import_s, "threads": _native_threads()})
+    rewrites = _import_rewrites(started_with, dict(os.environ))
+    _say(
+        replies,
+        {
+            "ready": True,
+            "import_s": import_s,
+            "threads": _native_threads(),
+            "import_rewrites": sorted(rewrites),
+        },
+    )
     forked = json.dumps({"import_s": import_s})
     for line in requests:
         if not line.strip():
             continue
         request = json.loads(line)
-        wrong = [name for name in IMPORT_TIME if request["env"].get(name) != os.environ.get(name)]
+        wrong = [n for n in IMPORT_TIME if request["env"].get(n) != started_with.get(n)]
         if wrong:
             _say(replies, {"pid": None, "error": f"import-time settings differ: {wrong}"})
             continue
-        pid = _fork(functools.partial(_engine, request, run_child, forked))
+        pid = _fork(functools.partial(_engine, request, run_child, forked, rewrites))
         _say(replies, {"pid": pid})
         _, status = os.waitpid(pid, 0)
         _say(replies, {"pid": pid, "exit": os.waitstatus_to_exitcode(status)})
@@ -239,7 +272,11 @@ class Zygote:
         except queue.Empty:
             first = {"ready": False, "error": f"not ready after {ready_timeout_s:.0f} s"}
         if first.get("ready"):
-            self.status = {"import_s": first.get("import_s"), "threads": first.get("threads")}
+            self.status = {
+                "import_s": first.get("import_s"),
+                "threads": first.get("threads"),
+                "import_rewrites": first.get("import_rewrites"),
+            }
         else:
             self.status = {"error": first.get("error", "ended before it was ready")}
             self.close()
