@@ -184,7 +184,7 @@ def test_a_zygote_that_cannot_be_started_says_why() -> None:
     z.close()
 
 
-def test_cuda_initialized_by_the_imports_is_refused() -> None:
+def test_cuda_initialized_by_the_imports_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     class Cuda:
         @staticmethod
         def is_initialized() -> bool:
@@ -203,20 +203,17 @@ def test_cuda_initialized_by_the_imports_is_refused() -> None:
             pass
 
     def preload() -> None:
-        sys.modules["torch"] = Torch  # type: ignore[assignment]
+        # undone after the test, also where torch was not imported before (later tests
+        # import the real one)
+        monkeypatch.setitem(sys.modules, "torch", Torch)
 
-    saved = sys.modules.get("torch")
-    try:
-        code = zygote.serve(
-            preload,
-            lambda job: None,
-            lambda: None,
-            iter([]),  # type: ignore[arg-type]
-            Out(),  # type: ignore[arg-type]
-        )
-    finally:
-        if saved is not None:
-            sys.modules["torch"] = saved
+    code = zygote.serve(
+        preload,
+        lambda job: None,
+        lambda: None,
+        iter([]),  # type: ignore[arg-type]
+        Out(),  # type: ignore[arg-type]
+    )
     assert code == 1 and "CUDA was initialized while importing" in replies[0]
 
 
