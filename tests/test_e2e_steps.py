@@ -385,9 +385,11 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     )
     results = run.phase(phase, phase.engines({}))
     assert [n for n, _ in given] == ["steps.plain.none.full", "steps.plain.uva675.full"]
-    # none.full leaves uva and prefetch their once (160 + 370 s), but keeps its own 105 s; uva
-    # then ends at 265 s, and prefetch does not start with 185 s left.
-    assert given[0][1] == 105.0
+    # none.full leaves uva and prefetch their once (160 + 370 s), but keeps its own 105 s and,
+    # the call's first engine, the model-info cache's (FIRST_ENGINE_S); uva then ends at
+    # 265 s (its own 160: not the first), and prefetch does not start with 185 s left.
+    assert given[0][1] == 105.0 + orchestrate.FIRST_ENGINE_S
+    assert given[1][1] == 105.0 + 160.0
     assert results["steps.plain.prefetch.full"]["error"].startswith("not run: time")
     lines = (out / orchestrate.RECORDS).read_text().splitlines()
     assert [json.loads(x)["name"] for x in lines] == [n for n, _ in given]
