@@ -8,6 +8,7 @@ summary's table and targets.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import subprocess
@@ -410,6 +411,66 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     names = [json.loads(x)["name"] for x in (out / orchestrate.RECORDS).read_text().splitlines()]
     assert names[:2] == ["steps.plain.none.full", "steps.plain.uva675.full"]
     assert len(names) == len(set(names))
+
+
+def test_the_first_engine_that_starts_gets_the_first_engines_time(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """FIRST_ENGINE_S goes to the first engine the call starts (not to one an earlier call
+    completed, nor to one that did not fit), and the zygote starts before that engine's
+    deadline is set, only when the engine will start."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (work / "logs").mkdir(parents=True)
+    clock = [0.0]
+    monkeypatch.setattr(orchestrate.time, "time", lambda: clock[0])
+    events: list[tuple[str, float | None]] = []
+
+    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
+        events.append((specs[0].name, deadline))
+        clock[0] += specs[0].time_once_s
+        return [_fake_result(specs[0], [[1, 2]] * 32)]
+
+    def start_zygote(self: Any) -> None:
+        events.append(("zygote", None))
+        clock[0] += 20.0
+
+    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    monkeypatch.setattr(orchestrate.Run, "start_zygote", start_zygote)
+    phase = next(p for p in phases.PHASES if p.name == "steps")
+    specs = phase.engines({})
+    done = {specs[0].name: _fake_result(specs[0], [[1, 2]] * 32)}  # none.full: resumed
+    only = ("none.full", "row32dev.full", "none.eager", "row32host.eager")
+    # In 150 s: row32dev (170 s once, 195 as the first) does not fit, and starts no zygote;
+    # none.eager (80 + 25) does, after the zygote's 20 s, leaving row32host its 130 s where it
+    # can (it cannot: the first engine keeps its 105); row32host then does not fit.
+    run = orchestrate.Run(out, work, 150.0, False, lambda: True, only=only, done=done, zygote=True)
+    results = run.phase(phase, specs)
+    first = 80.0 + orchestrate.FIRST_ENGINE_S
+    assert events == [("zygote", None), ("steps.plain.none.eager", 20.0 + first)]
+    assert results["steps.plain.row32dev.full"]["error"].startswith("not run: time")
+    assert results["steps.plain.row32host.eager"]["error"].startswith("not run: time")
+    assert run.started_any
+
+
+def test_an_engine_without_an_estimate_is_not_capped(tmp_path: Path, monkeypatch: Any) -> None:
+    """``time_full_s`` 0 means no estimate with every repeat: the engine may use the call's
+    time (after the first engine's extra, its ``once`` still counts)."""
+    (tmp_path / "work" / "logs").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(orchestrate.time, "time", lambda: 0.0)
+    given: list[float | None] = []
+
+    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
+        given.append(deadline)
+        return [_fake_result(specs[0], [[1, 2]] * 32)]
+
+    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    phase = next(p for p in phases.PHASES if p.name == "steps")
+    spec = dataclasses.replace(phase.engines({})[0], time_full_s=0.0)
+    run = orchestrate.Run(tmp_path / "out", tmp_path / "work", 900.0, False, lambda: True)
+    run.budgeted([spec])
+    assert given == [900.0]
 
 
 def test_a_record_the_deadline_cut_short_runs_again_on_resume() -> None:

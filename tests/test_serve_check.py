@@ -279,6 +279,22 @@ def test_concurrent_servers_all_start_before_the_first_query(tmp_path: Path, fak
     assert fakes.alive() == []
 
 
+@pytest.mark.parametrize(("flags", "concurrent"), [([], False), (["--concurrent"], True)])
+def test_the_command_line_starts_one_at_a_time_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], concurrent: bool
+) -> None:
+    seen: list[sc.Options] = []
+
+    def run(options: sc.Options) -> dict[str, Any]:
+        seen.append(options)
+        return {"verdict": "pass"}
+
+    monkeypatch.setattr(sc, "run", run)
+    monkeypatch.setattr(sc, "summary", lambda record: "")
+    assert sc.main(["--model", "/models/tiny", "--out", str(tmp_path), *flags]) == 0
+    assert seen[0].concurrent is concurrent
+
+
 def test_wait_ready_with_a_fake_clock() -> None:
     class Proc:
         pid = 1

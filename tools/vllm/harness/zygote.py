@@ -21,9 +21,12 @@ Only engines whose start needs no other import-time setting than the zygote's ar
 configures its logging when it is imported); the zygote refuses any other, and that engine
 starts as a process of its own. Both sides of that comparison are environments as a process
 starts: importing vLLM rewrites some of its own variables (0.25.0's ``env_override`` sets
-``TORCHINDUCTOR_COMPILE_THREADS=1`` and ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), so the zygote
-keeps the values it started with, and a forked engine gets its own environment with the
-import's rewrites applied on top, as its own process would have after the same import.
+``TORCHINDUCTOR_COMPILE_THREADS=1`` and ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, and sets others
+only where they are unset), so the zygote keeps the values it started with, and a forked
+engine gets its own environment with the imports' rewrites applied on top, as its own process
+would have after the same imports. That holds only where the engine starts with the zygote's
+value of each rewritten variable (an import that sets a variable only where it is unset would
+have left an engine's own value alone), so an engine with another value of one is refused too.
 
 Protocol, one JSON object a line: the zygote says ``{"ready": true, "import_s": s,
 "threads": [names], "import_rewrites": [names]}`` or ``{"ready": false, "error": e}``; the
@@ -232,8 +235,13 @@ def serve(
             continue
         request = json.loads(line)
         wrong = [n for n in IMPORT_TIME if request["env"].get(n) != started_with.get(n)]
-        if wrong:
-            _say(replies, {"pid": None, "error": f"import-time settings differ: {wrong}"})
+        rewritten = [n for n in rewrites if request["env"].get(n) != started_with.get(n)]
+        if wrong or rewritten:
+            said = f"import-time settings differ: {wrong}" if wrong else ""
+            if rewritten:
+                said += "; " if said else ""
+                said += f"variables the imports rewrote differ: {sorted(rewritten)}"
+            _say(replies, {"pid": None, "error": said})
             continue
         pid = _fork(functools.partial(_engine, request, run_child, forked, rewrites))
         _say(replies, {"pid": pid})
@@ -247,7 +255,8 @@ class Zygote:
 
     ``command``: the zygote's command line (``e2e.py zygote``); ``env``: its environment (the
     import-time settings of the engines it may fork). ``status`` says how it went, for the
-    run's record: ``{"import_s": s}`` when ready, else ``{"error": e}``.
+    run's record: ``{"import_s": s, "threads": [...], "import_rewrites": [...]}`` when ready,
+    else ``{"error": e}``; engines it refused are added under ``refused``.
     """
 
     def __init__(self, command: list[str], env: dict[str, str], ready_timeout_s: float) -> None:
