@@ -47,8 +47,11 @@ def test_steps_engines_and_their_arguments() -> None:
         assert EngineSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
         job = Job(spec, "/m", "/b", 30.0, deadline=123.0)
         assert Job.from_json(json.loads(json.dumps(job.to_json()))) == job
-        ref = "none.eager" if spec.mode is Mode.EAGER else "none.full"
+        ref = {Mode.EAGER: "none.eager", Mode.PIECEWISE: "none.piecewise"}.get(
+            spec.mode, "none.full"
+        )
         assert spec.compare_with == (f"steps.plain.{ref}",), label
+        assert label.split(".")[-1] == ref.split(".")[-1], label  # the same graph mode
         assert 0 < spec.time_once_s <= spec.time_full_s
     common = {
         "model": "/w/qwen8",

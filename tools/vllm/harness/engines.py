@@ -233,8 +233,13 @@ STEPS_LABELS = (
     "row32dev.eager",
     "row32host.eager",
     "prefetch.full",
+    "none.piecewise",
+    "row32dev.piecewise",
 )
-"""The engines of one checkpoint, in the order they run (``--only`` picks among them)."""
+"""The engines of one checkpoint, in the order they run (``--only`` picks among them). The
+last two are the record piecewise graphs alone wait for (``cudagraph_mode`` PIECEWISE, the MoE
+op captured inside the pieces): the device planner's tokens against no offload there, which
+``rowcache.vllm.defaults`` needs before the device planner becomes that mode's default."""
 UVA_OFFLOAD = Offload(OffloadBackend.UVA, cpu_offload_gb=6.75, cpu_offload_params=("experts",))
 """6.75 of the 9.0 GiB of experts in pinned host memory, read through unified addressing."""
 PREFETCH_OFFLOAD = Offload(
@@ -263,7 +268,12 @@ _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "none.eager": ((80, 100), (70, 90)),
     "row32dev.eager": ((140, 250), (90, 140)),
     "row32host.eager": ((130, 240), (90, 140)),
+    # Not run yet: as the full-graph engines (the same compilation, fewer graphs captured).
+    "none.piecewise": ((105, 120), (100, 110)),
+    "row32dev.piecewise": ((170, 280), (110, 150)),
 }
+_REFERENCE = {Mode.EAGER: "none.eager", Mode.PIECEWISE: "none.piecewise"}
+"""Each graph mode's no-offload engine, its engines' token reference (else ``none.full``)."""
 
 
 def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[EngineSpec]:
@@ -291,7 +301,7 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
 
     def engine(label: str, mode: Mode, **fields: Any) -> EngineSpec:
         once, full = _TIMES[label][skewed]
-        ref = "none.eager" if mode is Mode.EAGER else "none.full"
+        ref = _REFERENCE.get(mode, "none.full")
         return EngineSpec(
             name=f"{prefix}.{label}",
             checkpoint=checkpoint,
@@ -327,6 +337,8 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
         engine("row32dev.eager", Mode.EAGER, knob=row32, profiled=True),
         engine("row32host.eager", Mode.EAGER, knob=row32host, profiled=True),
         engine("prefetch.full", Mode.DEFAULT, offload=PREFETCH_OFFLOAD),
+        engine("none.piecewise", Mode.PIECEWISE),
+        engine("row32dev.piecewise", Mode.PIECEWISE, knob=row32),
     ]
     return [s for s in specs if not only or s.name.removeprefix(prefix + ".") in only]
 

@@ -18,6 +18,7 @@ UVA = "uva675.full"
 PREFETCH = "prefetch.full"
 DEVICE_EAGER = "row32dev.eager"
 HOST_EAGER = "row32host.eager"
+DEVICE_PIECEWISE = "row32dev.piecewise"
 MEASURES = ("b1", "b8", "b32", "ttft")
 
 
@@ -349,13 +350,13 @@ def targets(results: Results, prefix: str) -> list[str]:
     lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
     eager = _ratio(results, prefix, "b1", HOST_EAGER, 1.0, True, DEVICE_EAGER)
     lines += [eager] if eager is not None else []
-    for label in ("none2.full", ROW, DEVICE_EAGER, HOST_EAGER):
+    for label in ("none2.full", ROW, DEVICE_EAGER, HOST_EAGER, DEVICE_PIECEWISE):
         verdict = _token_verdict(results, f"{prefix}.{label}")
         if verdict is None:
             continue
         what = " (the control: a second no-offload engine)" if label == "none2.full" else ""
         lines.append(f"  tokens {label} identical to no offload{what}: {verdict}")
-    for label in (ROW, DEVICE_EAGER, HOST_EAGER):
+    for label in (ROW, DEVICE_EAGER, HOST_EAGER, DEVICE_PIECEWISE):
         line = exactness_line(results.get(f"{prefix}.{label}"), label)
         if line is not None:
             lines.append(line)
