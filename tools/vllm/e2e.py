@@ -55,9 +55,10 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
   checkpoint, plain and built with ``--router-skew 1.0``: one engine at a time, each measuring
   b1, b8 and b32 decode of 256 greedy tokens (medians of three) and the time to first token of
   three distinct 2,048-token prompts (``harness/measure.py``) before a deadline of its own
-  (``orchestrate.engine_deadline``); engines ``none.full``, ``uva675.full``,
-  ``prefetch.full``, ``row32dev.full``, ``none.eager``, ``row32dev.eager``
-  (``engines.steps``; ``--only`` picks some, ``--resume`` skips those an earlier call on the
+  (``orchestrate.engine_deadline``); engines ``none.full``, ``none2.full`` (the control),
+  ``row32dev.full``, ``uva675.full``, ``none.eager``, ``row32dev.eager``, ``row32host.eager``,
+  ``prefetch.full``, ``none.piecewise``, ``row32dev.piecewise`` (``engines.STEPS_LABELS``, in
+  that order; ``--only`` picks some, ``--resume`` skips those an earlier call on the
   same machine completed; with ``--profile`` the eager engines are profiled as ``qwen8``'s
   are, after their measurements). Each engine's record goes to OUTDIR/records.jsonl as it ends; the
   summary compares tokens sequence by sequence and marks issue 18's targets
