@@ -159,7 +159,7 @@ def test_what_importing_rewrote_is_no_refusal_and_reaches_the_engine(tmp_path: P
         # A variable the imports set, which this engine sets to its own value: its own
         # process would have kept it if the import only sets it where unset; refused.
         assert z.spawn(job, log, _env(REMOVED_BY_IMPORT="x", SET_BY_IMPORT="mine")) is None
-        assert "imports rewrote differ: ['SET_BY_IMPORT']" in z.status["refused"][1]
+        assert "import-time settings differ: ['SET_BY_IMPORT']" in z.status["refused"][1]
     finally:
         z.close()
 

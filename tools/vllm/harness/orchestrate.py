@@ -211,7 +211,8 @@ class Run:
         self.zygote: Zygote | None = None
         self.forked = 0
         self.started_any = False
-        """Whether this call has started an engine, of any phase (``FIRST_ENGINE_S``)."""
+        """Whether this call has started an engine of a budgeted phase (``FIRST_ENGINE_S``; an
+        earlier phase's engines only make the first budgeted one's extra time unneeded)."""
         self.zygote_disabled: str | None = None
         self.done: Results = done or {}
         """Complete records of earlier calls (``--resume``): not run again."""
@@ -244,7 +245,6 @@ class Run:
             engine_cache_root(self.work, name),
             COMPILE_THREADS_ALONE if alone else COMPILE_THREADS_TOGETHER,
         )
-        self.started_any = True
         if alone and self.use_zygote:
             zygote = self.start_zygote()
             forked = zygote.spawn(str(path), str(self.logs / f"{name}.log"), environ)
@@ -367,22 +367,23 @@ class Run:
                 continue
             later = [s.time_once_s for s in specs[i + 1 :] if s.name not in self.done]
             extra = 0.0 if self.started_any else FIRST_ENGINE_S
+            once = spec.time_once_s + extra
             full = spec.time_full_s + extra if spec.time_full_s else 0.0  # 0: no estimate
-            if self.use_zygote and time.time() + spec.time_once_s + extra <= self.deadline:
+            if self.use_zygote and self.deadline - time.time() >= once:
                 # Its start (about 20 s) is no engine's: before the engine's deadline is set.
                 self.start_zygote()
             now = time.time()
-            deadline = engine_deadline(now, self.deadline, spec.time_once_s + extra, full, later)
+            deadline = engine_deadline(now, self.deadline, once, full, later)
             if deadline is None:
                 results[spec.name] = {
                     "name": spec.name,
                     "spec": spec.to_json(),
                     "ok": False,
                     "error": f"not run: time ({self.deadline - now:.0f} s left, needs about "
-                    f"{spec.time_once_s + extra:.0f} s; run again with --resume)",
+                    f"{once:.0f} s; run again with --resume)",
                 }
                 continue
-            self.started_any = True  # (launch says so too, for the other phases)
+            self.started_any = True
             for r in self.engines([spec], deadline):
                 r["engine_deadline_s"] = round(deadline - now, 1)
                 results[r["name"]] = r

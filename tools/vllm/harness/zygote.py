@@ -234,14 +234,11 @@ def serve(
         if not line.strip():
             continue
         request = json.loads(line)
-        wrong = [n for n in IMPORT_TIME if request["env"].get(n) != started_with.get(n)]
-        rewritten = [n for n in rewrites if request["env"].get(n) != started_with.get(n)]
-        if wrong or rewritten:
-            said = f"import-time settings differ: {wrong}" if wrong else ""
-            if rewritten:
-                said += "; " if said else ""
-                said += f"variables the imports rewrote differ: {sorted(rewritten)}"
-            _say(replies, {"pid": None, "error": said})
+        # The import-time settings, and the variables the imports rewrote (docstring).
+        names = sorted({*IMPORT_TIME, *rewrites})
+        wrong = [n for n in names if request["env"].get(n) != started_with.get(n)]
+        if wrong:
+            _say(replies, {"pid": None, "error": f"import-time settings differ: {wrong}"})
             continue
         pid = _fork(functools.partial(_engine, request, run_child, forked, rewrites))
         _say(replies, {"pid": pid})
@@ -260,7 +257,6 @@ class Zygote:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], ready_timeout_s: float) -> None:
-        self.env = env
         self.status: dict[str, Any] = {}
         self._messages: queue.Queue[dict[str, Any]] = queue.Queue()
         self._proc: subprocess.Popen[str] | None = None
