@@ -106,25 +106,19 @@ EVIDENCE: tuple[Evidence, ...] = (
         gpu="H200",
         record="docs/vllm/2026-12-01-steps/run3/",
     ),
-    Evidence(
-        claim=TOKENS_EXACT,
-        modes=("eager",),
-        quantizations=(None,),
-        date="2026-12-02",
-        commit="17fd5a4",
-        vllm="vLLM 0.25.0",
-        gpu="H200",
-        record="docs/vllm/2026-12-02-steps/run6/",
-    ),
-    Evidence(
-        claim=HOST_EXPERT_EXACT,
-        modes=("eager",),
-        quantizations=(None,),
-        date="2026-12-02",
-        commit="17fd5a4",
-        vllm="vLLM 0.25.0",
-        gpu="H200",
-        record="docs/vllm/2026-12-02-steps/run6/",
+    # Steps run 6: one run, two claims in eager mode (both planners' tokens).
+    *(
+        Evidence(
+            claim=claim,
+            modes=("eager",),
+            quantizations=(None,),
+            date="2026-12-02",
+            commit="17fd5a4",
+            vllm="vLLM 0.25.0",
+            gpu="H200",
+            record="docs/vllm/2026-12-02-steps/run6/",
+        )
+        for claim in (TOKENS_EXACT, HOST_EXPERT_EXACT)
     ),
 )
 """The runs that switch a default (module docstring)."""
