@@ -140,6 +140,15 @@ def _keeping(
     return _rate(steps, warm, hits_of)
 
 
+def _count(counts: list[float], wanted: list[int], decay: float) -> None:
+    """One step of the decayed request counts: every count times ``decay``, then one more
+    for each expert the step requests."""
+    for expert in range(len(counts)):
+        counts[expert] *= decay
+    for expert in wanted:
+        counts[expert] += 1.0
+
+
 def lfu_hit_rate(
     steps: Sequence[Tensor], warm: int, capacity: int = CAPACITY, decay: float = 0.99
 ) -> float:
@@ -147,10 +156,7 @@ def lfu_hit_rate(
     counts = [0.0] * EXPERTS
 
     def after(_index: int, wanted: list[int]) -> None:
-        for expert in range(EXPERTS):
-            counts[expert] *= decay
-        for expert in wanted:
-            counts[expert] += 1.0
+        _count(counts, wanted, decay)
 
     return _keeping(steps, warm, capacity, lambda _i, e: -counts[e], after)
 
@@ -168,10 +174,7 @@ def lfu_passes_hit_rate(
     def hits_of(_index: int, wanted: list[int]) -> int:
         nonlocal resident
         hits = [e for e in wanted if e in resident]
-        for expert in range(EXPERTS):
-            counts[expert] *= decay
-        for expert in wanted:
-            counts[expert] += 1.0
+        _count(counts, wanted, decay)
         if len(wanted) <= capacity:
             candidates = sorted(resident | set(wanted), key=lambda e: (-counts[e], e))
             resident = set(candidates[:capacity])

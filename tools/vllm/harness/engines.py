@@ -255,9 +255,9 @@ GiB resident and 1.125 GiB in flight, the 2.25 GiB of 32 slots per layer."""
 # repeat: `none.full` 73, `row32dev.full` 127, `uva675.full` 154; skewed once: `none.eager`
 # 45, `row32dev.eager` 62, `row32host.eager` 62. A repeat adds two generations of each batch
 # size (plain `row32dev.full`: b1 1.84 s, b8 14.6 s, b32 33 s a generation; eager engines b8
-# 15 s, b32 33 to 40 s). The margins cover a call's first engine (20 s more: it fills the
-# model-info cache) and a noisier machine. The prefetch offloader is run 4's (64905c3): about
-# 155 ms a step at every batch size (39.4 s a b1 generation).
+# 15 s, b32 33 to 40 s). The margins cover a noisier machine; a call's first engine gets
+# orchestrate.FIRST_ENGINE_S more (it fills the model-info cache). The prefetch offloader is
+# run 4's (64905c3): about 155 ms a step at every batch size (39.4 s a b1 generation).
 _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     # label: ((plain once, plain full), (skewed once, skewed full))
     "none.full": ((105, 120), (100, 110)),
