@@ -369,7 +369,11 @@ def _fake_result(spec: EngineSpec, tokens: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch: Any) -> None:
+def _fake_budget(
+    tmp_path: Path, monkeypatch: Any
+) -> tuple[Path, Path, list[float], list[tuple[str, float | None]]]:
+    """OUT and WORK under ``tmp_path``, a fake clock, and ``Run.engines`` faked: each engine
+    is recorded with its deadline and takes its once estimate on the clock."""
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
     (work / "logs").mkdir(parents=True)
@@ -379,10 +383,15 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
 
     def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
         given.append((specs[0].name, deadline))
-        clock[0] += specs[0].time_once_s  # each takes its once estimate
+        clock[0] += specs[0].time_once_s
         return [_fake_result(specs[0], [[1, 2]] * 32)]
 
     monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    return out, work, clock, given
+
+
+def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch: Any) -> None:
+    out, work, clock, given = _fake_budget(tmp_path, monkeypatch)
     phase = next(p for p in phases.PHASES if p.name == "steps")
     run = orchestrate.Run(
         out, work, 450.0, False, lambda: True, only=("none.full", "uva675.full", "prefetch.full")
@@ -422,23 +431,12 @@ def test_the_first_engine_that_starts_gets_the_first_engines_time(
     """FIRST_ENGINE_S goes to the first engine the call starts (not to one an earlier call
     completed, nor to one that did not fit), and the zygote starts before that engine's
     deadline is set, only when the engine will start."""
-    out, work = tmp_path / "out", tmp_path / "work"
-    out.mkdir()
-    (work / "logs").mkdir(parents=True)
-    clock = [0.0]
-    monkeypatch.setattr(orchestrate.time, "time", lambda: clock[0])
-    events: list[tuple[str, float | None]] = []
-
-    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
-        events.append((specs[0].name, deadline))
-        clock[0] += specs[0].time_once_s
-        return [_fake_result(specs[0], [[1, 2]] * 32)]
+    out, work, clock, events = _fake_budget(tmp_path, monkeypatch)
 
     def start_zygote(self: Any) -> None:
         events.append(("zygote", None))
         clock[0] += 20.0
 
-    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
     monkeypatch.setattr(orchestrate.Run, "start_zygote", start_zygote)
     phase = next(p for p in phases.PHASES if p.name == "steps")
     specs = phase.engines({})
@@ -459,21 +457,11 @@ def test_the_first_engine_that_starts_gets_the_first_engines_time(
 def test_an_engine_without_an_estimate_is_not_capped(tmp_path: Path, monkeypatch: Any) -> None:
     """``time_full_s`` 0 means no estimate with every repeat: the engine may use the call's
     time (after the first engine's extra, its ``once`` still counts)."""
-    (tmp_path / "work" / "logs").mkdir(parents=True)
-    (tmp_path / "out").mkdir()
-    monkeypatch.setattr(orchestrate.time, "time", lambda: 0.0)
-    given: list[float | None] = []
-
-    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
-        given.append(deadline)
-        return [_fake_result(specs[0], [[1, 2]] * 32)]
-
-    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    out, work, _, given = _fake_budget(tmp_path, monkeypatch)
     phase = next(p for p in phases.PHASES if p.name == "steps")
     spec = dataclasses.replace(phase.engines({})[0], time_full_s=0.0)
-    run = orchestrate.Run(tmp_path / "out", tmp_path / "work", 900.0, False, lambda: True)
-    run.budgeted([spec])
-    assert given == [900.0]
+    orchestrate.Run(out, work, 900.0, False, lambda: True).budgeted([spec])
+    assert given == [(spec.name, 900.0)]
 
 
 def test_a_record_the_deadline_cut_short_runs_again_on_resume() -> None:
