@@ -867,13 +867,14 @@ def test_an_engine_that_starts_alone_compiles_with_more_workers(
     assert orchestrate.COMPILE_THREADS_ALONE > orchestrate.COMPILE_THREADS_TOGETHER == 2
 
 
-def test_engines_share_vllms_model_info_cache_and_nothing_else(
+def test_engines_share_model_infos_and_deep_gemm_kernels_and_nothing_else(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
     """Each engine's ``VLLM_CACHE_ROOT`` is its own (its compile cache too), with the run's one
-    ``modelinfos`` directory linked in: what the first engine learns of its model class the
-    next reads instead of importing torch and vLLM again in a subprocess (21 to 25 s a start in
-    steps run 5)."""
+    ``modelinfos`` and ``deep_gemm`` directories linked in: what the first engine learns of its
+    model class the next reads instead of importing torch and vLLM again in a subprocess (21 to
+    25 s a start in steps run 5), and the DeepGEMM kernels the first FP8 engine compiles the
+    next loads (about 60 s a start in the FP8 run of 2026-12-02)."""
     roots: list[Path] = []
 
     def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> _Exited:
@@ -893,9 +894,10 @@ def test_engines_share_vllms_model_info_cache_and_nothing_else(
     run.engines(specs[:1])  # the same engine again (a resumed call): the link stays
     first, second, again = roots
     assert first != second and first == again
-    assert (first / orchestrate.MODELINFOS).resolve() == (second / orchestrate.MODELINFOS).resolve()
-    (first / orchestrate.MODELINFOS / "m.json").write_text("{}")
-    assert (second / orchestrate.MODELINFOS / "m.json").read_text() == "{}"
+    for cache in (orchestrate.MODELINFOS, orchestrate.DEEP_GEMM):
+        assert (first / cache).resolve() == (second / cache).resolve()
+        (first / cache / "m.json").write_text("{}")
+        assert (second / cache / "m.json").read_text() == "{}"
     (first / "torch_compile_cache").mkdir()
     assert not (second / "torch_compile_cache").exists()
 
@@ -906,6 +908,15 @@ def test_vllm_keeps_model_infos_where_the_harness_links_them(version: str) -> No
     registry = vllm_wheels.read(version, path)[path]
     wanted = f'Path(envs.VLLM_CACHE_ROOT) / "{orchestrate.MODELINFOS}"'
     assert wanted in registry
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.33.0"])
+def test_vllm_keeps_deep_gemm_kernels_where_the_harness_links_them(version: str) -> None:
+    path = "vllm/utils/deep_gemm.py"
+    source = vllm_wheels.read(version, path)[path]
+    indent = "\n" + " " * 12
+    wanted = f'os.path.join({indent}envs.VLLM_CACHE_ROOT, "{orchestrate.DEEP_GEMM}"\n'
+    assert wanted in source
 
 
 def test_tokens_not_compared_everywhere_are_incomplete_not_met() -> None:

@@ -171,6 +171,8 @@ FAKE_FP8 = {
         """,
     "vllm/model_executor/layers/quantization/__init__.py": "",
     "vllm/model_executor/layers/quantization/fp8.py": """
+        from abc import ABC
+
         import torch
 
         from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
@@ -197,7 +199,15 @@ FAKE_FP8 = {
 
                 return Fp8PerTensorOnlineMoEMethod(layer=layer)
 
-        class Fp8MoEMethod:
+        # vLLM's methods descend from abc.ABC (QuantizeMethodBase -> FusedMoEMethodBase):
+        # that ancestry fixes the layout a cached subclass must match.
+        class QuantizeMethodBase(ABC):
+            pass
+
+        class FusedMoEMethodBase(QuantizeMethodBase):
+            pass
+
+        class Fp8MoEMethod(FusedMoEMethodBase):
             BACKEND = Fp8MoeBackend.TRITON  # select_fp8_moe_backend's choice on the H200
             EXPERTS = TritonExperts
 

@@ -135,8 +135,9 @@ def _check_backend(method: Any) -> None:
 def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
     """``method`` (vLLM's, just built) as the cache's, or a ``RowcacheError`` naming it.
 
-    The instance keeps everything vLLM's constructor chose (backend, experts class, block
-    size); only its class changes, to our subclass of its class.
+    The method returned is a new instance of our subclass of its class holding everything
+    vLLM's constructor chose (backend, experts class, block size); the caller hands it to vLLM
+    in place of ``method``.
     """
     name = type(method).__name__
     target: type[Any]
@@ -158,10 +159,14 @@ def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
         )
     _check_backend(method)
     capacity = check_layer(method.moe, settings, name)
-    method.__class__ = target
-    method._init_cache_state(settings, config)
-    method._rowcache_capacity = capacity
-    method._rowcache_hosts = {}
+    # A new instance with the constructor's attributes, not ``method.__class__ = target``:
+    # vLLM's methods descend from abc.ABC, and a subclass with our mixin in front has another
+    # object layout, which class assignment refuses.
+    adopted: Any = object.__new__(target)
+    vars(adopted).update(vars(method))
+    adopted._init_cache_state(settings, config)
+    adopted._rowcache_capacity = capacity
+    adopted._rowcache_hosts = {}
     if target is RowcacheFp8OnlineMoEMethod:
         message = (
             f"rowcache: {name} (online per-tensor FP8): a step cut into several kernel calls "
@@ -171,7 +176,7 @@ def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
         if message not in _said:
             _said.add(message)
             logger.warning(message)
-    return method
+    return adopted
 
 
 class _CachedFp8Forward(CachedForward):

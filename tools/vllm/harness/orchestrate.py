@@ -159,22 +159,32 @@ MODELINFOS = "modelinfos"
 ``_LazyRegisteredModel.inspect_model_cls``), keyed by the model's Python file and its hash.
 Without it an engine learns them by importing torch and vLLM again in a subprocess: 21 to 25 s
 of every engine's start in steps run 5."""
+DEEP_GEMM = "deep_gemm"
+"""DeepGEMM's JIT cache under ``VLLM_CACHE_ROOT`` (0.25.0: ``vllm/utils/deep_gemm.py`` sets
+``DG_JIT_CACHE_DIR`` there unless it is set). vLLM picks DeepGEMM for the dense layers of a
+block-scaled FP8 checkpoint and compiles its kernels for every token count at start-up: about
+60 s of each FP8 engine's start in the FP8 run of 2026-12-02, the same kernels every time."""
+SHARED_CACHES = (MODELINFOS, DEEP_GEMM)
+"""The caches under ``VLLM_CACHE_ROOT`` that every engine of a run shares."""
 
 
 def engine_cache_root(work: Path, name: str) -> Path:
     """Engine ``name``'s ``VLLM_CACHE_ROOT``: its own (its compile cache is its own), with the
-    run's one model-info cache linked in, so that only the first engine of an architecture
-    inspects its model class. Those facts depend on vLLM's model file alone, never on the
-    engine's settings or on rowcache, and vLLM writes them atomically."""
-    shared = work / "vcache-shared" / MODELINFOS
-    shared.mkdir(parents=True, exist_ok=True)
+    run's one copy of each of ``SHARED_CACHES`` linked in, so that only the first engine
+    inspects its model class or compiles DeepGEMM's kernels. What they hold depends on vLLM's
+    files and the kernels' shapes alone, never on the engine's settings or on rowcache. vLLM
+    writes model infos atomically; DeepGEMM's kernels are compiled only by FP8 engines, which
+    start one at a time (the budgeted phases)."""
     root = work / "vcache" / name
     root.mkdir(parents=True, exist_ok=True)
-    link = root / MODELINFOS
-    if not link.is_symlink():
-        if link.exists():  # a directory of its own, from a call before the link
-            shutil.rmtree(link)
-        link.symlink_to(shared.resolve(), target_is_directory=True)
+    for cache in SHARED_CACHES:
+        shared = work / "vcache-shared" / cache
+        shared.mkdir(parents=True, exist_ok=True)
+        link = root / cache
+        if not link.is_symlink():
+            if link.exists():  # a directory of its own, from a call before the link
+                shutil.rmtree(link)
+            link.symlink_to(shared.resolve(), target_is_directory=True)
     return root
 
 
