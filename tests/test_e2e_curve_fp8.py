@@ -304,6 +304,45 @@ def test_budgeted_curve_with_resume(tmp_path: Path, monkeypatch: Any) -> None:
     assert sorted(names) == sorted(s.name for s in phase.engines({}))
 
 
+def test_fp8_phase_without_compressed_tensors_stops_before_its_first_engine(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """vLLM builds no quantization config without ``compressed_tensors``: in the FP8 run of
+    2026-12-02 every FP8 engine failed on it in turn. The phase now stops before its first
+    engine and names the package; an unquantized phase does not need it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "compressed_tensors" else real(name, *a),
+    )
+    monkeypatch.setattr(orchestrate, "require_plugin", lambda: None)
+    monkeypatch.setattr(orchestrate, "pack_logs", lambda *_a: None)
+    started: list[str] = []
+
+    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
+        started.extend(s.name for s in specs)
+        return [{"name": s.name, "ok": True} for s in specs]
+
+    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (work / "logs").mkdir(parents=True)
+    fp8 = next(p for p in phases.PHASES if p.name == "fp8")
+    specs = fp8.engines({})
+    assert all(s.quantized for s in specs)
+    run = orchestrate.Run(out, work, 1e12, False, lambda: True)
+    with pytest.raises(SystemExit, match=r"e2e: compressed_tensors(, loguru)? not importable"):
+        run.phase(fp8, specs)
+    assert started == []
+    curve = next(p for p in phases.PHASES if p.name == "curve")
+    assert not any(s.quantized for s in curve.engines({}))
+    run.phase(curve, curve.engines({})[:1])
+    assert started == ["curve.plain.none.full"]
+
+
 def test_moe_backend_probe_and_log_line() -> None:
     class TritonExperts:
         pass

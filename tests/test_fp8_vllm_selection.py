@@ -116,3 +116,33 @@ def test_fp8_config_builds_the_two_methods_in_0_25_0() -> None:
     assert "return Fp8PerTensorOnlineMoEMethod(layer=layer)" in text
     method = _function(_read("0.25.0", f"{_QUANT}/fp8.py"), "__init__", "Fp8MoEMethod")
     assert "allow_vllm_cutlass=False" in method
+
+
+_FP8_RECORDS = ("run1", "run2")
+"""The FP8 runs of 2026-12-02 on the H200 (docs/VLLM.md): run 1's engines without the cache
+started (the cached ones failed at the commit run then), run 2's block-scaled ones measured."""
+
+
+def test_the_h200_gave_both_fp8_variants_the_backend_the_plugin_serves() -> None:
+    """The backend each FP8 variant got on the H200, as the engines' probe recorded it (every
+    MoE layer's ``fp8_backend`` and experts class) and as vLLM logged it: TRITON with
+    ``TritonExperts``, the one backend the plugin serves (``rowcache.vllm._fp8._check_backend``).
+    A run where vLLM picked another would fail here before its figures were recorded."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "vllm" / "2026-12-02-fp8"
+    methods: set[str] = set()
+    for run in _FP8_RECORDS:
+        for line in (root / run / "records.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            for logged in record.get("moe_backend_log") or []:
+                assert "Using TRITON Fp8 MoE backend" in logged, (record["name"], logged)
+            if not record["ok"]:
+                continue
+            probe = record["probe"]
+            assert probe["moe_backend"] == {"TRITON/TritonExperts": 8}, record["name"]
+            methods.update(probe["method"])
+    # Both variants: the FP8 checkpoint (block scales) and online per-tensor, each with and
+    # without the cache where it ran.
+    assert {"Fp8MoEMethod", "RowcacheFp8MoEMethod", "Fp8PerTensorOnlineMoEMethod"} <= methods

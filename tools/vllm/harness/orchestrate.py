@@ -409,6 +409,8 @@ class Run:
         # a call that would be refused there should not first spend minutes on the baselines.
         if any(s.caches for s in self.to_run(specs)):
             require_plugin()
+        if any(s.quantized for s in self.to_run(specs)):
+            require_quantization_packages()
         results: Results = {}
         if phase.budgeted:
             return self.budgeted(specs)
@@ -453,6 +455,29 @@ def require_plugin() -> None:
             f"rowcache e2e: no rowcache entry point in {PLUGIN_GROUP!r}: an engine with the "
             "cache on would run without it. Install the rowcache wheel of the commit under "
             "test (pip install --no-deps --target DIR rowcache-*.whl, DIR on PYTHONPATH)."
+        )
+
+
+QUANTIZATION_PACKAGES = ("compressed_tensors", "loguru")
+"""What vLLM imports to build any quantization config (0.25.0: ``get_quantization_config``
+imports every method's module, ``auto_awq`` among them, whose MoE oracle imports
+``compressed_tensors``, which imports ``loguru``). Both are vLLM dependencies that a
+``pip install vllm`` brings; a vLLM unpacked without them starts no quantized engine."""
+
+
+def require_quantization_packages() -> None:
+    """Stop before a phase with quantized engines whose every engine would fail while its
+    config is built: in the FP8 run of 2026-12-02 six engines failed that way one by one
+    (``No module named 'compressed_tensors'``), four minutes of device time."""
+    from importlib.util import find_spec
+
+    missing = [name for name in QUANTIZATION_PACKAGES if find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"rowcache e2e: {', '.join(missing)} not importable: vLLM needs it to build any "
+            "quantization config, so every quantized engine would fail. Install the wheels "
+            "vLLM's metadata names (compressed-tensors, loguru; pip install --no-deps "
+            "--target DIR, DIR on PYTHONPATH)."
         )
 
 

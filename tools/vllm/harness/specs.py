@@ -310,6 +310,11 @@ class EngineSpec:
         """Whether the engine keeps its experts in the expert cache."""
         return self.knob is not None and self.knob.caches
 
+    @property
+    def quantized(self) -> bool:
+        """Whether vLLM quantizes the engine's model (an FP8 checkpoint, or ``quantization``)."""
+        return self.checkpoint.fp8_block or self.quantization is not None
+
     def env(self) -> dict[str, str]:
         """Environment of the engine's process beyond the run's common one."""
         out: dict[str, str] = {}
