@@ -122,10 +122,9 @@ COMPILE_THREADS_ALONE = 8
 """Inductor's compile workers of an engine that starts alone (the budgeted and one-at-a-time
 phases: the GPU machine's 16 cores are its own). The workers compile the same code either way,
 and compiled engines choose no kernel by timing, so this changes an engine's start-up time,
-not its kernels. vLLM may overrule both when it is imported: in the curve run of 2026-12-02
-(vLLM 0.25.0) the zygote found that the import had changed the variable (its
-``env_override`` sets ``TORCHINDUCTOR_COMPILE_THREADS=1``); the zygote now records what
-the import rewrites (``import_rewrites`` in ``meta.zygote``)."""
+not its kernels. vLLM 0.25.0 overrules both when it is imported (its ``env_override`` sets
+``TORCHINDUCTOR_COMPILE_THREADS=1``): the zygote found it in the curve run of 2026-12-02, and
+the FP8 run's ``meta.zygote.import_rewrites`` lists the variable."""
 
 
 def env(
