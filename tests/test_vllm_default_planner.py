@@ -64,14 +64,23 @@ EAGER_SPEED = _evidence(EAGER_NOT_SLOWER, "eager")
 
 
 def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> None:
-    """The records (steps runs 3 and 6): the device planner's tokens identical in full graphs
-    and in eager mode, the host planner's expert split's in eager mode; their raw output is in
-    the repository. Piecewise graphs alone (no record) and eager mode (no speed record) stay on
-    the host planner; in eager mode it takes the expert split, elsewhere the token split."""
-    full, eager, host_split = EVIDENCE
+    """The records (steps runs 3 and 6, the FP8 run): the device planner's tokens identical in
+    full graphs and in eager mode, the host planner's expert split's in eager mode, and the
+    device planner's in full graphs on FP8 checkpoints; their raw output is in the repository.
+    Piecewise graphs alone (no record) and eager mode (no speed record) stay on the host
+    planner; in eager mode it takes the expert split, elsewhere the token split. Online FP8
+    (``fp8_per_tensor``) has no record."""
+    full, eager, host_split, fp8 = EVIDENCE
     assert full.claim == TOKENS_EXACT and full.modes == ("full",)
     assert eager.claim == TOKENS_EXACT and eager.modes == ("eager",)
     assert host_split.claim == HOST_EXPERT_EXACT and host_split.modes == ("eager",)
+    assert (fp8.claim, fp8.modes, fp8.quantizations) == (TOKENS_EXACT, ("full",), ("fp8",))
+    assert {mode: default_planner(mode, quantization="fp8")[0] for mode in GRAPH_MODES} == {
+        "full": "device",
+        "piecewise": "host",
+        "eager": "host",
+    }
+    assert default_planner("full", quantization="fp8_per_tensor")[0] == "host"
     for record in EVIDENCE:
         assert (ROOT / record.record / "records.jsonl").is_file()
         assert record.commit in (ROOT / "docs" / "VLLM.md").read_text()
@@ -145,14 +154,17 @@ def test_today_device_in_full_graphs_citing_its_record() -> None:
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8_per_tensor"])
 def test_a_record_covers_only_the_quantizations_it_ran(quantization: str) -> None:
-    """The one record ran an unquantized model: an FP8 engine keeps the host planner, saying
-    so, until a run of its own is recorded."""
-    planner, reason = default_planner("full", quantization=quantization)
+    """A record of an unquantized model: an FP8 engine keeps the host planner, saying so,
+    until a run of its own is recorded."""
+    unquantized = tuple(e for e in EVIDENCE if e.quantizations == (None,))
+    planner, reason = default_planner("full", quantization=quantization, evidence=unquantized)
     assert planner == "host"
     assert reason == f"default in full graphs, quantization {quantization!r}: {NO_TOKENS}"
     fp8_run = _evidence(TOKENS_EXACT, "full", quantizations=(quantization,))
     assert default_planner("full", quantization=quantization, evidence=(fp8_run,))[0] == "device"
     assert default_planner("full", evidence=(fp8_run,))[0] == "host"
+    other = "fp8_per_tensor" if quantization == "fp8" else "fp8"
+    assert default_planner("full", quantization=other, evidence=(fp8_run,))[0] == "host"
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)

@@ -452,7 +452,11 @@ def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
         data_parallel_size=kw.pop("dp", 1),
         tensor_parallel_size=kw.pop("tp", 1),
     )
-    model = SimpleNamespace(quantization=kw.pop("quantization", None))
+    model = SimpleNamespace(
+        quantization=kw.pop("quantization", None),
+        # The checkpoint's own quantization config (vLLM: None for a bf16 checkpoint).
+        model_arch_config=SimpleNamespace(quantization_config=kw.pop("checkpoint_quant", None)),
+    )
     return fake.config.VllmConfig(
         additional_config={} if section is None else {"rowcache": section},
         compilation_config=cc,
@@ -568,6 +572,39 @@ def test_env_turns_cache_on(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> 
     assert _config(fake_vllm, None).compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     with pytest.raises(RuntimeError, match="expert parallelism"):
         _config(fake_vllm, None, ep=True)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "checkpoint_quant", "planner", "why"),
+    [
+        # An FP8 checkpoint: the FP8 run of 2026-12-02 recorded the device planner's tokens.
+        ("fp8", {"quant_method": "fp8"}, "device", "2026-12-02 at 0a40184"),
+        # vLLM 0.25.0's online FP8 (a bf16 checkpoint): no record of its own yet.
+        ("fp8", None, "host", "quantization 'fp8_per_tensor'"),
+        # vLLM 0.33.0's name for it.
+        ("fp8_per_tensor", None, "host", "quantization 'fp8_per_tensor'"),
+    ],
+)
+def test_fp8_checkpoints_and_online_fp8_are_told_apart_by_the_default_planner(
+    fake_vllm: Any,
+    quantization: str,
+    checkpoint_quant: dict[str, str] | None,
+    planner: str,
+    why: str,
+) -> None:
+    """vLLM 0.25.0 calls both FP8 variants ``fp8``; the default planner's records must not:
+    online per-tensor FP8 quantizes each kernel call's input with one scale, so the record of
+    FP8 checkpoints says nothing of it."""
+    plugin.register()
+    config = _config(
+        fake_vllm,
+        {"moe_expert_cache_size": 32},
+        quantization=quantization,
+        checkpoint_quant=checkpoint_quant,
+    )
+    chosen = config.additional_config["rowcache"][PLANNER_CHOSEN]
+    assert chosen["planner"] == planner
+    assert why in chosen["reason"]
 
 
 # -- the substituted MoE method, with a reference kernel on the CPU ------------------------------

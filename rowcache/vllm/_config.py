@@ -77,12 +77,26 @@ def settings_of(config: Any) -> CacheSettings:
     here from the config's graph mode where it could not be written back)."""
     settings = parse_settings(getattr(config, "additional_config", None), os.environ)
     # Chooses only what is neither set nor already chosen (the planner, the host's split).
-    return choose_planner(settings, graph_mode(config), quantization_of(config))
+    return choose_planner(settings, graph_mode(config), evidence_quantization(config))
 
 
 def quantization_of(config: Any) -> str | None:
     """vLLM's quantization of the model (``None``: unquantized)."""
     return getattr(getattr(config, "model_config", None), "quantization", None)
+
+
+def evidence_quantization(config: Any) -> str | None:
+    """The model's quantization as the default planner's records name it: vLLM's, except
+    that vLLM 0.25.0's ``fp8`` on a checkpoint without a quantization config of its own (a
+    bf16 checkpoint quantized online, ``Fp8PerTensorOnlineMoEMethod``) is ``fp8_per_tensor``,
+    the name vLLM 0.33.0 gives the same method. Online per-tensor FP8 quantizes each kernel
+    call's input with one scale, so a run of FP8 checkpoints says nothing of it."""
+    quantization = quantization_of(config)
+    model = getattr(config, "model_config", None)
+    arch = getattr(model, "model_arch_config", None)
+    if quantization == "fp8" and getattr(arch, "quantization_config", None) is None:
+        return "fp8_per_tensor"
+    return quantization
 
 
 def _record_choice(config: Any, settings: CacheSettings) -> None:
@@ -220,7 +234,7 @@ def _wrap_post_init(
         original(self)
         if settings.cache_on:
             # The graph mode is vLLM's now; adjust_graphs follows the planner chosen for it.
-            settings = choose_planner(settings, graph_mode(self), quantization_of(self))
+            settings = choose_planner(settings, graph_mode(self), evidence_quantization(self))
             _record_choice(self, settings)
         adjust_graphs(self, settings)
         # vLLM builds its config more than once per engine; say each line once per process.

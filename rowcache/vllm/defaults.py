@@ -12,7 +12,8 @@ With the cache on and no ``moe_expert_cache_planner`` setting (nor
 * never with provider ``cached`` (it has no device planner) or a given ``token`` split (the
   device planner splits by expert groups);
 * a record covers the model quantizations it ran (``None``: unquantized); an FP8 engine needs
-  its own.
+  its own (FP8 checkpoints are ``fp8``; online per-tensor FP8 is ``fp8_per_tensor`` in both
+  vLLM 0.25.0 and 0.33.0: ``rowcache.vllm._config.evidence_quantization``).
 
 The host planner's split, when none is set, comes from ``default_split`` by the same rule: the
 expert split (each routed expert copied once a step, a step cut by experts made exact by the
@@ -25,16 +26,18 @@ experts again: about 2 times the misses of the expert split at 32 rows and over 
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It holds three records, all with 32 slots for 128 experts. In full graphs (vLLM's default
+It holds four records, all with 32 slots for 128 experts. In full graphs (vLLM's default
 ``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
 and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
 control (docs/VLLM.md, steps run 3). In eager mode, steps run 6: the device planner's tokens
 and the host planner's with its expert split were identical to eager no offload at batch 1, 8
 and 32 and in the first tokens of the 2,048-token prompts, on the plain and the skewed
-checkpoint. Piecewise graphs alone have no record yet. Eager mode has no speed record: in run 6
-the device planner ran batch 1 at 0.925 times the host planner's speed on the plain checkpoint
-(61.6 against 66.6 tok/s) and 1.150 times on the skewed one, one generation each; so eager
-mode stays on the host planner, now with the expert split.
+checkpoint. In full graphs on a block-scaled FP8 checkpoint, the FP8 run of 2026-12-02: the
+device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
+8 (docs/VLLM.md, "FP8 experts"). Piecewise graphs alone and online FP8 have no record yet.
+Eager mode has no speed record: in run 6 the device planner ran batch 1 at 0.925 times the host
+planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and 1.150 times on the skewed
+one, one generation each; so eager mode stays on the host planner, now with the expert split.
 
 This module imports no vLLM.
 """
@@ -119,6 +122,18 @@ EVIDENCE: tuple[Evidence, ...] = (
             record="docs/vllm/2026-12-02-steps/run6/",
         )
         for claim in (TOKENS_EXACT, HOST_EXPERT_EXACT)
+    ),
+    # The FP8 run of 2026-12-02: block-scaled FP8 checkpoints (vLLM's Fp8MoEMethod, TRITON),
+    # batch 1 and 8, steps of up to 64 experts in two passes. Online FP8 is another key.
+    Evidence(
+        claim=TOKENS_EXACT,
+        modes=("full",),
+        quantizations=("fp8",),
+        date="2026-12-02",
+        commit="0a40184",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/2026-12-02-fp8/run2/",
     ),
 )
 """The runs that switch a default (module docstring)."""

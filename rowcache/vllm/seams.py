@@ -502,6 +502,21 @@ SEAMS: tuple[Seam, ...] = (
         "quantized models are not rejected",
     ),
     Seam(
+        "vllm.config.model",
+        "ModelConfig.model_arch_config",
+        "the default planner tells an FP8 checkpoint from online FP8 by the checkpoint's own "
+        "quantization config (rowcache.vllm._config.evidence_quantization)",
+        "every FP8 model counts as online per-tensor FP8: the host planner by default, until "
+        "a run records online FP8",
+    ),
+    Seam(
+        "vllm.config.model_arch",
+        "ModelArchitectureConfig.quantization_config",
+        "the checkpoint's quantization config (None for a bf16 checkpoint), read by "
+        "rowcache.vllm._config.evidence_quantization",
+        "as ModelConfig.model_arch_config",
+    ),
+    Seam(
         _CC,
         "CompilationConfig.splitting_ops",
         "the MoE ops are appended to the splitting ops",
