@@ -15,6 +15,7 @@ import json
 import pstats
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -421,6 +422,50 @@ def test_background_build_with_nothing_to_build(tmp_path: Path) -> None:
         "--layers",
         "24",
     ]
+
+
+def test_background_build_says_each_checkpoint_ready_once_it_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budgeted engine waits for its own checkpoint, not the whole build: ``ready`` turns
+    true for a checkpoint once its builder has returned, not once its ``config.json`` exists
+    (written before the weights here, as a builder may), and for all once the build ends."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    tool = tmp_path / "builder.py"
+    tool.write_text(
+        "import pathlib, sys, time\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "out.mkdir(parents=True, exist_ok=True)\n"
+        "(out / 'config.json').write_text('{}')\n"
+        "while not (pathlib.Path(sys.argv[0]).parent / 'gate' / out.name).exists():\n"
+        "    time.sleep(0.05)\n"
+        "(out / 'model.safetensors').write_text('')\n"
+    )
+    monkeypatch.setattr(checkpoints, "CKPT_TOOL", str(tool))
+    work = tmp_path / "work"
+    first, second = engines.QWEN8_FP8, engines.QWEN8
+    build = checkpoints.Background(work, [first, second], tmp_path / "b.log")
+
+    def until(condition: Any) -> None:
+        deadline = time.time() + 30
+        while not condition() and time.time() < deadline:
+            time.sleep(0.05)
+
+    until(lambda: (work / first.directory / "config.json").exists())
+    assert not build.ready(first) and not build.ready(second)
+    assert build.ready(engines.TINY)  # not one the build makes
+    (gate / first.directory).write_text("")
+    until(lambda: build.ready(first))
+    assert build.ready(first) and not build.ready(second) and not build.done()
+    (gate / second.directory).write_text("")
+    assert build.wait(30)
+    assert build.ready(second)
+    # A build that fails ends: its engines start and fail to load, saying why.
+    monkeypatch.setattr(checkpoints, "CKPT_TOOL", str(tmp_path / "missing.py"))
+    failing = checkpoints.Background(work / "other", [first], tmp_path / "f.log")
+    assert failing.wait(30) and failing.ready(first)
+    assert not (work / "other" / first.directory / checkpoints.BUILT).exists()
 
 
 @pytest.mark.parametrize("how", ["script", "module"])

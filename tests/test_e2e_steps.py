@@ -464,6 +464,39 @@ def test_an_engine_without_an_estimate_is_not_capped(tmp_path: Path, monkeypatch
     assert given == [(spec.name, 900.0)]
 
 
+def test_a_budgeted_engine_waits_for_its_own_checkpoint_only(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The FP8 run of 2026-12-02: its first engine (FP8 checkpoint) waited for the whole
+    background build, the online engines' bf16 checkpoint too (29 s). Each budgeted engine now
+    starts once its own checkpoint is built; the phase itself waits for nothing."""
+    out, work, clock, _ = _fake_budget(tmp_path, monkeypatch)
+    monkeypatch.setattr(orchestrate.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    started: list[tuple[str, float]] = []
+
+    def engines_(self: Any, specs: list[EngineSpec], deadline: float | None = None) -> Any:
+        started.append((specs[0].name, clock[0]))
+        clock[0] += 5.0
+        return [_fake_result(specs[0], [[1, 2]] * 32)]
+
+    monkeypatch.setattr(orchestrate.Run, "engines", engines_)
+    monkeypatch.setattr(orchestrate, "require_quantization_packages", lambda: None)
+    fp8 = next(p for p in phases.PHASES if p.name == "fp8")
+    specs = [s for s in fp8.engines({}) if s.name.endswith(("plain.none.full", "online.none.full"))]
+    assert [s.checkpoint for s in specs] == [engines.QWEN8_FP8, engines.QWEN8]
+    built = {engines.QWEN8_FP8: 40.0, engines.QWEN8: 70.0}
+    run = orchestrate.Run(
+        out,
+        work,
+        2000.0,
+        False,
+        lambda: clock[0] >= 70.0,
+        checkpoint_ready=lambda c: clock[0] >= built[c],
+    )
+    run.phase(fp8, specs)
+    assert started == [(specs[0].name, 40.0), (specs[1].name, 70.0)]
+
+
 def test_a_record_the_deadline_cut_short_runs_again_on_resume() -> None:
     """An engine whose start took its whole share measured nothing (steps run 4: none.full
     and none.eager); one that ran out of time before b32 measured part: neither is complete,

@@ -126,6 +126,24 @@ def test_quantization_convention() -> None:
     )
 
 
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200)])
+def test_quantization_is_each_blocks_division_by_its_scale(shape: tuple[int, int]) -> None:
+    """Bit for bit what one 128 x 128 block at a time gives (the builder vectorizes it), on an
+    aligned weight and a ragged one; the weight itself is left as it was."""
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 0.08
+    before = weight.clone()
+    quantized, scale = mk.quantize_fp8_block(weight)
+    assert torch.equal(weight, before)
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            rows, cols = slice(r * 128, (r + 1) * 128), slice(c * 128, (c + 1) * 128)
+            block = weight[rows, cols]
+            expected = (block.abs().max() / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+            assert torch.equal(scale[r, c], expected)
+            want = (block / expected).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            assert torch.equal(quantized[rows, cols].view(torch.uint8), want.view(torch.uint8))
+
+
 def _build(tmp_path: Path, name: str, *args: str) -> Path:
     out = tmp_path / name
     assert mk.main([str(out), "--fp8-block", *args]) == 0

@@ -234,15 +234,17 @@ def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     bn, bk = FP8_BLOCK
     nr, nc = fp8_scale_shape((rows, cols))
     if (rows, cols) == (nr * bn, nc * bk):
-        padded = weight.to(torch.float32, copy=True)
+        padded = weight.to(torch.float32)  # read only: no copy of a float32 weight
     else:
         padded = torch.zeros(nr * bn, nc * bk, dtype=torch.float32)
         padded[:rows, :cols] = weight
     blocks = padded.view(nr, bn, nc, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
+    # The contiguous dimension first: several times faster than amax over (1, 3) at once on
+    # the CPU, with the same maximum.
+    amax = blocks.abs().amax(dim=3).amax(dim=1)
     scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)  # in place: padded's copy
-    quantized = padded[:rows, :cols].to(torch.float8_e4m3fn)
+    scaled = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    quantized = scaled.view(nr * bn, nc * bk)[:rows, :cols].to(torch.float8_e4m3fn)
     return quantized.contiguous(), scale.contiguous()
 
 

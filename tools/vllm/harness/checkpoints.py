@@ -4,7 +4,9 @@ The builder is ``tools/vllm/make_moe_checkpoint.py`` (``$ROWCACHE_CKPT_TOOL`` na
 which makes the GPU bundle's checkpoints from the same seed and can skew the routers. A
 checkpoint whose ``config.json`` exists (a warm machine) is not built again. Foreground
 checkpoints (seconds) are built before any engine starts; the others in one background process,
-in the order the phases first need them, while the phases that do not need them run.
+in the order the phases first need them, while the phases that do not need them run. An engine
+of a budgeted phase starts once its own checkpoint is built (``Background.ready``); timed
+sections start only once the whole build has ended.
 """
 
 from __future__ import annotations
@@ -40,18 +42,27 @@ def build_foreground(work: Path, checkpoints: list[Checkpoint]) -> None:
         subprocess.run(command(work, checkpoint), check=True)
 
 
+BUILT = ".rowcache-built"
+"""Written into a checkpoint's directory by the background build once its builder has
+returned: the checkpoint is whole (``config.json`` alone may be written before its weights)."""
+
+
 class Background:
     """The background build: one process building its checkpoints one after the other,
-    writing a ``date +%s`` line before, between and after them into its log."""
+    writing a ``date +%s`` line before, between and after them into its log, and ``BUILT``
+    into each checkpoint once it is whole."""
 
     def __init__(self, work: Path, checkpoints: list[Checkpoint], log: Path) -> None:
+        self.work = work
         self.checkpoints = missing(work, [c for c in checkpoints if not c.foreground])
         self.proc: subprocess.Popen[bytes] | None = None
         if not self.checkpoints:
             return
         steps = ["set -e", "date +%s"]
         for checkpoint in self.checkpoints:
-            steps += [shlex.join(command(work, checkpoint)), "date +%s"]
+            built = location(work, checkpoint) / BUILT
+            steps += [shlex.join(command(work, checkpoint)), f"touch {shlex.quote(str(built))}"]
+            steps += ["date +%s"]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 ["bash", "-c", "; ".join(steps)], stdout=out, stderr=subprocess.STDOUT
@@ -63,6 +74,13 @@ class Background:
     def done(self) -> bool:
         """Whether the build has ended (built, or failed: the engines then fail to load)."""
         return self.proc is None or self.proc.poll() is not None
+
+    def ready(self, checkpoint: Checkpoint) -> bool:
+        """Whether an engine of ``checkpoint`` can start: not built here, built, or the build
+        has ended (a failed build: the engine then fails to load, saying why)."""
+        if checkpoint not in self.checkpoints or self.done():
+            return True
+        return (location(self.work, checkpoint) / BUILT).exists()
 
     def wait(self, timeout: float) -> bool:
         """Wait for the build to end, at most ``timeout`` seconds; whether it has."""

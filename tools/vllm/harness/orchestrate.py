@@ -202,6 +202,7 @@ class Run:
         run_id: str = "",
         repeats: int | None = None,
         zygote: bool = False,
+        checkpoint_ready: Callable[[Checkpoint], bool] | None = None,
     ) -> None:
         self.out = out
         self.run_id = run_id
@@ -211,6 +212,9 @@ class Run:
         self.deadline = deadline
         self.profile = profile
         self.build_done = build_done
+        self.checkpoint_ready = checkpoint_ready or (lambda _checkpoint: build_done())
+        """Whether an engine of a checkpoint can start (a budgeted engine waits for its own
+        checkpoint only; timed sections still wait for the whole build, ``build_done``)."""
         self.only = only
         self.repeats = repeats
         """``run --repeats``: every budgeted engine's repeats (None: its own)."""
@@ -379,8 +383,13 @@ class Run:
             once = spec.time_once_s + extra
             full = spec.time_full_s + extra if spec.time_full_s else 0.0  # 0: no estimate
             if self.use_zygote and self.deadline - time.time() >= once:
-                # Its start (about 20 s) is no engine's: before the engine's deadline is set.
+                # Its start (about 20 s) is no engine's: before the engine's deadline is set,
+                # and while the engine's checkpoint may still be building.
                 self.start_zygote()
+            # Its own checkpoint, not the whole build (the FP8 run of 2026-12-02: the first
+            # engine waited 29 s for the next phase's bf16 checkpoint, then 20 s for the zygote).
+            while not self.checkpoint_ready(spec.checkpoint) and time.time() < self.deadline:
+                time.sleep(1)
             now = time.time()
             deadline = engine_deadline(now, self.deadline, once, full, later)
             if deadline is None:
@@ -588,13 +597,15 @@ def run(
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
-    runner = Run(out, work, deadline, profile, build.done, only, done, run_id, repeats, zygote)
+    runner = Run(
+        out, work, deadline, profile, build.done, only, done, run_id, repeats, zygote, build.ready
+    )
     try:
         for phase in selected:
             specs = phase.engines(results)
-            if build.needed_by([s.checkpoint for s in specs]) and not build.wait(
-                deadline - time.time()
-            ):
+            # A budgeted phase's engines each wait for their own checkpoint (Run.budgeted).
+            wait = build.needed_by([s.checkpoint for s in specs]) and not phase.budgeted
+            if wait and not build.wait(deadline - time.time()):
                 meta["build_unfinished_at"] = phase.name
             results.update(runner.phase(phase, specs))
             meta[f"after_{phase.name}_s"] = round(time.time() - start, 1)
