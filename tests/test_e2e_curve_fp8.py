@@ -334,7 +334,7 @@ def test_fp8_phase_without_compressed_tensors_stops_before_its_first_engine(
     specs = fp8.engines({})
     assert all(s.quantized for s in specs)
     run = orchestrate.Run(out, work, 1e12, False, lambda: True)
-    with pytest.raises(SystemExit, match=r"e2e: compressed_tensors(, loguru)? not importable"):
+    with pytest.raises(SystemExit, match=r"e2e: compressed_tensors(, loguru)? not found"):
         run.phase(fp8, specs)
     assert started == []
     curve = next(p for p in phases.PHASES if p.name == "curve")

@@ -413,6 +413,9 @@ def test_references_are_the_recorded_runs() -> None:
 def test_background_build_with_nothing_to_build(tmp_path: Path) -> None:
     (tmp_path / "qwen8").mkdir()
     (tmp_path / "qwen8" / "config.json").write_text("{}")
+    # config.json alone: a build stopped halfway (save_pretrained writes it first).
+    assert checkpoints.missing(tmp_path, [engines.QWEN8]) == [engines.QWEN8]
+    (tmp_path / "qwen8" / checkpoints.BUILT).touch()
     build = checkpoints.Background(tmp_path, [engines.TINY, engines.QWEN8], tmp_path / "b.log")
     assert build.proc is None and build.done() and build.wait(1.0)
     assert not build.needed_by([engines.QWEN8])

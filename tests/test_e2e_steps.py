@@ -493,8 +493,10 @@ def test_a_budgeted_engine_waits_for_its_own_checkpoint_only(
         lambda: clock[0] >= 70.0,
         checkpoint_ready=lambda c: clock[0] >= built[c],
     )
-    run.phase(fp8, specs)
+    results = run.phase(fp8, specs)
     assert started == [(specs[0].name, 40.0), (specs[1].name, 70.0)]
+    # Recorded: none.full from the call's start, online.none.full from none.full's end (45 s).
+    assert [results[s.name]["checkpoint_wait_s"] for s in specs] == [40.0, 25.0]
 
 
 def test_a_record_the_deadline_cut_short_runs_again_on_resume() -> None:

@@ -127,7 +127,8 @@ def test_the_h200_gave_both_fp8_variants_the_backend_the_plugin_serves() -> None
     """The backend each FP8 variant got on the H200, as the engines' probe recorded it (every
     MoE layer's ``fp8_backend`` and experts class) and as vLLM logged it: TRITON with
     ``TritonExperts``, the one backend the plugin serves (``rowcache.vllm._fp8._check_backend``).
-    A run where vLLM picked another would fail here before its figures were recorded."""
+    Recording a run where vLLM picked another fails here: the plugin would have stopped that
+    engine, and its figures would be vLLM's without the cache."""
     import json
     from pathlib import Path
 

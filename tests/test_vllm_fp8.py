@@ -200,7 +200,8 @@ FAKE_FP8 = {
                 return Fp8PerTensorOnlineMoEMethod(layer=layer)
 
         # vLLM's methods descend from abc.ABC (QuantizeMethodBase -> FusedMoEMethodBase):
-        # that ancestry fixes the layout a cached subclass must match.
+        # with that ancestry, assigning a cached subclass as the instance's class fails here
+        # as it does in vLLM ("object layout differs").
         class QuantizeMethodBase(ABC):
             pass
 

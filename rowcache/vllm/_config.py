@@ -49,9 +49,9 @@ logger = logging.getLogger("rowcache.vllm")
 
 QUANTIZATIONS = ("fp8", "fp8_per_tensor")
 """Model quantizations whose MoE methods the cache may serve: ``fp8`` (vLLM 0.25.0: FP8
-checkpoints and online per-tensor FP8; 0.33.0: FP8 checkpoints) and ``fp8_per_tensor`` (0.33.0:
-online per-tensor FP8). Which method and backend a layer gets is checked when it is built
-(``rowcache.vllm._fp8.adopt``)."""
+checkpoints and online per-tensor FP8; 0.33.0: FP8 checkpoints) and ``fp8_per_tensor`` (online
+per-tensor FP8: a shorthand in 0.25.0, the only way in 0.33.0). Which method and backend a
+layer gets is checked when it is built (``rowcache.vllm._fp8.adopt``)."""
 
 MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
 """vLLM's MoE custom ops; as splitting ops they run eagerly between captured pieces."""
@@ -89,8 +89,9 @@ def evidence_quantization(config: Any) -> str | None:
     """The model's quantization as the default planner's records name it: vLLM's, except
     that vLLM 0.25.0's ``fp8`` on a checkpoint without a quantization config of its own (a
     bf16 checkpoint quantized online, ``Fp8PerTensorOnlineMoEMethod``) is ``fp8_per_tensor``,
-    the name vLLM 0.33.0 gives the same method. Online per-tensor FP8 quantizes each kernel
-    call's input with one scale, so a run of FP8 checkpoints says nothing of it."""
+    the online shorthand that builds the same method in 0.25.0 and its only name in 0.33.0.
+    Online per-tensor FP8 quantizes each kernel call's input with one scale, so a run of FP8
+    checkpoints says nothing of it."""
     quantization = quantization_of(config)
     model = getattr(config, "model_config", None)
     arch = getattr(model, "model_arch_config", None)

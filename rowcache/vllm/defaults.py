@@ -34,7 +34,8 @@ and the host planner's with its expert split were identical to eager no offload 
 and 32 and in the first tokens of the 2,048-token prompts, on the plain and the skewed
 checkpoint. In full graphs on a block-scaled FP8 checkpoint, the FP8 run of 2026-12-02: the
 device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
-8 (docs/VLLM.md, "FP8 experts"). Piecewise graphs alone and online FP8 have no record yet.
+8, a narrower record than the unquantized one (no b32, no long prompt; docs/VLLM.md, "FP8
+experts"). Piecewise graphs alone and online FP8 have no record yet.
 Eager mode has no speed record: in run 6 the device planner ran batch 1 at 0.925 times the host
 planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and 1.150 times on the skewed
 one, one generation each; so eager mode stays on the host planner, now with the expert split.
@@ -89,7 +90,8 @@ class Evidence:
     claim: Claim
     modes: tuple[GraphMode, ...]
     quantizations: tuple[str | None, ...]
-    """vLLM's ``model_config.quantization`` of the models the run covers; ``None``: unquantized."""
+    """The quantizations of the models the run covers, as
+    ``rowcache.vllm._config.evidence_quantization`` names them; ``None``: unquantized."""
     date: str
     commit: str
     vllm: str

@@ -2,7 +2,8 @@
 
 The builder is ``tools/vllm/make_moe_checkpoint.py`` (``$ROWCACHE_CKPT_TOOL`` names another),
 which makes the GPU bundle's checkpoints from the same seed and can skew the routers. A
-checkpoint whose ``config.json`` exists (a warm machine) is not built again. Foreground
+checkpoint built whole before (a warm machine: ``BUILT`` in its directory) is not built
+again. Foreground
 checkpoints (seconds) are built before any engine starts; the others in one background process,
 in the order the phases first need them, while the phases that do not need them run. An engine
 of a budgeted phase starts once its own checkpoint is built (``Background.ready``); timed
@@ -32,19 +33,21 @@ def command(work: Path, checkpoint: Checkpoint) -> list[str]:
     return [sys.executable, CKPT_TOOL, str(location(work, checkpoint)), *checkpoint.builder_args()]
 
 
+BUILT = ".rowcache-built"
+"""Written into a checkpoint's directory once its builder has returned: the checkpoint is
+whole. ``config.json`` alone is no sign (transformers' ``save_pretrained`` writes it before the
+weights, so a build stopped halfway leaves one)."""
+
+
 def missing(work: Path, checkpoints: list[Checkpoint]) -> list[Checkpoint]:
-    return [c for c in checkpoints if not (location(work, c) / "config.json").exists()]
+    return [c for c in checkpoints if not (location(work, c) / BUILT).exists()]
 
 
 def build_foreground(work: Path, checkpoints: list[Checkpoint]) -> None:
     """Build the foreground ones among ``checkpoints`` now (a failure stops the run)."""
     for checkpoint in missing(work, [c for c in checkpoints if c.foreground]):
         subprocess.run(command(work, checkpoint), check=True)
-
-
-BUILT = ".rowcache-built"
-"""Written into a checkpoint's directory by the background build once its builder has
-returned: the checkpoint is whole (``config.json`` alone may be written before its weights)."""
+        (location(work, checkpoint) / BUILT).touch()
 
 
 class Background:

@@ -506,14 +506,13 @@ FP8_LABELS = (
     "online.none.full",
     "online." + row_label(32),
 )
-# Estimated seconds as in _TIMES (b1 and b8 decode of 256 tokens, three times each); online
-# quantization adds to the start. b8 at 32 slots misses most experts (about 52 of 128 routed a
-# layer step), UVA at b8 reads those of its 6 offloaded layers, about 1.4 GiB a step, over the
-# host link. The phase's first engine
-# compiles DeepGEMM's kernels for the checkpoint's dense FP8 layers (about 60 s, shared with the
-# engines after it: orchestrate.SHARED_CACHES). Measured on 2026-12-02: none.full 138.7 s (the
-# compile included), row32dev.full 72.7 s, online.none.full 50.7 s; uva3375.full started in
-# 110 s with the compile.
+# Estimated seconds as in _TIMES (b1 and b8 decode of 256 tokens, three times each). At b8 a
+# layer step routes to about 52 of 128 experts: 32 slots miss about 37 of them, and UVA reads
+# those of its 6 offloaded layers, about 1.4 GiB a step, over the host link. The phase's first
+# engine compiles DeepGEMM's kernels for the checkpoint's dense FP8 layers (46 to 59 s, shared
+# with the engines after it: orchestrate.SHARED_CACHES); online FP8 uses none. Measured on
+# 2026-12-02: none.full 138.7 s (the compile included), row32dev.full 72.7 s,
+# online.none.full 50.7 s; uva3375.full started in 110 s with the compile.
 _FP8_TIMES: dict[str, tuple[float, float]] = {
     "none.full": (150, 160),
     row_label(32): (100, 120),

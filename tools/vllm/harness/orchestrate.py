@@ -161,8 +161,8 @@ of every engine's start in steps run 5."""
 DEEP_GEMM = "deep_gemm"
 """DeepGEMM's JIT cache under ``VLLM_CACHE_ROOT`` (0.25.0: ``vllm/utils/deep_gemm.py`` sets
 ``DG_JIT_CACHE_DIR`` there unless it is set). vLLM picks DeepGEMM for the dense layers of a
-block-scaled FP8 checkpoint and compiles its kernels for every token count at start-up: about
-60 s of each FP8 engine's start in the FP8 run of 2026-12-02, the same kernels every time."""
+block-scaled FP8 checkpoint and compiles its kernels for every token count at start-up: 46 to
+59 s of each FP8 engine's start in the FP8 run of 2026-12-02, the same 76 kernels every time."""
 SHARED_CACHES = (MODELINFOS, DEEP_GEMM)
 """The caches under ``VLLM_CACHE_ROOT`` that every engine of a run shares."""
 
@@ -387,10 +387,13 @@ class Run:
                 # and while the engine's checkpoint may still be building.
                 self.start_zygote()
             # Its own checkpoint, not the whole build (the FP8 run of 2026-12-02: the first
-            # engine waited 29 s for the next phase's bf16 checkpoint, then 20 s for the zygote).
+            # engine waited 29 s for the online engines' bf16 checkpoint, then 20 s for the
+            # zygote).
+            waited = time.time()
             while not self.checkpoint_ready(spec.checkpoint) and time.time() < self.deadline:
                 time.sleep(1)
             now = time.time()
+            waited = now - waited
             deadline = engine_deadline(now, self.deadline, once, full, later)
             if deadline is None:
                 results[spec.name] = {
@@ -404,6 +407,7 @@ class Run:
             self.started_any = True
             for r in self.engines([spec], deadline):
                 r["engine_deadline_s"] = round(deadline - now, 1)
+                r["checkpoint_wait_s"] = round(waited, 1)
                 results[r["name"]] = r
                 self.records.append(r)
                 with open(self.work / RECORDS, "a") as f:
@@ -469,8 +473,9 @@ def require_plugin() -> None:
 QUANTIZATION_PACKAGES = ("compressed_tensors", "loguru")
 """What vLLM imports to build any quantization config (0.25.0: ``get_quantization_config``
 imports every method's module, ``auto_awq`` among them, whose MoE oracle imports
-``compressed_tensors``, which imports ``loguru``). Both are vLLM dependencies that a
-``pip install vllm`` brings; a vLLM unpacked without them starts no quantized engine."""
+``compressed_tensors``, which imports ``loguru``). vLLM requires ``compressed-tensors`` and
+it requires ``loguru``, so ``pip install vllm`` brings both; a vLLM unpacked without them
+starts no quantized engine."""
 
 
 def require_quantization_packages() -> None:
@@ -482,10 +487,10 @@ def require_quantization_packages() -> None:
     missing = [name for name in QUANTIZATION_PACKAGES if find_spec(name) is None]
     if missing:
         raise SystemExit(
-            f"rowcache e2e: {', '.join(missing)} not importable: vLLM needs it to build any "
-            "quantization config, so every quantized engine would fail. Install the wheels "
-            "vLLM's metadata names (compressed-tensors, loguru; pip install --no-deps "
-            "--target DIR, DIR on PYTHONPATH)."
+            f"rowcache e2e: {', '.join(missing)} not found: vLLM imports it to build any "
+            "quantization config, so every quantized engine would fail. Install "
+            "compressed-tensors (the version vLLM's metadata names) and loguru, which it "
+            "needs (pip install --no-deps --target DIR, DIR on PYTHONPATH)."
         )
 
 
@@ -598,7 +603,17 @@ def run(
     build = checkpoints.Background(work, needed, logs / "checkpoints.log")
     probe = _register_probes(logs)
     runner = Run(
-        out, work, deadline, profile, build.done, only, done, run_id, repeats, zygote, build.ready
+        out,
+        work,
+        deadline,
+        profile,
+        build.done,
+        only,
+        done,
+        run_id,
+        repeats,
+        zygote,
+        checkpoint_ready=build.ready,
     )
     try:
         for phase in selected:
