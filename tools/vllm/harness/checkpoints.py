@@ -63,9 +63,8 @@ class Background:
             return
         steps = ["set -e", "date +%s"]
         for checkpoint in self.checkpoints:
-            built = location(work, checkpoint) / BUILT
-            steps += [shlex.join(command(work, checkpoint)), f"touch {shlex.quote(str(built))}"]
-            steps += ["date +%s"]
+            built = shlex.quote(str(location(work, checkpoint) / BUILT))
+            steps += [shlex.join(command(work, checkpoint)), f"touch {built}", "date +%s"]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 ["bash", "-c", "; ".join(steps)], stdout=out, stderr=subprocess.STDOUT

@@ -389,11 +389,10 @@ class Run:
             # Its own checkpoint, not the whole build (the FP8 run of 2026-12-02: the first
             # engine waited 29 s for the online engines' bf16 checkpoint, then 20 s for the
             # zygote).
-            waited = time.time()
+            asked = time.time()
             while not self.checkpoint_ready(spec.checkpoint) and time.time() < self.deadline:
                 time.sleep(1)
             now = time.time()
-            waited = now - waited
             deadline = engine_deadline(now, self.deadline, once, full, later)
             if deadline is None:
                 results[spec.name] = {
@@ -407,7 +406,7 @@ class Run:
             self.started_any = True
             for r in self.engines([spec], deadline):
                 r["engine_deadline_s"] = round(deadline - now, 1)
-                r["checkpoint_wait_s"] = round(waited, 1)
+                r["checkpoint_wait_s"] = round(now - asked, 1)
                 results[r["name"]] = r
                 self.records.append(r)
                 with open(self.work / RECORDS, "a") as f:
