@@ -145,7 +145,7 @@ def test_fp8_engines() -> None:
         assert spec.compare_with == ("fp8.plain.none.full",)
         assert max(spec.workload.batches) in spec.capture_sizes
         assert spec.max_num_seqs == 8 and spec.mode is Mode.DEFAULT
-    for label in engines.FP8_LABELS[4:]:
+    for label in engines.FP8_LABELS[4:6]:
         spec = by[label]
         assert spec.checkpoint == engines.QWEN8 and spec.quantization == "fp8"
         assert spec.workload is not None and spec.workload.batches == (1,)
@@ -159,7 +159,13 @@ def test_fp8_engines() -> None:
         128,
         None,
         32,
+        32,
     ]
+    # The slot count alone, as a user sets it: the planner is the plugin's default.
+    default = by[engines.FP8_DEFAULT_LABEL]
+    assert default.knob is not None and default.knob.config() == {"moe_expert_cache_size": 32}
+    assert default.checkpoint == engines.QWEN8_FP8 and default.quantization is None
+    assert default.compare_with == ("fp8.plain.none.full",)
     w = engines.FP8_WORKLOAD
     assert (w.batches, w.decode_tokens, w.repeats, w.prefill_prompts) == ((1, 8), 256, 3, 0)
     # UVA at the expert memory of 32 slots: 96 of 128 experts' FP8 weights a layer offloaded.
@@ -389,6 +395,7 @@ def test_fp8_targets_in_the_summary() -> None:
         "row128dev.full": {1: 560.0, 8: 1700.0},
         "online.none.full": {1: 500.0},
         "online.row32dev.full": {1: 150.0},
+        engines.FP8_DEFAULT_LABEL: {1: 200.0, 8: 300.0},
     }
     for spec in engines.fp8():
         label = spec.name.split(".", 2)[2]
@@ -398,6 +405,7 @@ def test_fp8_targets_in_the_summary() -> None:
         [1, 9, 3],
         *tokens[2:],
     ]
+    results["fp8.plain.row32default.full"]["route"] = {"planners": {"device": 8}}
     text = "\n".join(steps_report.report(results))
     assert "FP8 experts, fp8.plain" in text and "targets (fp8.plain, issue 22):" in text
     assert "  b1 row128dev.full >= 0.9 x none.full: 560 / 600 tok/s = 0.933 (met)" in text
@@ -408,6 +416,14 @@ def test_fp8_targets_in_the_summary() -> None:
     assert "  tokens row128dev.full identical to none.full (b1, b8): MISSED" in text
     assert "  tokens online.row32dev.full identical to online.none.full (b1): met" in text
     assert "  MoE backend online.none.full: TRITON/TritonExperts (vLLM: INFO" in text
+    assert "  tokens row32default.full identical to none.full (b1, b8): met" in text
+    default = "  default planner of row32default.full: device in every layer"
+    assert f"{default} (device 8): met" in text
+    results["fp8.plain.row32default.full"]["route"] = {"planners": {"device": 7, "host": 1}}
+    text = "\n".join(steps_report.report(results))
+    assert f"{default} (device 7, host 1): MISSED" in text
+    del results["fp8.plain.row32default.full"]["route"]
+    assert f"{default} (none recorded): MISSED" in "\n".join(steps_report.report(results))
     # The curve gets a table and no targets; the steps comparison keeps issue 18's.
     curve = {s.name: _record(s, {1: 90.0}, tokens) for s in engines.curve()}
     text = "\n".join(steps_report.report(curve))

@@ -335,6 +335,7 @@ def test_routes_reads_the_plugin_objects() -> None:
     found = probes.routes(model)
     assert found == {
         "routes": {"exact: passes' unreduced entries, one moe_sum per step": 2},
+        "planners": {"device": 2},
         "device_passes": 10,
     }
 

@@ -498,6 +498,9 @@ FP8_UVA_GIB = 3.375
 offloaded (vLLM offloads parameter by parameter up to this many bytes, in module order: the
 weights of layers 0 to 5, 1.125 GiB of experts left on the GPU as 32 slots hold)."""
 FP8_UVA_LABEL = "uva3375.full"
+FP8_DEFAULT_LABEL = "row32default.full"
+"""The block-scaled checkpoint with only ``moe_expert_cache_size`` 32 set, as a user would:
+the planner and everything else the plugin's defaults (the device planner in full graphs)."""
 FP8_LABELS = (
     "none.full",
     row_label(32),
@@ -505,6 +508,7 @@ FP8_LABELS = (
     row_label(128),
     "online.none.full",
     "online." + row_label(32),
+    FP8_DEFAULT_LABEL,
 )
 # Estimated seconds as in _TIMES (b1 and b8 decode of 256 tokens, three times each). At b8 a
 # layer step routes to about 52 of 128 experts: 32 slots miss about 37 of them, and UVA reads
@@ -520,6 +524,7 @@ _FP8_TIMES: dict[str, tuple[float, float]] = {
     row_label(128): (90, 100),
     "online.none.full": (70, 80),
     "online." + row_label(32): (90, 110),
+    FP8_DEFAULT_LABEL: (100, 120),
 }
 
 
@@ -530,8 +535,10 @@ def fp8(checkpoint: Checkpoint = QWEN8_FP8) -> list[EngineSpec]:
     UVA offload at the expert memory of 32 slots (``FP8_UVA_GIB``), ``row`` with the device
     planner at 32 and 128 slots, tokens against ``none.full``. On the plain checkpoint also
     online FP8 (``quantization="fp8"`` on the bf16 ``QWEN8``: ``Fp8PerTensorOnlineMoEMethod``)
-    at batch 1, no offload and ``row`` 32 with the device planner, tokens against the former.
-    Each record carries the MoE backend vLLM chose (``probe.moe_backend``, ``moe_backend_log``)."""
+    at batch 1, no offload and ``row`` 32 with the device planner, tokens against the former;
+    and, last, ``FP8_DEFAULT_LABEL``: the block-scaled checkpoint with the slot count alone set
+    (the plugin's default planner for it), tokens against ``none.full``. Each record carries
+    the MoE backend vLLM chose (``probe.moe_backend``, ``moe_backend_log``)."""
     prefix = FP8_PREFIX[checkpoint]
 
     def engine(
@@ -576,6 +583,7 @@ def fp8(checkpoint: Checkpoint = QWEN8_FP8) -> list[EngineSpec]:
         specs += [
             engine("online.none.full", online=True),
             engine("online." + row_label(32), row(32), online=True),
+            engine(FP8_DEFAULT_LABEL, Knob(size=32)),
         ]
     return specs
 

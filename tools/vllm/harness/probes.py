@@ -134,12 +134,15 @@ def route_of(device_planned: bool, split: str | None, tap: str | None, inexact: 
 
 
 def routes(model: Any) -> dict[str, Any]:
-    """The route of every cached layer (:func:`route_of`), counted by route.
+    """The route of every cached layer (:func:`route_of`), counted by route, and the planner
+    that plans its steps (``device``: ``DevicePlannedProvider``; ``host``: any other provider),
+    counted by planner.
 
     Read from the plugin's private attributes (``RowcacheMoEMethod._inexact_said``, the
     instance attribute ``moe_sum`` of ``moe_kernel.fused_experts``): the plugin does not
     report its route in ``expert_cache_stats`` yet."""
     counts: dict[str, int] = {}
+    planners: dict[str, int] = {}
     passes = 0
     for _name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
@@ -156,9 +159,11 @@ def routes(model: Any) -> dict[str, Any]:
             bool(getattr(method, "_inexact_said", False)),
         )
         counts[route] = counts.get(route, 0) + 1
+        planner = "device" if device_planned else "host"
+        planners[planner] = planners.get(planner, 0) + 1
         if device_planned:
             passes += int(provider.stats().get("passes", 0))
-    return {"routes": counts, "device_passes": passes}
+    return {"routes": counts, "planners": planners, "device_passes": passes}
 
 
 def offloader(model: Any) -> dict[str, Any]:

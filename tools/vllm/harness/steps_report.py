@@ -297,13 +297,14 @@ def _tokens(results: Results, prefix: str, label: str, measures: tuple[str, ...]
 
 FP8_UVA = "uva3375.full"
 FP8_ROW128 = "row128dev.full"
+FP8_DEFAULT = "row32default.full"
 
 
 def fp8_targets(results: Results, prefix: str) -> list[str]:
     """Issue 22's targets for an FP8 checkpoint: 128 slots >= 0.9 x no offload; 32 slots >=
     1.3 x UVA at the same expert memory (plain), >= 3 x (skewed); tokens identical to no
-    offload (block scales at b1 and b8, online per-tensor at b1); the MoE backend of each
-    engine."""
+    offload (block scales at b1 and b8, online per-tensor at b1); the planner the plugin chose
+    where only the slot count was set; the MoE backend of each engine."""
     factor = 3.0 if prefix.endswith("skew") else 1.3
     wanted = []
     for measure in ("b1", "b8"):
@@ -312,10 +313,12 @@ def fp8_targets(results: Results, prefix: str) -> list[str]:
             (measure, FP8_UVA, factor, True, ROW),
         ]
     lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
-    for label in (ROW, FP8_ROW128, FP8_UVA):
+    for label in (ROW, FP8_ROW128, FP8_UVA, FP8_DEFAULT):
         line = _tokens(results, prefix, label, ("b1", "b8"))
         lines += [line] if line is not None else []
     line = _tokens(results, prefix, "online." + ROW, ("b1",))
+    lines += [line] if line is not None else []
+    line = _default_planner(results, prefix)
     lines += [line] if line is not None else []
     for name, record in results.items():
         if name.startswith(prefix + "."):
@@ -325,6 +328,20 @@ def fp8_targets(results: Results, prefix: str) -> list[str]:
                 f"(vLLM: {logged[:200]})"
             )
     return [f"targets ({prefix}, issue 22):", *lines] if lines else []
+
+
+def _default_planner(results: Results, prefix: str) -> str | None:
+    """Which planner the plugin chose for the engine that set the slot count alone
+    (``FP8_DEFAULT``): block-scaled FP8 in full graphs defaults to the device planner."""
+    record = results.get(f"{prefix}.{FP8_DEFAULT}")
+    if record is None or record.get("error"):
+        return None
+    planners = (record.get("route") or {}).get("planners") or {}
+    layers = sum(planners.values())
+    device = planners.get("device", 0)
+    verdict = "met" if layers and device == layers else "MISSED"
+    found = ", ".join(f"{name} {n}" for name, n in sorted(planners.items())) or "none recorded"
+    return f"  default planner of {FP8_DEFAULT}: device in every layer ({found}): {verdict}"
 
 
 def targets(results: Results, prefix: str) -> list[str]:
