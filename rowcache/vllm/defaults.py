@@ -26,7 +26,7 @@ experts again: about 2 times the misses of the expert split at 32 rows and over 
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It holds four records, all with 32 slots for 128 experts. In full graphs (vLLM's default
+It holds five records, all with 32 slots for 128 experts. In full graphs (vLLM's default
 ``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
 and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
 control (docs/VLLM.md, steps run 3). In eager mode, steps run 6: the device planner's tokens
@@ -35,7 +35,10 @@ and 32 and in the first tokens of the 2,048-token prompts, on the plain and the 
 checkpoint. In full graphs on a block-scaled FP8 checkpoint, the FP8 run of 2026-12-02: the
 device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
 8, a narrower record than the unquantized one (no b32, no long prompt; docs/VLLM.md, "FP8
-experts"). Piecewise graphs alone and online FP8 have no record yet.
+experts"). In piecewise graphs alone (vLLM's ``PIECEWISE``), the piecewise steps run of
+2026-12-02: the device planner's tokens identical to no offload at batch 1, 8 and 32 and in the
+first tokens of 2,048-token prompts, one generation each (docs/VLLM.md). FP8 in piecewise
+graphs and online FP8 have no record yet.
 Eager mode has no speed record: in run 6 the device planner ran batch 1 at 0.925 times the host
 planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and 1.150 times on the skewed
 one, one generation each; so eager mode stays on the host planner, now with the expert split.
@@ -136,6 +139,18 @@ EVIDENCE: tuple[Evidence, ...] = (
         vllm="vLLM 0.25.0",
         gpu="H200",
         record="docs/vllm/2026-12-02-fp8/run2/",
+    ),
+    # The piecewise steps run of 2026-12-02: vLLM's PIECEWISE graphs alone, unquantized,
+    # batch 1, 8 and 32 and three 2,048-token prompts, one generation each.
+    Evidence(
+        claim=TOKENS_EXACT,
+        modes=("piecewise",),
+        quantizations=(None,),
+        date="2026-12-02",
+        commit="4f4b1ef",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/2026-12-02-steps/piecewise/",
     ),
 )
 """The runs that switch a default (module docstring)."""
