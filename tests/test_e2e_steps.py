@@ -338,6 +338,20 @@ def test_routes_reads_the_plugin_objects() -> None:
         "planners": {"device": 2},
         "device_passes": 10,
     }
+    # A host-planned layer (any other provider) with the token split.
+    host = SimpleNamespace(
+        rowcache_provider=SimpleNamespace(split="token"),
+        moe_kernel=SimpleNamespace(fused_experts=SimpleNamespace()),
+    )
+    model = SimpleNamespace(
+        named_modules=lambda: [
+            ("a", SimpleNamespace(quant_method=method)),
+            ("c", SimpleNamespace(quant_method=host)),
+        ]
+    )
+    found = probes.routes(model)
+    assert found["planners"] == {"device": 1, "host": 1}
+    assert found["device_passes"] == 5
 
 
 # -- a budgeted phase -----------------------------------------------------------------------

@@ -118,9 +118,11 @@ def test_fp8_config_builds_the_two_methods_in_0_25_0() -> None:
     assert "allow_vllm_cutlass=False" in method
 
 
-_FP8_RECORDS = ("run1", "run2")
+_FP8_RECORDS = ("run1", "run2", "run3", "run3-control", "run4-default")
 """The FP8 runs of 2026-12-02 on the H200 (docs/VLLM.md): run 1's engines without the cache
-started (the cached ones failed at the commit run then), run 2's block-scaled ones measured."""
+started (the cached ones failed at the commit run then), run 2's block-scaled ones measured,
+run 3 measured every engine of both checkpoints and online FP8 with and without the cache, its
+control and run 4 (the default planner) some of them again."""
 
 
 def test_the_h200_gave_both_fp8_variants_the_backend_the_plugin_serves() -> None:
@@ -146,4 +148,9 @@ def test_the_h200_gave_both_fp8_variants_the_backend_the_plugin_serves() -> None
             methods.update(probe["method"])
     # Both variants: the FP8 checkpoint (block scales) and online per-tensor, each with and
     # without the cache where it ran.
-    assert {"Fp8MoEMethod", "RowcacheFp8MoEMethod", "Fp8PerTensorOnlineMoEMethod"} <= methods
+    assert {
+        "Fp8MoEMethod",
+        "RowcacheFp8MoEMethod",
+        "Fp8PerTensorOnlineMoEMethod",
+        "RowcacheFp8OnlineMoEMethod",
+    } <= methods
