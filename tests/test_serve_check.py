@@ -412,3 +412,37 @@ def test_a_server_stops_on_sigint_even_when_launched_with_sigint_ignored(tmp_pat
     code = sc.stop(process, grace=20.0)
     assert code is not None and code != -signal.SIGKILL, code
     assert time.monotonic() - t0 < 20.0
+
+
+def test_build_checkpoint_marks_a_whole_build_and_leaves_a_partial_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--build`` builds once and marks the checkpoint whole; a directory with a
+    ``config.json`` and no marker (a stopped build, or a model built elsewhere) is neither
+    served as built nor overwritten: an error names it, and nothing in it changes."""
+    from tools.vllm.harness.checkpoints import BUILT
+
+    runs: list[list[str]] = []
+
+    def fake_run(cmd: list[str], check: bool) -> None:
+        runs.append(cmd)
+        model = Path(cmd[2])
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "config.json").write_text("{}")
+
+    monkeypatch.setattr(sc.subprocess, "run", fake_run)
+    model = tmp_path / "qwen8"
+    sc.build_checkpoint(model, "--qwen3-30b-a3b --layers 8")
+    assert [c[3:] for c in runs] == [["--qwen3-30b-a3b", "--layers", "8"]]
+    assert (model / BUILT).exists()
+    sc.build_checkpoint(model, "--qwen3-30b-a3b --layers 8")  # whole: not built again
+    assert len(runs) == 1
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text('{"half": true}')
+    with pytest.raises(SystemExit, match=rf"{partial} has a config.json but no {BUILT}"):
+        sc.build_checkpoint(partial, "")
+    assert len(runs) == 1
+    assert sorted(p.name for p in partial.iterdir()) == ["config.json"]
+    assert (partial / "config.json").read_text() == '{"half": true}'

@@ -48,6 +48,11 @@ serves the form routes of ``fastapi[standard]``. ``click``, ``h11``, ``anyio``, 
         jmespath==1.1.0 supervisor==4.3.0 python-multipart==0.0.34
 
 A server that exits because a module is missing is recorded with the module's name.
+
+``--build ARGS`` first builds the random-weight checkpoint ``DIR`` with
+``make_moe_checkpoint.py ARGS`` unless a whole one is there (its ``.rowcache-built`` marker,
+as the e2e harness writes it); a ``DIR`` with a ``config.json`` and no marker stops the check
+with an error and is left as it is.
 """
 
 from __future__ import annotations
@@ -579,10 +584,24 @@ def _versions() -> dict[str, str]:
 
 
 def build_checkpoint(model: Path, build_args: str) -> None:
-    if (model / "config.json").exists():
+    """Build the random-weight checkpoint ``model`` (``make_moe_checkpoint.py`` with
+    ``build_args``) unless a whole one is there: its ``BUILT`` marker, written once the builder
+    has returned. A ``config.json`` without the marker is a build that stopped halfway
+    (``save_pretrained`` writes it first) or a model built elsewhere; either is left as it is,
+    with an error, rather than served half-built or overwritten."""
+    from tools.vllm.harness.checkpoints import BUILT
+
+    if (model / BUILT).exists():
         return
+    if (model / "config.json").exists():
+        raise SystemExit(
+            f"serve_check.py: --build: {model} has a config.json but no {BUILT} marker (a "
+            "build that stopped before its end, or a model not built by --build); remove the "
+            "directory to build it again, or leave out --build to serve it as it is"
+        )
     tool = Path(__file__).resolve().parent / "make_moe_checkpoint.py"
     subprocess.run([sys.executable, str(tool), str(model), *build_args.split()], check=True)
+    (model / BUILT).touch()
 
 
 def main(argv: list[str] | None = None) -> int:
