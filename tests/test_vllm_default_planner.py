@@ -101,6 +101,90 @@ def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> Non
     }
 
 
+def _records(record: str) -> dict[str, dict[str, Any]]:
+    """The engines' records of a run kept under ``record`` (a path under docs/vllm/), by name."""
+    import json
+
+    lines = (ROOT / record / "records.jsonl").read_text().splitlines()
+    return {r["name"]: r for r in map(json.loads, lines)}
+
+
+def backs_its_claim(evidence: Evidence) -> int:
+    """Check that ``evidence``'s stored records show what it claims: in each of its modes the
+    planner's engine at 32 slots (``row32dev``: the device planner; ``row32host``: the host
+    planner's expert split) gave the same greedy tokens as that checkpoint's no-offload engine
+    of the same mode, sequence by sequence at every batch size measured, and the device
+    planner's largest batch took at least two passes a layer step on average. Returns the
+    number of engines checked."""
+    engine = {TOKENS_EXACT: "row32dev", HOST_EXPERT_EXACT: "row32host"}[evidence.claim]
+    records = _records(evidence.record)
+    checked = 0
+    for mode in evidence.modes:
+        for name, record in records.items():
+            prefix, _, label = name.rpartition(f".{engine}.")
+            if not prefix or label != mode:
+                continue
+            reference = records[f"{prefix}.none.{mode}"]["steps"]["decode"]
+            decode = record["steps"]["decode"]
+            assert decode.keys() == reference.keys(), name
+            for batch, entry in decode.items():
+                assert entry["tokens"] == reference[batch]["tokens"], (name, batch)
+            if engine == "row32dev":
+                largest = decode[max(decode, key=int)]
+                layers = sum(record["route"]["routes"].values())
+                steps = largest["repeats_run"] * len(largest["tokens"][0]) * layers
+                passes = largest["cache"]["passes"]
+                assert passes >= 2 * steps, f"{name}: {passes} passes over {steps} layer steps"
+            checked += 1
+    assert checked, f"no {engine} engine in {evidence.record} for {evidence.modes}"
+    return checked
+
+
+@pytest.mark.parametrize("evidence", EVIDENCE, ids=lambda e: f"{e.claim}-{e.record}")
+def test_every_record_backs_its_claim(evidence: Evidence) -> None:
+    """No record of ``EAGER_NOT_SLOWER`` exists; every other one is checked against its raw
+    records (:func:`backs_its_claim`)."""
+    assert backs_its_claim(evidence) >= 1
+
+
+def test_the_claim_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) -> None:
+    """The check fails on a run whose cached engine's tokens diverge, and on one whose steps
+    all fit in one pass."""
+    import json
+
+    piecewise = next(e for e in EVIDENCE if e.modes == ("piecewise",))
+    records = _records(piecewise.record)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+
+    def write(changed: dict[str, dict[str, Any]]) -> Evidence:
+        text = "".join(json.dumps(r) + "\n" for r in changed.values())
+        (bad / "records.jsonl").write_text(text)
+        return Evidence(**{**vars(piecewise), "record": str(bad)})
+
+    diverging = json.loads(json.dumps(records))
+    diverging["steps.plain.row32dev.piecewise"]["steps"]["decode"]["8"]["tokens"][3][17] += 1
+    with pytest.raises(AssertionError, match=r"row32dev\.piecewise"):
+        backs_its_claim(write(diverging))
+    one_pass = json.loads(json.dumps(records))
+    for entry in one_pass["steps.plain.row32dev.piecewise"]["steps"]["decode"].values():
+        entry["cache"]["passes"] = 2056
+    with pytest.raises(AssertionError, match="2056 passes over 2048 layer steps"):
+        backs_its_claim(write(one_pass))
+
+
+def test_the_fp8_default_ran_on_the_gpu() -> None:
+    """FP8 run 4: an engine of the block-scaled checkpoint with the slot count alone set got
+    the device planner in every layer (the route probe) and no offload's tokens."""
+    records = _records("docs/vllm/2026-12-02-fp8/run4-default/")
+    default = records["fp8.plain.row32default.full"]
+    assert default["route"]["planners"] == {"device": 8}
+    reference = records["fp8.plain.none.full"]["steps"]["decode"]
+    assert default["steps"]["decode"].keys() == reference.keys() == {"1", "8"}
+    for batch, entry in default["steps"]["decode"].items():
+        assert entry["tokens"] == reference[batch]["tokens"]
+
+
 # mode -> planner, for each state of the evidence
 TABLE: list[tuple[tuple[Evidence, ...], dict[GraphMode, str]]] = [
     ((), {"full": "host", "piecewise": "host", "eager": "host"}),

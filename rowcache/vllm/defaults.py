@@ -32,7 +32,7 @@ and 32 and in the first token of 2,048-token prompts, beside a second no-offload
 control (docs/VLLM.md, steps run 3). In eager mode, steps run 6: the device planner's tokens
 and the host planner's with its expert split were identical to eager no offload at batch 1, 8
 and 32 and in the first tokens of the 2,048-token prompts, on the plain and the skewed
-checkpoint. In full graphs on a block-scaled FP8 checkpoint, the FP8 run of 2026-12-02: the
+checkpoint. In full graphs on a block-scaled FP8 checkpoint, FP8 run 2 of 2026-12-02: the
 device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
 8, a narrower record than the unquantized one (no b32, no long prompt; docs/VLLM.md, "FP8
 experts"). In piecewise graphs alone (vLLM's ``PIECEWISE``), the piecewise steps run of
@@ -128,7 +128,7 @@ EVIDENCE: tuple[Evidence, ...] = (
         )
         for claim in (TOKENS_EXACT, HOST_EXPERT_EXACT)
     ),
-    # The FP8 run of 2026-12-02: block-scaled FP8 checkpoints (vLLM's Fp8MoEMethod, TRITON),
+    # FP8 run 2 of 2026-12-02: block-scaled FP8 checkpoints (vLLM's Fp8MoEMethod, TRITON),
     # batch 1 and 8, steps of up to 64 experts in two passes. Online FP8 is another key.
     Evidence(
         claim=TOKENS_EXACT,

@@ -76,8 +76,10 @@ Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/eng
   offload, UVA at the expert memory of 32 slots (3.375 GiB offloaded), ``row`` with the device
   planner at 32 and 128 slots, each measuring b1 and b8 decode (``engines.fp8``); on the plain
   one also online FP8 (``quantization="fp8"`` on the bf16 checkpoint) at b1, no offload and
-  ``row`` 32. Every record carries the MoE backend vLLM chose (``probe.moe_backend`` from the
-  method, ``moe_backend_log`` from vLLM's log line); the summary marks issue 22's targets.
+  ``row`` 32, and ``row`` 32 with the slot count alone set (``row32default.full``: the
+  plugin's default planner, recorded per layer and marked in the summary). Every record
+  carries the MoE backend vLLM chose (``probe.moe_backend`` from the method,
+  ``moe_backend_log`` from vLLM's log line); the summary marks issue 22's targets.
 * ``archs``: random Mixtral and Qwen2-MoE checkpoints (``make_moe_checkpoint.py --arch``) in
   full graphs: no offload and ``row`` with the device planner at a slot count that misses and
   one whose decode steps need more than one pass (``engines.archs``), tokens against the same

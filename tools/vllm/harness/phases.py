@@ -117,7 +117,7 @@ PHASES = (
         "FP8 experts on the 8-layer checkpoint stored with 128 x 128 block scales, b1 and b8 "
         "decode: no offload, UVA at the expert memory of 32 slots, row device planner at 32 "
         "and 128 slots (full graphs); then online FP8 of the bf16 checkpoint at b1: no "
-        "offload, row 32",
+        "offload, row 32; then row 32 with the slot count alone set (the default planner)",
         lambda _results: engines.fp8(engines.QWEN8_FP8),
         one_at_a_time=True,
         budgeted=True,
