@@ -316,6 +316,7 @@ def test_routes_reads_the_plugin_objects() -> None:
         pass
 
     class DevicePlannedProvider:
+        planner = "device"
         split = "expert"
 
         def stats(self) -> dict[str, int]:
@@ -340,7 +341,7 @@ def test_routes_reads_the_plugin_objects() -> None:
     }
     # A host-planned layer (any other provider) with the token split.
     host = SimpleNamespace(
-        rowcache_provider=SimpleNamespace(split="token"),
+        rowcache_provider=SimpleNamespace(planner="host", split="token"),
         moe_kernel=SimpleNamespace(fused_experts=SimpleNamespace()),
     )
     model = SimpleNamespace(

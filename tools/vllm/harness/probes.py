@@ -135,8 +135,8 @@ def route_of(device_planned: bool, split: str | None, tap: str | None, inexact: 
 
 def routes(model: Any) -> dict[str, Any]:
     """The route of every cached layer (:func:`route_of`), counted by route, and the planner
-    that plans its steps (``device``: ``DevicePlannedProvider``; ``host``: any other provider),
-    counted by planner.
+    that plans its steps (the provider class's ``planner``: ``device`` for
+    ``DevicePlannedProvider``, ``host`` for the others), counted by planner.
 
     Read from the plugin's private attributes (``RowcacheMoEMethod._inexact_said``, the
     instance attribute ``moe_sum`` of ``moe_kernel.fused_experts``): the plugin does not
@@ -151,7 +151,7 @@ def routes(model: Any) -> dict[str, Any]:
             continue
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         tap = vars(experts).get("moe_sum") if hasattr(experts, "__dict__") else None
-        device_planned = type(provider).__name__ == "DevicePlannedProvider"
+        device_planned = getattr(provider, "planner", None) == "device"  # the class's own
         route = route_of(
             device_planned,
             getattr(provider, "split", None),
