@@ -313,7 +313,7 @@ def test_budgeted_curve_with_resume(tmp_path: Path, monkeypatch: Any) -> None:
 def test_fp8_phase_without_compressed_tensors_stops_before_its_first_engine(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """vLLM builds no quantization config without ``compressed_tensors``: in the FP8 run of
+    """vLLM builds no quantization config without ``compressed_tensors``: in FP8 run 1 of
     2026-12-02 every FP8 engine failed on it in turn. The phase now stops before its first
     engine and names the package; an unquantized phase does not need it."""
     import importlib.util

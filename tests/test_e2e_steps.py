@@ -925,7 +925,7 @@ def test_engines_share_model_infos_and_deep_gemm_kernels_and_nothing_else(
     ``modelinfos`` and ``deep_gemm`` directories linked in: what the first engine learns of its
     model class the next reads instead of importing torch and vLLM again in a subprocess (21 to
     25 s a start in steps run 5), and the DeepGEMM kernels the first FP8 engine compiles the
-    next loads (about 60 s a start in the FP8 run of 2026-12-02)."""
+    next loads (46 to 59 s a start in FP8 runs 1 and 2 of 2026-12-02)."""
     roots: list[Path] = []
 
     def popen(command: list[str], stdout: Any, stderr: Any, env: dict[str, str]) -> _Exited:

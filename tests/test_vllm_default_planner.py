@@ -64,7 +64,7 @@ EAGER_SPEED = _evidence(EAGER_NOT_SLOWER, "eager")
 
 
 def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> None:
-    """The records (steps runs 3 and 6, the FP8 run, the piecewise steps run): the device
+    """The records (steps runs 3 and 6, FP8 run 2, the piecewise steps run): the device
     planner's tokens identical in full graphs, in eager mode and in piecewise graphs alone, the
     host planner's expert split's in eager mode, and the device planner's in full graphs on FP8
     checkpoints; their raw output is in the repository. Eager mode (no speed record) stays on

@@ -577,7 +577,7 @@ def test_env_turns_cache_on(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize(
     ("quantization", "checkpoint_quant", "planner", "why"),
     [
-        # An FP8 checkpoint: the FP8 run of 2026-12-02 recorded the device planner's tokens.
+        # An FP8 checkpoint: FP8 run 2 of 2026-12-02 recorded the device planner's tokens.
         ("fp8", {"quant_method": "fp8"}, "device", "2026-12-02 at 0a40184"),
         # vLLM 0.25.0's online FP8 (a bf16 checkpoint): no record of its own yet.
         ("fp8", None, "host", "quantization 'fp8_per_tensor'"),

@@ -589,9 +589,9 @@ def build_checkpoint(model: Path, build_args: str) -> None:
     has returned. A ``config.json`` without the marker is a build that stopped halfway
     (``save_pretrained`` writes it first) or a model built elsewhere; either is left as it is,
     with an error, rather than served half-built or overwritten."""
-    from tools.vllm.harness.checkpoints import BUILT
+    from tools.vllm.harness.checkpoints import BUILT, is_built, mark_built
 
-    if (model / BUILT).exists():
+    if is_built(model):
         return
     if (model / "config.json").exists():
         raise SystemExit(
@@ -601,7 +601,7 @@ def build_checkpoint(model: Path, build_args: str) -> None:
         )
     tool = Path(__file__).resolve().parent / "make_moe_checkpoint.py"
     subprocess.run([sys.executable, str(tool), str(model), *build_args.split()], check=True)
-    (model / BUILT).touch()
+    mark_built(model)
 
 
 def main(argv: list[str] | None = None) -> int:

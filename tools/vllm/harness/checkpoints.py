@@ -39,15 +39,25 @@ whole. ``config.json`` alone is no sign (transformers' ``save_pretrained`` write
 weights, so a build stopped halfway leaves one)."""
 
 
+def is_built(directory: Path) -> bool:
+    """Whether the checkpoint in ``directory`` was built whole (its ``BUILT`` marker)."""
+    return (directory / BUILT).exists()
+
+
+def mark_built(directory: Path) -> None:
+    """Say that the checkpoint in ``directory`` is whole (after its builder returned)."""
+    (directory / BUILT).touch()
+
+
 def missing(work: Path, checkpoints: list[Checkpoint]) -> list[Checkpoint]:
-    return [c for c in checkpoints if not (location(work, c) / BUILT).exists()]
+    return [c for c in checkpoints if not is_built(location(work, c))]
 
 
 def build_foreground(work: Path, checkpoints: list[Checkpoint]) -> None:
     """Build the foreground ones among ``checkpoints`` now (a failure stops the run)."""
     for checkpoint in missing(work, [c for c in checkpoints if c.foreground]):
         subprocess.run(command(work, checkpoint), check=True)
-        (location(work, checkpoint) / BUILT).touch()
+        mark_built(location(work, checkpoint))
 
 
 class Background:
@@ -82,7 +92,7 @@ class Background:
         has ended (a failed build: the engine then fails to load, saying why)."""
         if checkpoint not in self.checkpoints or self.done():
             return True
-        return (location(self.work, checkpoint) / BUILT).exists()
+        return is_built(location(self.work, checkpoint))
 
     def wait(self, timeout: float) -> bool:
         """Wait for the build to end, at most ``timeout`` seconds; whether it has."""

@@ -515,9 +515,10 @@ FP8_LABELS = (
 # layer step routes to about 52 of 128 experts: 32 slots miss about 37 of them, and UVA reads
 # those of its 6 offloaded layers, about 1.4 GiB a step, over the host link. The phase's first
 # engine compiles DeepGEMM's kernels for the checkpoint's dense FP8 layers (46 to 59 s, shared
-# with the engines after it: orchestrate.SHARED_CACHES); online FP8 uses none. Measured on
-# 2026-12-02: none.full 138.7 s (the compile included), row32dev.full 72.7 s,
-# online.none.full 50.7 s; uva3375.full started in 110 s with the compile.
+# with the engines after it: orchestrate.SHARED_CACHES); online FP8 uses none. Measured in FP8
+# runs 1 and 2 of 2026-12-02: none.full 138.7 s (the compile included), row32dev.full 72.7 s,
+# online.none.full 50.7 s; uva3375.full started in 110 s with the compile. FP8 run 3's engines
+# after the first took 25 to 71 s: these estimates are generous after a call's first engine.
 _FP8_TIMES: dict[str, tuple[float, float]] = {
     "none.full": (150, 160),
     row_label(32): (100, 120),

@@ -124,7 +124,7 @@ phases: the GPU machine's 16 cores are its own). The workers compile the same co
 and compiled engines choose no kernel by timing, so this changes an engine's start-up time,
 not its kernels. vLLM 0.25.0 overrules both when it is imported (its ``env_override`` sets
 ``TORCHINDUCTOR_COMPILE_THREADS=1``): the zygote found it in the curve run of 2026-12-02, and
-the FP8 run's ``meta.zygote.import_rewrites`` lists the variable."""
+FP8 run 2's ``meta.zygote.import_rewrites`` lists the variable."""
 
 
 def env(
@@ -162,7 +162,8 @@ DEEP_GEMM = "deep_gemm"
 """DeepGEMM's JIT cache under ``VLLM_CACHE_ROOT`` (0.25.0: ``vllm/utils/deep_gemm.py`` sets
 ``DG_JIT_CACHE_DIR`` there unless it is set). vLLM picks DeepGEMM for the dense layers of a
 block-scaled FP8 checkpoint and compiles its kernels for every token count at start-up: 46 to
-59 s of each FP8 engine's start in the FP8 run of 2026-12-02, the same 76 kernels every time."""
+59 s of each FP8 engine's start in FP8 runs 1 and 2 of 2026-12-02, the same 76 kernels every
+time."""
 SHARED_CACHES = (MODELINFOS, DEEP_GEMM)
 """The caches under ``VLLM_CACHE_ROOT`` that every engine of a run shares."""
 
@@ -386,7 +387,7 @@ class Run:
                 # Its start (about 20 s) is no engine's: before the engine's deadline is set,
                 # and while the engine's checkpoint may still be building.
                 self.start_zygote()
-            # Its own checkpoint, not the whole build (the FP8 run of 2026-12-02: the first
+            # Its own checkpoint, not the whole build (FP8 run 2 of 2026-12-02: the first
             # engine waited 29 s for the online engines' bf16 checkpoint, then 20 s for the
             # zygote).
             asked = time.time()
@@ -479,7 +480,7 @@ starts no quantized engine."""
 
 def require_quantization_packages() -> None:
     """Stop before a phase with quantized engines whose every engine would fail while its
-    config is built: in the FP8 run of 2026-12-02 six engines failed that way one by one
+    config is built: in FP8 run 1 of 2026-12-02 six engines failed that way one by one
     (``No module named 'compressed_tensors'``), four minutes of device time."""
     from importlib.util import find_spec
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tools.vllm.harness import engines
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -295,9 +296,9 @@ def _tokens(results: Results, prefix: str, label: str, measures: tuple[str, ...]
     return f"  tokens {label} identical to {ref} ({', '.join(measures)}): {verdict}"
 
 
-FP8_UVA = "uva3375.full"
-FP8_ROW128 = "row128dev.full"
-FP8_DEFAULT = "row32default.full"
+FP8_UVA = engines.FP8_UVA_LABEL
+FP8_ROW128 = engines.row_label(128)
+FP8_DEFAULT = engines.FP8_DEFAULT_LABEL
 
 
 def fp8_targets(results: Results, prefix: str) -> list[str]:
