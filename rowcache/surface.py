@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout
-from rowcache.sources import ExpertSources, SlotBuffers, allocate_slot_buffers
+from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers, allocate_slot_buffers
 from rowcache.types import ExpertWeightResult, Split
 
 SPLITS: tuple[Split, ...] = ("token", "expert")
@@ -89,6 +91,24 @@ class SlotSurface:
             w1_scale=slots.w13_scale,
             w2_scale=slots.w2_scale,
         )
+
+    def slot_mismatches(self, resident: Mapping[int, int]) -> list[str]:
+        """Every slot of ``resident`` (expert to slot, as ``resident_experts()`` gives it) whose
+        bytes differ from its expert's host bytes, tensor by tensor, as ``"expert E slot S:
+        w13"``; empty when every one is exact. Reads the slots back to the host (a blocking
+        copy on the current stream): call it with no provider call in flight, after waiting
+        for the device. A check for tests and end-of-run audits, not for a forward."""
+        bad: list[str] = []
+        pairs = zip(SOURCE_NAMES, self._sources.tensors(), self._slots.tensors(), strict=True)
+        for name, source, slots in pairs:
+            if source is None or slots is None:
+                continue
+            for expert, slot in sorted(resident.items()):
+                host = source[expert].reshape(-1).contiguous().view(torch.uint8)
+                held = slots[slot].to("cpu").reshape(-1).contiguous().view(torch.uint8)
+                if not torch.equal(host, held):
+                    bad.append(f"expert {expert} slot {slot}: {name}")
+        return bad
 
     @property
     def capacity(self) -> int:

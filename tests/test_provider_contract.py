@@ -802,3 +802,28 @@ def test_guard_released_after_an_exception() -> None:
         raise KeyError("boom")
     with guard("invalidate"):
         pass
+
+
+@pytest.mark.parametrize("layout", ["separate", "packed"])
+def test_slot_check_finds_exactly_the_corrupted_slot(
+    make: Make, kind: ProviderKind, layout: str
+) -> None:
+    """``slot_mismatches`` (the end-of-run audit of every resident slot): empty after real
+    misses and evictions; names the one tensor of the one slot whose bytes were changed, and
+    only that one."""
+    if kind.name == "cached" and layout == "packed":
+        pytest.skip("the cached baseline has the separate layout only")
+    p = make(capacity=3, **({"layout": layout} if layout == "packed" else {}))
+    for row in ([0, 1], [2, 5], [1, 6]):
+        p.prepare(ids(row))
+    resident = p.resident_experts()
+    assert len(resident) == 3 and p.slot_mismatches(resident) == []
+    expert, slot = sorted(resident.items())[1]
+    with torch.no_grad():
+        row = p.buf_w2[slot]  # bf16 [2, 4]: a strided view when packed
+        row[1, 2] = -row[1, 2]  # the sign bit of one element
+    assert p.slot_mismatches(resident) == [f"expert {expert} slot {slot}: w2"]
+    # Told another expert sits in that slot: every present tensor differs.
+    other = {next(e for e in range(E) if e not in resident): slot}
+    found = p.slot_mismatches(other)
+    assert found and all(m.startswith(f"expert {next(iter(other))} slot {slot}: ") for m in found)

@@ -33,7 +33,14 @@ from typing import Any, Literal
 from rowcache.vllm._post_import import call_after_import, fully_imported
 from rowcache.vllm.knob import CacheSettings, KnobError, parse_settings
 
-__all__ = ["CacheSettings", "KnobError", "expert_cache_stats", "parse_settings", "register"]
+__all__ = [
+    "CacheSettings",
+    "KnobError",
+    "expert_cache_slot_check",
+    "expert_cache_stats",
+    "parse_settings",
+    "register",
+]
 
 logger = logging.getLogger("rowcache.vllm")
 
@@ -125,6 +132,27 @@ def register(installer: Callable[[], bool] | None = None) -> None:
         return
     if installed:
         logger.debug("rowcache: vLLM config hook installed")
+
+
+def expert_cache_slot_check(model: Any) -> dict[str, Any]:
+    """Every cached MoE layer's resident slots against their host bytes (for
+    ``LLM.apply_model`` after a generation: the engine is idle, and this waits for the
+    device first): how many layers and slots were checked, and each mismatch by layer."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    layers = slots = 0
+    mismatches: list[str] = []
+    for name, module in model.named_modules():
+        provider = getattr(getattr(module, "quant_method", None), "rowcache_provider", None)
+        if provider is None:
+            continue
+        resident = provider.resident_experts()
+        layers += 1
+        slots += len(resident)
+        mismatches += [f"{name}: {m}" for m in provider.slot_mismatches(resident)]
+    return {"layers": layers, "slots": slots, "mismatches": mismatches}
 
 
 def expert_cache_stats(model: Any) -> list[dict[str, Any]]:

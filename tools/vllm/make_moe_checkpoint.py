@@ -10,6 +10,13 @@
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8 --fp8-block
         the same Qwen3-MoE layout stored in FP8 with 128 x 128 block scales, as Qwen3-30B-A3B-FP8
         and DeepSeek ship it (``--fp8-bf16-attention``: attention projections left in bf16)
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch deepseek_v2     DeepSeek-V2-Lite at
+        full depth, bf16 (27 layers, 64 routed experts top-6 plus 2 shared, MLA; 31 GB)
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch deepseek_v3     the DeepSeek-V3
+        architecture in FP8 with 128 x 128 block scales, at reduced width and depth
+        (``deepseek_layout.V3_REDUCED``; 256 routed experts in 8 groups)
+    ... --experts-from DIR    (DeepSeek) hard-link every shard but the routers' from DIR, the
+        same checkpoint built before without --router-skew (the skewed twin costs its routers)
     python3 tools/vllm/make_moe_checkpoint.py --estimate --qwen3-30b-a3b --router-skew ALPHA
         print the simulated LRU hit rate at 32 slots (isotropic hidden states; no checkpoint)
 
@@ -27,6 +34,12 @@ drawn N(0, 0.08) after the default init (from ``torch.manual_seed(seed)``), so t
 decoding is not decided by ties; without ``--router-skew`` the checkpoint is the same as the
 GPU bundle's builder makes from the same seed. The skew is applied after, from its own seeds,
 and recorded in ``rowcache_router_skew.json`` beside the weights.
+
+The DeepSeek layouts (``deepseek_layout.py``) are written as sharded safetensors one tensor at a
+time (``shards.py``): each tensor drawn from a generator of its own, seeded from the seed and the
+tensor's name, on the GPU where there is one (``drawn_on`` in the record), so that a 31 GB
+checkpoint is built in about a minute there without holding more than one tensor; FP8 weights
+(``deepseek_v3``) are quantized as ``--fp8-block``'s are, one scale per 128 x 128 block.
 
 ``--fp8-block`` writes the Qwen3-MoE layout directly too (no transformers), in the format vLLM
 0.25.0's ``Fp8Config`` / ``Fp8MoEMethod`` load (``vllm/model_executor/layers/quantization/
@@ -57,7 +70,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from tools.vllm.router_skew import estimate_hit_rate, skew_router_
+from tools.vllm import deepseek_layout, shards
+from tools.vllm.router_skew import estimate_hit_rate, skew_router_, zipf_scales
 
 TINY = {
     "vocab_size": 512,
@@ -98,7 +112,10 @@ def shapes(qwen: bool, layers: int | None) -> dict[str, Any]:
     return {**base, **COMMON, "num_hidden_layers": layers or (8 if qwen else 2)}
 
 
-ARCHS = ("qwen3", "mixtral", "qwen2moe")
+ARCHS = ("qwen3", "mixtral", "qwen2moe", "deepseek_v2", "deepseek_v3")
+SHARDED_ARCHS = ("deepseek_v2", "deepseek_v3")
+"""Written one tensor at a time into sharded safetensors (``shards.py``)."""
+SHARD_BYTES = 4 << 30
 FP8_BLOCK = (128, 128)
 """``weight_block_size``: (rows, columns) of the weight a scale covers (block_n, block_k)."""
 FP8_MAX = 448.0
@@ -257,9 +274,10 @@ def dequantize_fp8_block(quantized: torch.Tensor, scale: torch.Tensor) -> torch.
 
 def experts_of(config: dict[str, Any]) -> tuple[int, int]:
     """(experts per MoE layer, top_k) of any of the builder's configs."""
-    experts = (
-        config["num_local_experts"] if "num_local_experts" in config else config["num_experts"]
-    )
+    for key in ("num_local_experts", "n_routed_experts", "num_experts"):
+        if key in config:
+            experts = config[key]
+            break
     return int(experts), int(config["num_experts_per_tok"])
 
 
@@ -431,6 +449,138 @@ def build_fp8(out: Path, config: dict[str, Any], seed: int, skew: float) -> None
     print(f"saved {out} (qwen3, FP8 block) params {params} in {time.time() - started:.1f}s")
 
 
+def draw_device() -> torch.device:
+    """Where the sharded builder draws: the GPU where there is one (seconds for 31 GB)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sharded_tensor(
+    name: str,
+    config: dict[str, Any],
+    shape: tuple[int, ...],
+    seed: int,
+    skew: float,
+    routers: dict[str, int],
+    device: torch.device,
+) -> torch.Tensor:
+    """One tensor of a DeepSeek checkpoint as stored: norms 1, everything else N(0, 0.08) from
+    the tensor's own generator; a router scaled by ``skew`` (its MoE layer's own seed, as the
+    other builders); an FP8 weight quantized per 128 x 128 block, and its ``_scale_inv`` drawn
+    and quantized again from the weight's generator (the same values: no state kept)."""
+    if name.endswith("_scale_inv"):
+        weight = name.removesuffix("_scale_inv")
+        shape = deepseek_layout.load_plan(config)[weight]
+        value = shards.draw_normal(weight, shape, seed, deepseek_layout.ROUTED_STD, device)
+        return quantize_fp8_block(value)[1]
+    if name.endswith("norm.weight"):
+        value = torch.ones(shape, device=device)
+    else:
+        value = shards.draw_normal(name, shape, seed, deepseek_layout.ROUTED_STD, device)
+    if name in routers and skew > 0:
+        skew_router_(value, skew, seed=1000 * (seed + 1) + routers[name])
+    dtype = deepseek_layout.stored_dtype(name, config)
+    if dtype == torch.float8_e4m3fn:
+        quantized, _ = quantize_fp8_block(value)
+        return quantized
+    return value.to(dtype)
+
+
+def sharded_plan(config: dict[str, Any]) -> shards.Plan:
+    """Every stored tensor of a DeepSeek checkpoint: FP8 weights with their block scales."""
+    plan: shards.Plan = {}
+    for name, shape in deepseek_layout.load_plan(config).items():
+        dtype = deepseek_layout.stored_dtype(name, config)
+        plan[name] = (shape, dtype)
+        if dtype == torch.float8_e4m3fn:
+            rows, cols = shape
+            plan[name + "_scale_inv"] = (fp8_scale_shape((rows, cols)), torch.float32)
+    return plan
+
+
+def build_sharded(
+    out: Path,
+    arch: str,
+    config: dict[str, Any],
+    seed: int,
+    skew: float,
+    experts_from: Path | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Write a DeepSeek checkpoint (``config.json``, the shards, their index, the record)."""
+    started = time.time()
+    device = device or draw_device()
+    plan = sharded_plan(config)
+    routers = {name: i for i, name in enumerate(deepseek_layout.router_names(config))}
+    record: dict[str, Any] = {
+        "router_skew": skew,
+        "seed": seed,
+        "arch": arch,
+        "drawn_on": device.type,
+        "layers": [],
+    }
+    files = shards.assign_shards(plan, deepseek_layout.router_tensors(config), SHARD_BYTES)
+    linked: list[str] = []
+    if experts_from is not None:
+        linked = _link_experts(experts_from, out, config, record, files)
+    shards.write_checkpoint(
+        out,
+        plan,
+        deepseek_layout.router_tensors(config),
+        lambda name: sharded_tensor(name, config, plan[name][0], seed, skew, routers, device),
+        SHARD_BYTES,
+        skip_files=linked,
+    )
+    if skew > 0:
+        experts, _ = experts_of(config)
+        record["layers"] = [
+            {
+                "layer": index,
+                "router": name,
+                "max_scale": float(zipf_scales(experts, skew, 1000 * (seed + 1) + index).max()),
+            }
+            for name, index in routers.items()
+        ]
+    record["linked_from"] = str(experts_from) if linked else None
+    (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    (out / "rowcache_router_skew.json").write_text(json.dumps(record, indent=1) + "\n")
+    params = sum(shards.nbytes(shape, torch.uint8) for shape, _ in plan.values())
+    print(
+        f"saved {out} ({arch}, {len(set(files.values()))} shards, {len(linked)} linked) "
+        f"elements {params} on {device.type} in {time.time() - started:.1f}s"
+    )
+
+
+def _link_experts(
+    source: Path,
+    out: Path,
+    config: dict[str, Any],
+    record: dict[str, Any],
+    files: dict[str, str],
+) -> list[str]:
+    """The shards taken from ``source`` as hard links: only from a whole checkpoint of the same
+    config, seed and drawing device (else its bytes differ); otherwise every shard is written
+    here, and a line says why."""
+    try:
+        theirs = json.loads((source / "rowcache_router_skew.json").read_text())
+        same_config = json.loads((source / "config.json").read_text()) == json.loads(
+            json.dumps(config)
+        )
+    except (OSError, ValueError) as exc:
+        print(f"--experts-from {source}: not a whole checkpoint ({exc}); writing every shard")
+        return []
+    for key in ("seed", "arch", "drawn_on"):
+        if theirs.get(key) != record[key]:
+            print(
+                f"--experts-from {source}: its {key} is {theirs.get(key)!r}, this one's "
+                f"{record[key]!r}; writing every shard"
+            )
+            return []
+    if not same_config:
+        print(f"--experts-from {source}: another config; writing every shard")
+        return []
+    return shards.link_shared_shards(source, out, files)
+
+
 def build(out: Path, config: dict[str, Any], seed: int, skew: float) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -473,9 +623,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --fp8-block: attention projections in bf16 (modules_to_not_convert)",
     )
+    parser.add_argument(
+        "--experts-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="DeepSeek: hard-link every shard but the routers' from DIR (the same checkpoint "
+        "without --router-skew)",
+    )
     parser.add_argument("--estimate", action="store_true", help="print the simulated hit rate")
     parser.add_argument("--slots", type=int, default=32, help="slots for --estimate")
     args = parser.parse_args(argv)
+    sharded = args.arch in SHARDED_ARCHS
+    if args.experts_from is not None and not sharded:
+        parser.error(f"--experts-from takes a sharded layout ({', '.join(SHARDED_ARCHS)})")
     direct = args.arch != "qwen3"
     if direct and args.qwen3_30b_a3b:
         parser.error("--qwen3-30b-a3b is a Qwen3-MoE shape; leave it out with --arch " + args.arch)
@@ -485,6 +646,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fp8-bf16-attention needs --fp8-block")
     if args.fp8_block:
         config = fp8_config(args.qwen3_30b_a3b, args.layers, args.fp8_bf16_attention)
+    elif sharded:
+        try:
+            config = deepseek_layout.config(args.arch, args.layers)
+        except ValueError as exc:
+            parser.error(str(exc))
     elif direct:
         config = arch_config(args.arch, args.layers)
     else:
@@ -503,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("OUTDIR is required unless --estimate is given")
     if args.fp8_block:
         build_fp8(args.out, config, args.seed, args.router_skew)
+    elif sharded:
+        build_sharded(args.out, args.arch, config, args.seed, args.router_skew, args.experts_from)
     elif direct:
         build_direct(args.out, args.arch, config, args.seed, args.router_skew)
     else:

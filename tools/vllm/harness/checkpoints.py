@@ -30,7 +30,10 @@ def location(work: Path, checkpoint: Checkpoint) -> Path:
 
 
 def command(work: Path, checkpoint: Checkpoint) -> list[str]:
-    return [sys.executable, CKPT_TOOL, str(location(work, checkpoint)), *checkpoint.builder_args()]
+    args = [sys.executable, CKPT_TOOL, str(location(work, checkpoint)), *checkpoint.builder_args()]
+    if checkpoint.experts_from is not None:
+        args += ["--experts-from", str(work / checkpoint.experts_from)]
+    return args
 
 
 BUILT = ".rowcache-built"

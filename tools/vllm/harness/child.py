@@ -172,6 +172,8 @@ def workload(
                 "provider": after[0].get("provider"),
                 "split": after[0].get("split"),
             }
+        # Every resident slot's bytes against its host bytes, at the end of the measurements.
+        result["slots"] = rpc(probes.slot_check, None)
     if job.profile_out is not None and time.time() < deadline:
         # After every measurement, as in ``single``: where a decode step's host time goes.
         prompts = [{"prompt_token_ids": p} for p in decode_prompts(spec.workload, 1)]

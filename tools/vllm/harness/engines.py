@@ -7,7 +7,8 @@ The phases that repeat earlier runs (``split``, ``qwen8seq``, ``rerun``) pick fr
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tools.vllm.harness.specs import (
@@ -590,5 +591,126 @@ def fp8(checkpoint: Checkpoint = QWEN8_FP8) -> list[EngineSpec]:
     return specs
 
 
-BUDGETED_LABELS = tuple(dict.fromkeys(STEPS_LABELS + curve_labels() + FP8_LABELS))
+# -- the models people offload (issue 34) ------------------------------------------------------
+
+DS2 = Checkpoint("deepseek-v2-lite", arch="deepseek_v2")
+DS2_SKEW = Checkpoint(
+    "deepseek-v2-lite-skew", arch="deepseek_v2", router_skew=1.0, experts_from=DS2.directory
+)
+MODELS_PREFIX = {DS2: "models.ds2lite", DS2_SKEW: "models.ds2lite-skew"}
+MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64)
+"""b1 and b8 decode of 64 greedy tokens (medians of three) and the time to first token of three
+distinct 2,048-token prompts: a full-depth model's UVA engine takes about 0.2 s a b8 step
+(every MoE layer's offloaded experts read over the host link), so 256 tokens would not leave
+room for the other engines in one call."""
+
+
+@dataclass(frozen=True)
+class ModelBudget:
+    """One model's routed experts and the two budgets its engines compare at: ``row`` at a
+    quarter and a half of the experts in slots, UVA offloading whole MoE layers' experts so
+    that at least as much expert memory stays on the GPU as the slots take."""
+
+    experts: int
+    moe_layers: int
+    expert_gib: float
+    """GiB of routed experts in the checkpoint (all MoE layers)."""
+
+    def slots(self, fraction: float) -> int:
+        return round(self.experts * fraction)
+
+    def uva_offloaded_gib(self, fraction: float) -> float:
+        """``cpu_offload_gb`` that offloads the experts of whole MoE layers, leaving at least
+        ``fraction`` of the expert memory on the GPU: vLLM's UVA offloader takes parameters in
+        module order while its total is below the limit, so a limit of exactly ``n`` layers'
+        experts stops after the ``n``-th layer (``vllm/model_executor/offloader/uva.py``)."""
+        per_layer = self.expert_gib / self.moe_layers
+        layers_on_gpu = math.ceil(self.moe_layers * fraction - 1e-9)
+        return (self.moe_layers - layers_on_gpu) * per_layer
+
+    def gpu_gib(self, spec: EngineSpec) -> float:
+        """GiB of routed experts an engine keeps on the GPU."""
+        if spec.knob is not None and spec.knob.size:
+            return self.expert_gib * spec.knob.size / self.experts
+        if spec.offload is not None and spec.offload.backend is OffloadBackend.UVA:
+            return self.expert_gib - spec.offload.cpu_offload_gb
+        return self.expert_gib
+
+
+DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125)
+"""DeepSeek-V2-Lite: 26 MoE layers x 64 experts x 3 x 1408 x 2048 x 2 bytes (16.5 MiB an
+expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 layers (7.22
+GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB)."""
+MODEL_BUDGETS = {DS2: DS2_BUDGET, DS2_SKEW: DS2_BUDGET}
+QUARTER, HALF = 0.25, 0.5
+# Estimated seconds (start and everything once, with every repeat): no measured run yet. A
+# 27-layer MLA model compiles and captures longer than the 8-layer Qwen3 (whose full-graph
+# engines started in 70 to 95 s); loading 31 GB from the page cache and pinning 27 GB of
+# experts (UVA, row) add tens of seconds; UVA's b8 generation of 64 tokens about 15 s.
+_MODELS_TIMES = {"none": (200, 230), "row": (240, 300), "uva": (250, 330)}
+
+
+def models_labels(budget: ModelBudget) -> list[tuple[str, Knob | None, Offload | None]]:
+    """The engines of one model, in run order: no offload, then ``row`` and UVA at a quarter,
+    then at a half."""
+    out: list[tuple[str, Knob | None, Offload | None]] = [("none.full", None, None)]
+    for fraction in (QUARTER, HALF):
+        slots = budget.slots(fraction)
+        gib = budget.uva_offloaded_gib(fraction)
+        knob = Knob(size=slots, provider=Provider.ROW, planner=Planner.DEVICE)
+        uva = Offload(OffloadBackend.UVA, cpu_offload_gb=gib, cpu_offload_params=("experts",))
+        out += [(row_label(slots), knob, None), (uva_label(gib), None, uva)]
+    return out
+
+
+def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
+    """One model's engines (issue 34), in vLLM's default full graphs, each measuring
+    ``MODELS_WORKLOAD``: no offload; ``row`` with the device planner and vLLM's UVA offload at
+    about a quarter and about half of the routed experts on the GPU (``ModelBudget``); tokens
+    against the same checkpoint's no-offload engine. On the skewed checkpoint no offload runs
+    after the quarter's pair (its tokens the reference, its speed not a target)."""
+    prefix = MODELS_PREFIX[checkpoint]
+    budget = MODEL_BUDGETS[checkpoint]
+    work = MODELS_WORKLOAD
+    labels = models_labels(budget)
+    if checkpoint.router_skew:
+        labels = labels[1:3] + labels[:1] + labels[3:]
+    specs = []
+    for label, knob, offload in labels:
+        kind = "row" if knob is not None else "uva" if offload is not None else "none"
+        once, full = _MODELS_TIMES[kind]
+        specs.append(
+            EngineSpec(
+                name=f"{prefix}.{label}",
+                checkpoint=checkpoint,
+                prompts=(QWEN_PROMPT,),
+                max_tokens=work.decode_tokens,
+                mode=Mode.DEFAULT,
+                knob=knob,
+                repeats=work.repeats,
+                max_model_len=work.prefill_tokens + 256,
+                max_num_seqs=max(work.batches),
+                max_num_batched_tokens=work.prefill_tokens,
+                capture_sizes=(1, 2, 4, 8),
+                kv_bytes=2 << 30,
+                compare_with=(f"{prefix}.none.full",),
+                offload=offload,
+                workload=work,
+                prefix_caching=False,
+                time_once_s=once,
+                time_full_s=full,
+            )
+        )
+    return specs
+
+
+def models_labels_all() -> tuple[str, ...]:
+    return tuple(
+        dict.fromkeys(label for b in MODEL_BUDGETS.values() for label, _, _ in models_labels(b))
+    )
+
+
+BUDGETED_LABELS = tuple(
+    dict.fromkeys(STEPS_LABELS + curve_labels() + FP8_LABELS + models_labels_all())
+)
 """Every label ``run --only`` takes (the budgeted phases' engines after their prefix)."""

@@ -130,6 +130,23 @@ PHASES = (
         budgeted=True,
     ),
     Phase(
+        "deepseek",
+        "DeepSeek-V2-Lite at full depth (27 layers, bf16), b1/b8 decode and 2,048-token TTFT: "
+        "no offload, row (device planner) and UVA at about a quarter and a half of the routed "
+        "experts on the GPU (full graphs)",
+        lambda _results: engines.models(engines.DS2),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "deepseek_skew",
+        "the same on the skewed DeepSeek-V2-Lite (--router-skew 1.0; its expert shards "
+        "hard-linked from the plain checkpoint's)",
+        lambda _results: engines.models(engines.DS2_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
         "archs",
         "random Mixtral and Qwen2-MoE (gated shared expert) in full graphs: no offload, row "
         "with the device planner at a slot count that misses and one that needs two passes",

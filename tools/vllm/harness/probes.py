@@ -109,6 +109,14 @@ def stats(model: Any) -> list[dict[str, Any]]:
     return expert_cache_stats(model)
 
 
+def slot_check(model: Any) -> dict[str, Any]:
+    """Every cached layer's resident slots against their host bytes
+    (``rowcache.vllm.expert_cache_slot_check``): layers, slots and mismatches."""
+    from rowcache.vllm import expert_cache_slot_check
+
+    return expert_cache_slot_check(model)
+
+
 def first_moe_method(model: Any) -> Any:
     """The first MoE layer's method (an object: in-process engines only)."""
     for _name, module in model.named_modules():

@@ -232,6 +232,10 @@ class Checkpoint:
     fp8_block: bool = False
     """The builder's ``--fp8-block``: stored in FP8 with 128 x 128 block scales (vLLM loads it
     with its ``Fp8MoEMethod``; no ``quantization`` argument needed)."""
+    experts_from: str | None = None
+    """The directory (under the run's work directory) of the same checkpoint without a router
+    skew, whose shards but the routers' this one hard-links (the builder's
+    ``--experts-from``: a full-depth skewed twin costs only its routers' bytes on disk)."""
 
     def builder_args(self) -> list[str]:
         """The builder's arguments after the output directory."""

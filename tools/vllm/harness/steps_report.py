@@ -133,7 +133,7 @@ def prefixes(results: Results) -> list[str]:
     """The checkpoints' name prefixes (``steps.plain``, ``steps.skew``) in first-seen order."""
     found: list[str] = []
     for name, record in results.items():
-        if steps_of(record) is not None or name.startswith("steps."):
+        if steps_of(record) is not None or name.startswith(("steps.", "models.")):
             prefix = ".".join(name.split(".")[:2])
             if prefix not in found:
                 found.append(prefix)
@@ -148,9 +148,13 @@ def reference(results: Results, name: str) -> str:
 
 def _title(prefix: str) -> str:
     phase = prefix.split(".")[0]
-    return {"steps": "steps comparison", "curve": "the curve", "fp8": "FP8 experts"}.get(
-        phase, phase
-    )
+    titles = {
+        "steps": "steps comparison",
+        "curve": "the curve",
+        "fp8": "FP8 experts",
+        "models": "the models people offload",
+    }
+    return titles.get(phase, phase)
 
 
 def report(results: Results) -> list[str]:
@@ -345,12 +349,61 @@ def _default_planner(results: Results, prefix: str) -> str | None:
     return f"  default planner of {FP8_DEFAULT}: device in every layer ({found}): {verdict}"
 
 
+def slots_line(record: dict[str, Any] | None, label: str) -> str | None:
+    """The end-of-run audit (``probes.slot_check``): every resident slot's bytes against its
+    expert's host bytes, in every cached layer."""
+    found = (record or {}).get("slots")
+    if not found:
+        return None
+    bad = found.get("mismatches") or []
+    verdict = "met" if not bad and found.get("slots") else "MISSED"
+    detail = f"; first: {bad[0]}" if bad else ""
+    return (
+        f"  slots of {label} byte-identical to their host bytes ({found.get('slots')} slots in "
+        f"{found.get('layers')} layers, {len(bad)} differ{detail}): {verdict}"
+    )
+
+
+def models_targets(results: Results, prefix: str) -> list[str]:
+    """Issue 34's targets for one model: ``row`` at about a quarter of the experts on the GPU
+    decodes b1 at >= 1.3 x UVA at the same memory (>= 3 x on the skewed router), its time to
+    first token <= 0.8 x UVA's; the half budget's ratios beside them (no target); tokens of
+    every engine identical to no offload at b1, b8 and on the prompts; every cache engine's
+    slots exact."""
+    checkpoint = next(c for c, p in engines.MODELS_PREFIX.items() if p == prefix)
+    budget = engines.MODEL_BUDGETS[checkpoint]
+    (_, _, _), (row_q, _, _), (uva_q, _, _), (row_h, _, _), (uva_h, _, _) = engines.models_labels(
+        budget
+    )
+    factor = 3.0 if checkpoint.router_skew else 1.3
+    wanted = [
+        ("b1", uva_q, factor, True, row_q),
+        ("ttft", uva_q, 0.8, False, row_q),
+        ("b8", uva_q, 1.0, True, row_q),
+        ("b1", uva_h, 1.0, True, row_h),
+        ("b8", uva_h, 1.0, True, row_h),
+        ("ttft", uva_h, 1.0, False, row_h),
+    ]
+    lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
+    if lines:
+        lines.insert(0, "  (the quarter's b1 and TTFT are issue 34's targets; the rest parity)")
+    for label in (row_q, uva_q, row_h, uva_h):
+        line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
+        lines += [line] if line is not None else []
+    for label in (row_q, row_h):
+        line = slots_line(results.get(f"{prefix}.{label}"), label)
+        lines += [line] if line is not None else []
+    return [f"targets ({prefix}, issue 34):", *lines] if lines else []
+
+
 def targets(results: Results, prefix: str) -> list[str]:
     """The targets for this checkpoint, where both engines have the figure: issue 18's for the
-    steps comparison, issue 22's for FP8 (:func:`fp8_targets`); the curve has none (its plot
-    is ``tools/vllm/plot_curve.py``)."""
+    steps comparison, issue 22's for FP8 (:func:`fp8_targets`), issue 34's for the models
+    (:func:`models_targets`); the curve has none (its plot is ``tools/vllm/plot_curve.py``)."""
     if prefix.startswith("fp8."):
         return fp8_targets(results, prefix)
+    if prefix.startswith("models."):
+        return models_targets(results, prefix)
     if not prefix.startswith("steps."):
         return []
     if prefix.endswith("skew"):

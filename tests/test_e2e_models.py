@@ -1,0 +1,183 @@
+"""The e2e harness's phases of the models people offload (issue 34): DeepSeek-V2-Lite's engines
+and budgets, its checkpoints' build commands (the skewed twin's hard links), the targets in
+the summary on synthetic records (met and missed), the slot audit's line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.vllm import deepseek_layout as dl
+from tools.vllm import make_moe_checkpoint as mk
+from tools.vllm import shards
+from tools.vllm.harness import checkpoints, engines, phases, steps_report
+from tools.vllm.harness.specs import EngineSpec, Mode, OffloadBackend, Planner
+
+
+def test_budget_of_deepseek_v2_lite_is_its_checkpoints() -> None:
+    config = dl.config("deepseek_v2", None)
+    plan = mk.sharded_plan(config)
+    experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".experts." in n)
+    budget = engines.DS2_BUDGET
+    assert budget.expert_gib * 2**30 == experts
+    assert (budget.experts, budget.moe_layers) == (64, len(dl.moe_layers(config)))
+    # A quarter: 16 slots; UVA keeps 7 of 26 layers (at least the slots' memory).
+    assert budget.slots(0.25) == 16 and budget.slots(0.5) == 32
+    per_layer = budget.expert_gib / 26
+    assert budget.uva_offloaded_gib(0.25) == 19 * per_layer
+    assert budget.uva_offloaded_gib(0.5) == 13 * per_layer
+
+
+def test_uva_keeps_at_least_the_slots_memory_and_stops_at_a_layer_boundary() -> None:
+    """vLLM's UVA offloader takes parameters (w13, then w2 of each layer) while its total is
+    below the limit: with the limit at whole layers it stops exactly there."""
+    budget = engines.DS2_BUDGET
+    per_layer = 2**30 * budget.expert_gib / budget.moe_layers
+    w13 = per_layer * 2 / 3
+    for fraction in (0.25, 0.5):
+        limit = int(budget.uva_offloaded_gib(fraction) * 2**30)
+        offloaded = 0.0
+        for _layer in range(budget.moe_layers):
+            for size in (w13, per_layer - w13):
+                if offloaded >= limit:
+                    break
+                offloaded += size
+        assert offloaded == limit
+        on_gpu = budget.expert_gib - offloaded / 2**30
+        assert on_gpu >= budget.expert_gib * budget.slots(fraction) / budget.experts
+
+
+def test_models_phase_engines() -> None:
+    plain = engines.models(engines.DS2)
+    skew = engines.models(engines.DS2_SKEW)
+    assert [s.name for s in plain] == [
+        "models.ds2lite.none.full",
+        "models.ds2lite.row16dev.full",
+        "models.ds2lite.uva1959.full",
+        "models.ds2lite.row32dev.full",
+        "models.ds2lite.uva1341.full",
+    ]
+    # Skewed: the quarter's pair first (the targets), then its token reference.
+    assert [s.name.split(".", 2)[2] for s in skew] == [
+        "row16dev.full",
+        "uva1959.full",
+        "none.full",
+        "row32dev.full",
+        "uva1341.full",
+    ]
+    for spec in plain + skew:
+        prefix = engines.MODELS_PREFIX[spec.checkpoint]
+        assert spec.compare_with == (f"{prefix}.none.full",)
+        assert spec.mode is Mode.DEFAULT and spec.workload == engines.MODELS_WORKLOAD
+        assert spec.max_num_batched_tokens >= spec.workload.prefill_tokens
+        assert spec.max_model_len > spec.workload.prefill_tokens
+        assert spec.time_once_s > 0
+        if spec.knob is not None:
+            assert spec.knob.planner is Planner.DEVICE
+        if spec.offload is not None:
+            assert spec.offload.backend is OffloadBackend.UVA
+            assert spec.offload.cpu_offload_params == ("experts",)
+        assert EngineSpec.from_json(spec.to_json()) == spec
+    for label in ("row16dev.full", "uva1959.full", "uva1341.full"):
+        assert label in engines.BUDGETED_LABELS
+    [plain_phase, skew_phase] = phases.select(["deepseek", "deepseek_skew"])
+    assert plain_phase.budgeted and skew_phase.budgeted
+    assert [c.directory for c in skew_phase.checkpoints()] == ["deepseek-v2-lite-skew"]
+
+
+def test_the_skewed_twin_is_built_from_the_plain_checkpoint(tmp_path: Path) -> None:
+    assert engines.DS2.builder_args() == ["--arch", "deepseek_v2"]
+    assert checkpoints.command(tmp_path, engines.DS2)[1:] == [
+        checkpoints.CKPT_TOOL,
+        str(tmp_path / "deepseek-v2-lite"),
+        "--arch",
+        "deepseek_v2",
+    ]
+    assert checkpoints.command(tmp_path, engines.DS2_SKEW) == [
+        sys.executable,
+        checkpoints.CKPT_TOOL,
+        str(tmp_path / "deepseek-v2-lite-skew"),
+        "--arch",
+        "deepseek_v2",
+        "--router-skew",
+        "1.0",
+        "--experts-from",
+        str(tmp_path / "deepseek-v2-lite"),
+    ]
+    # Both phases together: the plain checkpoint is built first (the twin links its shards).
+    needed: list[Any] = []
+    for phase in phases.select(["deepseek_skew", "deepseek"]):
+        needed += [c for c in phase.checkpoints() if c not in needed]
+    assert [c.directory for c in needed] == ["deepseek-v2-lite", "deepseek-v2-lite-skew"]
+
+
+def _record(
+    spec: EngineSpec, b1: float, ttft: float, tokens: list[list[int]], run: str = "r"
+) -> dict[str, Any]:
+    decode = {
+        "1": {"tok_s": b1, "repeats_run": 3, "tokens": tokens[:1]},
+        "8": {"tok_s": b1 * 4, "repeats_run": 3, "tokens": tokens[:8]},
+    }
+    record: dict[str, Any] = {
+        "name": spec.name,
+        "spec": spec.to_json(),
+        "ok": True,
+        "run_id": run,
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "steps": {
+            "decode": decode,
+            "ttft": {"ms": ttft, "ms_runs": [ttft] * 3, "first_tokens": [t[0] for t in tokens[:3]]},
+        },
+    }
+    if spec.caches:
+        record["slots"] = {"layers": 26, "slots": 26 * spec.knob.size, "mismatches": []}  # type: ignore[union-attr]
+    return record
+
+
+def _results(skew: bool, row_b1: float, row_tokens: list[list[int]]) -> dict[str, Any]:
+    specs = engines.models(engines.DS2_SKEW if skew else engines.DS2)
+    tokens = [[i, i + 1, i + 2] for i in range(8)]
+    speeds = {"none": (600.0, 20.0), "row": (row_b1, 100.0), "uva": (30.0, 200.0)}
+    out = {}
+    for spec in specs:
+        kind = "row" if spec.knob else "uva" if spec.offload else "none"
+        b1, ttft = speeds[kind]
+        out[spec.name] = _record(spec, b1, ttft, row_tokens if kind == "row" else tokens)
+    return out
+
+
+def test_targets_met_and_missed() -> None:
+    same = [[i, i + 1, i + 2] for i in range(8)]
+    results = _results(False, 45.0, same)  # 1.5 x UVA at b1, TTFT 0.5 x
+    lines = "\n".join(steps_report.report(results))
+    assert "the models people offload, models.ds2lite" in lines
+    assert "b1 row16dev.full >= 1.3 x uva1959.full: 45 / 30 tok/s = 1.500 (met)" in lines
+    assert "ttft row16dev.full <= 0.8 x uva1959.full: 100 / 200 ms = 0.500 (met)" in lines
+    assert "tokens row16dev.full identical to none.full (b1, b8, ttft): met" in lines
+    assert "slots of row16dev.full byte-identical to their host bytes (416 slots" in lines
+    # Skewed: 3 x is asked; a diverging token and a bad slot are caught.
+    bad = [list(t) for t in same]
+    bad[5][2] = 99
+    results = _results(True, 45.0, bad)
+    name = "models.ds2lite-skew.row16dev.full"
+    results[name]["slots"]["mismatches"] = ["model.layers.3.mlp.experts: expert 7 slot 2: w2"]
+    lines = "\n".join(steps_report.report(results))
+    assert "b1 row16dev.full >= 3 x uva1959.full: 45 / 30 tok/s = 1.500 (MISSED)" in lines
+    assert "tokens row16dev.full identical to none.full (b1, b8, ttft): MISSED" in lines
+    assert "1 differ; first: model.layers.3.mlp.experts: expert 7 slot 2: w2): MISSED" in lines
+
+
+def test_slots_line_without_a_record() -> None:
+    assert steps_report.slots_line(None, "x") is None
+    assert steps_report.slots_line({"slots": {"layers": 0, "slots": 0, "mismatches": []}}, "x") == (
+        "  slots of x byte-identical to their host bytes (0 slots in 0 layers, 0 differ): MISSED"
+    )
+
+
+@pytest.mark.parametrize("phase", ["deepseek", "deepseek_skew"])
+def test_phase_about_names_the_model(phase: str) -> None:
+    [found] = phases.select([phase])
+    assert "DeepSeek-V2-Lite" in found.about
