@@ -55,7 +55,7 @@ def test_v2_lite_is_the_model_card() -> None:
     assert "quantization_config" not in config
     assert mk.experts_of(config) == (64, 6)
     assert dl.moe_layers(config) == list(range(1, 27))
-    plan = mk.sharded_plan(config)
+    plan = mk.sharded_plan(config["model_type"], config)
     experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".experts." in n)
     assert experts == 26 * 64 * 3 * 2048 * 1408 * 2  # 26.8 GiB of routed experts in bf16
 
@@ -151,7 +151,7 @@ def test_load_plan_names_and_shapes(arch: str) -> None:
 
 def test_v3_stores_fp8_weights_with_block_scales_and_a_float32_bias() -> None:
     config = _small("deepseek_v3")
-    plan = mk.sharded_plan(config)
+    plan = mk.sharded_plan(config["model_type"], config)
     p = "model.layers.3."
     assert plan[p + "mlp.experts.0.gate_proj.weight"] == ((32, 64), torch.float8_e4m3fn)
     assert plan[p + "mlp.experts.0.gate_proj.weight_scale_inv"] == ((1, 1), torch.float32)
@@ -163,7 +163,7 @@ def test_v3_stores_fp8_weights_with_block_scales_and_a_float32_bias() -> None:
     fp8 = [n for n, (_, dtype) in plan.items() if dtype == torch.float8_e4m3fn]
     assert all(n + "_scale_inv" in plan for n in fp8)
     assert all(n.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")) for n in fp8)
-    v2 = mk.sharded_plan(_small("deepseek_v2"))
+    v2 = mk.sharded_plan("deepseek_v2", _small("deepseek_v2"))
     assert {dtype for _, dtype in v2.values()} == {torch.bfloat16}
 
 
@@ -179,7 +179,7 @@ def test_builder_writes_the_plan_in_shards(arch: str, tmp_path: Path) -> None:
     out = tmp_path / "a"
     assert json.loads((out / "config.json").read_text()) == json.loads(json.dumps(config))
     index = json.loads((out / shards.INDEX).read_text())
-    plan = mk.sharded_plan(config)
+    plan = mk.sharded_plan(config["model_type"], config)
     assert set(index["weight_map"]) == set(plan)
     assert index["metadata"]["total_size"] == sum(shards.nbytes(*v) for v in plan.values())
     routers = set(dl.router_tensors(config))
@@ -210,7 +210,7 @@ def test_fp8_weights_dequantize_to_their_draw(tmp_path: Path) -> None:
     name = "model.layers.3.mlp.experts.5.down_proj.weight"
     quantized = shards.read_tensor(tmp_path / "a", name)
     scale = shards.read_tensor(tmp_path / "a", name + "_scale_inv")
-    drawn = shards.draw_normal(name, (64, 32), 0, dl.ROUTED_STD, CPU)
+    drawn = shards.draw_normal(name, (64, 32), 0, mk.ROUTED_STD, CPU)
     restored = mk.dequantize_fp8_block(quantized, scale)
     assert torch.allclose(restored, drawn, rtol=0.07, atol=1e-3)
     assert config["quantization_config"]["weight_block_size"] == [128, 128]

@@ -19,7 +19,7 @@ from tools.vllm.harness.specs import EngineSpec, Mode, OffloadBackend, Planner
 
 def test_budget_of_deepseek_v2_lite_is_its_checkpoints() -> None:
     config = dl.config("deepseek_v2", None)
-    plan = mk.sharded_plan(config)
+    plan = mk.sharded_plan("deepseek_v2", config)
     experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".experts." in n)
     budget = engines.DS2_BUDGET
     assert budget.expert_gib * 2**30 == experts
@@ -181,3 +181,23 @@ def test_slots_line_without_a_record() -> None:
 def test_phase_about_names_the_model(phase: str) -> None:
     [found] = phases.select([phase])
     assert "DeepSeek-V2-Lite" in found.about
+
+
+def test_every_models_engine_runs_on_the_v1_model_runner() -> None:
+    for spec in engines.models(engines.DS2) + engines.models(engines.DS2_SKEW):
+        assert spec.model_runner_v1
+        assert spec.env()["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in engines.steps()[0].env()
+
+
+def test_an_offload_engine_that_offloads_nothing_stops() -> None:
+    """The H200 run of 2026-12-03: vLLM 0.25.0's V2 model runner left DeepSeek's UVA engine
+    with its NoopOffloader, and it decoded as fast as no offload."""
+    from tools.vllm.harness import child
+
+    uva = next(s for s in engines.models(engines.DS2) if s.offload is not None)
+    with pytest.raises(RuntimeError, match="offloader is NoopOffloader: nothing was offloaded"):
+        child.check_offloader(uva, {"offloader": "NoopOffloader"})
+    child.check_offloader(uva, {"offloader": "UVAOffloader"})
+    none = engines.models(engines.DS2)[0]
+    child.check_offloader(none, {"offloader": "NoopOffloader"})  # no offload asked: fine

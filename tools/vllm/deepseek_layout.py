@@ -156,8 +156,6 @@ speculative head vLLM skips when it loads the main model). Every routing and MLA
 card's."""
 
 ARCH_CONFIGS = {"deepseek_v2": V2_LITE, "deepseek_v3": {**V3, **V3_REDUCED}}
-ROUTED_STD = 0.08
-"""Matrices, the correction bias included, are N(0, 0.08) like the builder's other layouts."""
 
 
 def config(arch: str, layers: int | None) -> dict[str, Any]:

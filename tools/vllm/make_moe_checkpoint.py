@@ -15,8 +15,12 @@
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch deepseek_v3     the DeepSeek-V3
         architecture in FP8 with 128 x 128 block scales, at reduced width and depth
         (``deepseek_layout.V3_REDUCED``; 256 routed experts in 8 groups)
-    ... --experts-from DIR    (DeepSeek) hard-link every shard but the routers' from DIR, the
-        same checkpoint built before without --router-skew (the skewed twin costs its routers)
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch gpt_oss     gpt-oss-20b at full
+        depth, experts in MXFP4 as the released checkpoints store them (24 layers, 32 experts
+        top-4, biases; about 14 GB)
+    ... --experts-from DIR    (DeepSeek, gpt-oss) hard-link every shard but the routers' from
+        DIR, the same checkpoint built before without --router-skew (the skewed twin then costs
+        only its routers)
     python3 tools/vllm/make_moe_checkpoint.py --estimate --qwen3-30b-a3b --router-skew ALPHA
         print the simulated LRU hit rate at 32 slots (isotropic hidden states; no checkpoint)
 
@@ -35,10 +39,11 @@ decoding is not decided by ties; without ``--router-skew`` the checkpoint is the
 GPU bundle's builder makes from the same seed. The skew is applied after, from its own seeds,
 and recorded in ``rowcache_router_skew.json`` beside the weights.
 
-The DeepSeek layouts (``deepseek_layout.py``) are written as sharded safetensors one tensor at a
-time (``shards.py``): each tensor drawn from a generator of its own, seeded from the seed and the
-tensor's name, on the GPU where there is one (``drawn_on`` in the record), so that a 31 GB
-checkpoint is built in about a minute there without holding more than one tensor; FP8 weights
+The DeepSeek and gpt-oss layouts (``deepseek_layout.py``, ``gpt_oss_layout.py``) are written as
+sharded safetensors one tensor at a time (``shards.py``): each tensor drawn from a generator of
+its own, seeded from the seed and the tensor's name, on the GPU where there is one (``drawn_on``
+in the record), so that a 31 GB checkpoint is built in 36 s there (the H200 machine) without
+holding more than one tensor; FP8 weights
 (``deepseek_v3``) are quantized as ``--fp8-block``'s are, one scale per 128 x 128 block.
 
 ``--fp8-block`` writes the Qwen3-MoE layout directly too (no transformers), in the format vLLM
@@ -70,7 +75,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from tools.vllm import deepseek_layout, shards
+from tools.vllm import deepseek_layout, gpt_oss_layout, shards
 from tools.vllm.router_skew import estimate_hit_rate, skew_router_, zipf_scales
 
 TINY = {
@@ -112,8 +117,8 @@ def shapes(qwen: bool, layers: int | None) -> dict[str, Any]:
     return {**base, **COMMON, "num_hidden_layers": layers or (8 if qwen else 2)}
 
 
-ARCHS = ("qwen3", "mixtral", "qwen2moe", "deepseek_v2", "deepseek_v3")
-SHARDED_ARCHS = ("deepseek_v2", "deepseek_v3")
+ARCHS = ("qwen3", "mixtral", "qwen2moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+SHARDED_ARCHS = ("deepseek_v2", "deepseek_v3", "gpt_oss")
 """Written one tensor at a time into sharded safetensors (``shards.py``)."""
 SHARD_BYTES = 4 << 30
 FP8_BLOCK = (128, 128)
@@ -456,37 +461,59 @@ def draw_device() -> torch.device:
 
 def sharded_tensor(
     name: str,
+    arch: str,
     config: dict[str, Any],
-    shape: tuple[int, ...],
+    plan: shards.Plan,
     seed: int,
     skew: float,
     routers: dict[str, int],
     device: torch.device,
 ) -> torch.Tensor:
-    """One tensor of a DeepSeek checkpoint as stored: norms 1, everything else N(0, 0.08) from
-    the tensor's own generator; a router scaled by ``skew`` (its MoE layer's own seed, as the
-    other builders); an FP8 weight quantized per 128 x 128 block, and its ``_scale_inv`` drawn
-    and quantized again from the weight's generator (the same values: no state kept)."""
+    """One tensor of a sharded checkpoint as stored: norms 1; gpt-oss's packed MXFP4 values
+    uniform random bytes and their e8m0 scales in ``gpt_oss_layout.SCALE_BYTES``; everything
+    else N(0, 0.08), each from the tensor's own generator; a router scaled by ``skew`` (its
+    layer's own seed, as the other builders); an FP8 weight quantized per 128 x 128 block, and
+    its ``_scale_inv`` drawn and quantized again from the weight's generator (the same values:
+    no state kept)."""
+    shape, dtype = plan[name]
     if name.endswith("_scale_inv"):
         weight = name.removesuffix("_scale_inv")
-        shape = deepseek_layout.load_plan(config)[weight]
-        value = shards.draw_normal(weight, shape, seed, deepseek_layout.ROUTED_STD, device)
+        rows, cols = plan[weight][0]
+        value = shards.draw_normal(weight, (rows, cols), seed, ROUTED_STD, device)
         return quantize_fp8_block(value)[1]
+    if arch == "gpt_oss" and name.endswith("_blocks"):
+        return shards.draw_bytes(name, shape, seed, device)
+    if arch == "gpt_oss" and name.endswith("_scales"):
+        low, high = gpt_oss_layout.SCALE_BYTES
+        generator = torch.Generator(device=device).manual_seed(shards.tensor_seed(seed, name))
+        return torch.randint(low, high, shape, generator=generator, device=device).to(dtype)
     if name.endswith("norm.weight"):
         value = torch.ones(shape, device=device)
     else:
-        value = shards.draw_normal(name, shape, seed, deepseek_layout.ROUTED_STD, device)
+        value = shards.draw_normal(name, shape, seed, ROUTED_STD, device)
     if name in routers and skew > 0:
         skew_router_(value, skew, seed=1000 * (seed + 1) + routers[name])
-    dtype = deepseek_layout.stored_dtype(name, config)
     if dtype == torch.float8_e4m3fn:
         quantized, _ = quantize_fp8_block(value)
         return quantized
     return value.to(dtype)
 
 
-def sharded_plan(config: dict[str, Any]) -> shards.Plan:
-    """Every stored tensor of a DeepSeek checkpoint: FP8 weights with their block scales."""
+ROUTED_STD = 0.08
+"""The sharded layouts' matrices and vectors are N(0, 0.08), like the builder's others."""
+
+
+def sharded_config(arch: str, layers: int | None) -> dict[str, Any]:
+    if arch == "gpt_oss":
+        return gpt_oss_layout.config(layers)
+    return deepseek_layout.config(arch, layers)
+
+
+def sharded_plan(arch: str, config: dict[str, Any]) -> shards.Plan:
+    """Every stored tensor of a sharded checkpoint (DeepSeek's FP8 weights with their block
+    scales)."""
+    if arch == "gpt_oss":
+        return gpt_oss_layout.load_plan(config)
     plan: shards.Plan = {}
     for name, shape in deepseek_layout.load_plan(config).items():
         dtype = deepseek_layout.stored_dtype(name, config)
@@ -495,6 +522,13 @@ def sharded_plan(config: dict[str, Any]) -> shards.Plan:
             rows, cols = shape
             plan[name + "_scale_inv"] = (fp8_scale_shape((rows, cols)), torch.float32)
     return plan
+
+
+def sharded_routers(arch: str, config: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(the router matrices ``--router-skew`` scales, in layer order; every tensor of the
+    router shard)."""
+    layout = gpt_oss_layout if arch == "gpt_oss" else deepseek_layout
+    return layout.router_names(config), layout.router_tensors(config)
 
 
 def build_sharded(
@@ -506,11 +540,12 @@ def build_sharded(
     experts_from: Path | None = None,
     device: torch.device | None = None,
 ) -> None:
-    """Write a DeepSeek checkpoint (``config.json``, the shards, their index, the record)."""
+    """Write a sharded checkpoint (``config.json``, the shards, their index, the record)."""
     started = time.time()
     device = device or draw_device()
-    plan = sharded_plan(config)
-    routers = {name: i for i, name in enumerate(deepseek_layout.router_names(config))}
+    plan = sharded_plan(arch, config)
+    router_names, router_tensors = sharded_routers(arch, config)
+    routers = {name: i for i, name in enumerate(router_names)}
     record: dict[str, Any] = {
         "router_skew": skew,
         "seed": seed,
@@ -518,15 +553,15 @@ def build_sharded(
         "drawn_on": device.type,
         "layers": [],
     }
-    files = shards.assign_shards(plan, deepseek_layout.router_tensors(config), SHARD_BYTES)
+    files = shards.assign_shards(plan, router_tensors, SHARD_BYTES)
     linked: list[str] = []
     if experts_from is not None:
         linked = _link_experts(experts_from, out, config, record, files)
     shards.write_checkpoint(
         out,
         plan,
-        deepseek_layout.router_tensors(config),
-        lambda name: sharded_tensor(name, config, plan[name][0], seed, skew, routers, device),
+        router_tensors,
+        lambda name: sharded_tensor(name, arch, config, plan, seed, skew, routers, device),
         SHARD_BYTES,
         skip_files=linked,
     )
@@ -648,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         config = fp8_config(args.qwen3_30b_a3b, args.layers, args.fp8_bf16_attention)
     elif sharded:
         try:
-            config = deepseek_layout.config(args.arch, args.layers)
+            config = sharded_config(args.arch, args.layers)
         except ValueError as exc:
             parser.error(str(exc))
     elif direct:

@@ -106,6 +106,21 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
     return kw
 
 
+def check_offloader(spec: EngineSpec, found: dict[str, Any] | None) -> None:
+    """Stop an engine configured with vLLM's offload whose offloader (``probes.offloader``)
+    is vLLM's no-op one: nothing was offloaded, and it would be measured as an offload
+    engine while it runs as no offload (vLLM 0.25.0's V2 model runner ignores the offload
+    settings: ``EngineSpec.model_runner_v1``)."""
+    if spec.offload is None or (found or {}).get("offloader") != "NoopOffloader":
+        return
+    raise RuntimeError(
+        f"vLLM's offload is configured ({spec.offload.engine_args()}) but its offloader is "
+        "NoopOffloader: nothing was offloaded, and this engine would measure no offload "
+        "(vLLM 0.25.0's V2 model runner ignores the offload settings; VLLM_USE_V2_MODEL_RUNNER=0 "
+        "runs the V1 runner, EngineSpec.model_runner_v1)"
+    )
+
+
 def wait_turn(job: Job) -> IO[str]:
     """Mark this engine ready, wait for the parent's go, then take the timing lock."""
     barrier = Path(job.barrier)
@@ -315,6 +330,7 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
             )
         if spec.offload is not None:
             result["offloader"] = rpc(probes.offloader, None)
+            check_offloader(spec, result["offloader"])
         if spec.workload is not None:
             lock = wait_turn(job)
             try:

@@ -668,7 +668,9 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
     ``MODELS_WORKLOAD``: no offload; ``row`` with the device planner and vLLM's UVA offload at
     about a quarter and about half of the routed experts on the GPU (``ModelBudget``); tokens
     against the same checkpoint's no-offload engine. On the skewed checkpoint no offload runs
-    after the quarter's pair (its tokens the reference, its speed not a target)."""
+    after the quarter's pair (its tokens the reference, its speed not a target). Every engine
+    on vLLM's V1 model runner (``EngineSpec.model_runner_v1``: the V2 runner, DeepSeek's
+    default in vLLM 0.25.0, ignores ``cpu_offload_gb``)."""
     prefix = MODELS_PREFIX[checkpoint]
     budget = MODEL_BUDGETS[checkpoint]
     work = MODELS_WORKLOAD
@@ -697,6 +699,9 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
                 offload=offload,
                 workload=work,
                 prefix_caching=False,
+                # Every engine of a model on the runner where UVA offload works (specs), so
+                # that its engines compare like with like.
+                model_runner_v1=True,
                 time_once_s=once,
                 time_full_s=full,
             )

@@ -298,6 +298,13 @@ class EngineSpec:
     quantization: str | None = None
     """``quantization`` (``"fp8"``: a bf16 checkpoint quantized online while loading); None:
     what the checkpoint's ``quantization_config`` says, if anything."""
+    model_runner_v1: bool = False
+    """``VLLM_USE_V2_MODEL_RUNNER=0``: vLLM's V1 model runner. vLLM 0.25.0 runs
+    ``DeepseekV2ForCausalLM`` (and ``Qwen2MoeForCausalLM``, ``GraniteMoeForCausalLM``) on its
+    V2 model runner by default (``config/vllm.py``, ``DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES``),
+    which never sets the weight offloader (only ``v1/worker/gpu_model_runner.py`` calls
+    ``set_offloader``): ``cpu_offload_gb`` is then silently ignored, every expert stays on the
+    GPU, and a UVA engine measures no offload (seen on the H200, 2026-12-03)."""
     time_once_s: float = 0.0
     """Estimated seconds to start and run every measurement once (an engine is not started
     with less time left; 0: no estimate)."""
@@ -326,6 +333,8 @@ class EngineSpec:
             out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         if self.debug_checks:
             out["VLLM_LOGGING_LEVEL"] = "DEBUG"
+        if self.model_runner_v1:
+            out["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         return out
 
     def to_json(self) -> Json:
