@@ -643,11 +643,12 @@ expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 
 GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB)."""
 MODEL_BUDGETS = {DS2: DS2_BUDGET, DS2_SKEW: DS2_BUDGET}
 QUARTER, HALF = 0.25, 0.5
-# Estimated seconds (start and everything once, with every repeat): no measured run yet. A
-# 27-layer MLA model compiles and captures longer than the 8-layer Qwen3 (whose full-graph
-# engines started in 70 to 95 s); loading 31 GB from the page cache and pinning 27 GB of
-# experts (UVA, row) add tens of seconds; UVA's b8 generation of 64 tokens about 15 s.
-_MODELS_TIMES = {"none": (200, 230), "row": (240, 300), "uva": (250, 330)}
+# Estimated seconds (start and everything once, with every repeat), from the DeepSeek-V2-Lite
+# run of 2026-12-03 (72cd29b, vLLM's V2 model runner): engines started in 64 to 101 s and took
+# 68 to 106 s whole without misses, 149 and 186 s at 16 slots (b1 18 to 40 tok/s, b8 32 to 69);
+# UVA there offloaded nothing (the V2 runner). On the V1 runner UVA pins and reads 19.6 GiB:
+# its b8 generation of 64 tokens about 15 s, estimated.
+_MODELS_TIMES = {"none": (130, 150), "row": (210, 250), "uva": (250, 330)}
 
 
 def models_labels(budget: ModelBudget) -> list[tuple[str, Knob | None, Offload | None]]:

@@ -391,8 +391,9 @@ def models_targets(results: Results, prefix: str) -> list[str]:
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
     for label in (row_q, row_h):
-        line = slots_line(results.get(f"{prefix}.{label}"), label)
-        lines += [line] if line is not None else []
+        record = results.get(f"{prefix}.{label}")
+        for line in (slots_line(record, label), exactness_line(record, label)):
+            lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
 
