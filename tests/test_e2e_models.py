@@ -201,3 +201,27 @@ def test_an_offload_engine_that_offloads_nothing_stops() -> None:
     child.check_offloader(uva, {"offloader": "UVAOffloader"})
     none = engines.models(engines.DS2)[0]
     child.check_offloader(none, {"offloader": "NoopOffloader"})  # no offload asked: fine
+
+
+def test_reduced_deepseek_v3_phases() -> None:
+    config = dl.config("deepseek_v3", None)
+    plan = mk.sharded_plan("deepseek_v3", config)
+    experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".experts." in n)
+    budget = engines.DS3_BUDGET
+    assert budget.expert_gib * 2**30 == experts
+    assert (budget.experts, budget.moe_layers) == (256, len(dl.moe_layers(config)))
+    names = [s.name for s in engines.models(engines.DS3)]
+    assert names == [
+        "models.ds3.none.full",
+        "models.ds3.row64dev.full",
+        "models.ds3.uva675.full",
+        "models.ds3.row128dev.full",
+        "models.ds3.uva450.full",
+    ]
+    for spec in engines.models(engines.DS3) + engines.models(engines.DS3_SKEW):
+        assert spec.quantized  # the run checks for vLLM's quantization packages first
+        assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
+    assert not engines.models(engines.DS2)[0].quantized
+    assert engines.DS3_SKEW.experts_from == engines.DS3.directory
+    [phase] = phases.select(["deepseek_v3"])
+    assert [c.directory for c in phase.checkpoints()] == ["deepseek-v3-reduced"]

@@ -597,7 +597,16 @@ DS2 = Checkpoint("deepseek-v2-lite", arch="deepseek_v2")
 DS2_SKEW = Checkpoint(
     "deepseek-v2-lite-skew", arch="deepseek_v2", router_skew=1.0, experts_from=DS2.directory
 )
-MODELS_PREFIX = {DS2: "models.ds2lite", DS2_SKEW: "models.ds2lite-skew"}
+DS3 = Checkpoint("deepseek-v3-reduced", arch="deepseek_v3")
+DS3_SKEW = Checkpoint(
+    "deepseek-v3-reduced-skew", arch="deepseek_v3", router_skew=1.0, experts_from=DS3.directory
+)
+MODELS_PREFIX = {
+    DS2: "models.ds2lite",
+    DS2_SKEW: "models.ds2lite-skew",
+    DS3: "models.ds3",
+    DS3_SKEW: "models.ds3-skew",
+}
 MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64)
 """b1 and b8 decode of 64 greedy tokens (medians of three) and the time to first token of three
 distinct 2,048-token prompts: a full-depth model's UVA engine takes about 0.2 s a b8 step
@@ -641,7 +650,12 @@ DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125)
 """DeepSeek-V2-Lite: 26 MoE layers x 64 experts x 3 x 1408 x 2048 x 2 bytes (16.5 MiB an
 expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 layers (7.22
 GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB)."""
-MODEL_BUDGETS = {DS2: DS2_BUDGET, DS2_SKEW: DS2_BUDGET}
+DS3_BUDGET = ModelBudget(experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXPERT_BYTES / 2**30)
+"""The reduced DeepSeek-V3 (``deepseek_layout.V3_REDUCED``): 9 MoE layers x 256 FP8 experts of
+``FP8_EXPERT_BYTES`` (1.125 GiB a layer). A quarter: 64 slots (2.53 GiB) against UVA keeping 3
+layers (3.38 GiB); a half: 128 slots (5.06 GiB) against UVA keeping 5 layers (5.63 GiB): with
+9 layers, whole layers give UVA up to a third more memory than the slots."""
+MODEL_BUDGETS = {DS2: DS2_BUDGET, DS2_SKEW: DS2_BUDGET, DS3: DS3_BUDGET, DS3_SKEW: DS3_BUDGET}
 QUARTER, HALF = 0.25, 0.5
 # Estimated seconds (start and everything once, with every repeat), from the DeepSeek-V2-Lite
 # run of 2026-12-03 (72cd29b, vLLM's V2 model runner): engines started in 64 to 101 s and took

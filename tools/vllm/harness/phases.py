@@ -147,6 +147,21 @@ PHASES = (
         budgeted=True,
     ),
     Phase(
+        "deepseek_v3",
+        "the DeepSeek-V3 architecture at reduced width and depth (12 layers, 256 experts in 8 "
+        "groups, FP8 blocks), the engines of deepseek",
+        lambda _results: engines.models(engines.DS3),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "deepseek_v3_skew",
+        "the same on the skewed reduced DeepSeek-V3 (--router-skew 1.0)",
+        lambda _results: engines.models(engines.DS3_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
         "archs",
         "random Mixtral and Qwen2-MoE (gated shared expert) in full graphs: no offload, row "
         "with the device planner at a slot count that misses and one that needs two passes",

@@ -208,6 +208,10 @@ class Workload:
         return cls(**raw)
 
 
+QUANTIZED_ARCHS = ("deepseek_v3", "gpt_oss")
+"""The builder's architectures whose checkpoints carry a ``quantization_config``."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A random-weight MoE checkpoint (Qwen3-MoE unless ``arch`` says), built on the machine by
@@ -236,6 +240,12 @@ class Checkpoint:
     """The directory (under the run's work directory) of the same checkpoint without a router
     skew, whose shards but the routers' this one hard-links (the builder's
     ``--experts-from``: a full-depth skewed twin costs only its routers' bytes on disk)."""
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the checkpoint is stored quantized (``--fp8-block``, or an architecture the
+        builder writes quantized: the reduced DeepSeek-V3 in FP8, gpt-oss in MXFP4)."""
+        return self.fp8_block or self.arch in QUANTIZED_ARCHS
 
     def builder_args(self) -> list[str]:
         """The builder's arguments after the output directory."""
@@ -324,7 +334,7 @@ class EngineSpec:
     @property
     def quantized(self) -> bool:
         """Whether vLLM quantizes the engine's model (an FP8 checkpoint, or ``quantization``)."""
-        return self.checkpoint.fp8_block or self.quantization is not None
+        return self.checkpoint.quantized or self.quantization is not None
 
     def env(self) -> dict[str, str]:
         """Environment of the engine's process beyond the run's common one."""
