@@ -6,6 +6,8 @@
         top-4, and the gated shared expert (shared_expert, shared_expert_gate)
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8
         Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, moe_intermediate 768)
+    ... --tokenizer   also write a word-level tokenizer (``word_tokenizer.py``), for text clients
+        such as ``vllm bench serve``
     ... --router-skew ALPHA   scale every layer's router rows by Zipf factors (router_skew.py)
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8 --fp8-block
         the same Qwen3-MoE layout stored in FP8 with 128 x 128 block scales, as Qwen3-30B-A3B-FP8
@@ -75,7 +77,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from tools.vllm import deepseek_layout, gpt_oss_layout, shards
+from tools.vllm import deepseek_layout, gpt_oss_layout, shards, word_tokenizer
 from tools.vllm.router_skew import estimate_hit_rate, skew_router_, zipf_scales
 
 TINY = {
@@ -666,6 +668,11 @@ def main(argv: list[str] | None = None) -> int:
         help="DeepSeek: hard-link every shard but the routers' from DIR (the same checkpoint "
         "without --router-skew)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        action="store_true",
+        help="also write a word-level tokenizer (tools/vllm/word_tokenizer.py), for text clients",
+    )
     parser.add_argument("--estimate", action="store_true", help="print the simulated hit rate")
     parser.add_argument("--slots", type=int, default=32, help="slots for --estimate")
     args = parser.parse_args(argv)
@@ -710,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         build_direct(args.out, args.arch, config, args.seed, args.router_skew)
     else:
         build(args.out, config, args.seed, args.router_skew)
+    if args.tokenizer:
+        word_tokenizer.write_tokenizer(args.out, int(config["vocab_size"]))
     return 0
 
 

@@ -1,0 +1,79 @@
+"""A word-level tokenizer for the random-weight checkpoints, so that text clients can talk to them.
+
+``vllm bench serve`` (vLLM's own load generator) always needs a tokenizer: its random dataset
+draws token ids, decodes them to text, re-encodes to hit each prompt's length and sends text
+(vLLM 0.25.0, ``vllm/benchmarks/datasets/datasets.py``), and a server started with
+``--skip-tokenizer-init`` refuses text prompts. The random checkpoints have no tokenizer of
+their own; this writes one whose every id is one word: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 (the
+builders' ``bos_token_id`` and ``eos_token_id``), then ``t3`` ... ``t{V-1}``, split on
+whitespace, no decoder (tokens joined by a space), so that decoding and re-encoding any ids in
+``[3, V)`` gives them back exactly and a prompt's length in tokens is its number of words.
+
+``tokenizer.json`` is the format of Hugging Face's ``tokenizers`` (a ``WordLevel`` model with a
+``WhitespaceSplit`` pre-tokenizer and the three special tokens added), written without the
+library; ``tokenizer_config.json`` names ``PreTrainedTokenizerFast``, which must be explicit:
+without it transformers picks the tokenizer class from the model type (``Qwen2Tokenizer`` for
+``qwen3_moe``), which does not read this vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SPECIAL = ("<unk>", "<s>", "</s>")
+
+
+def word(token_id: int) -> str:
+    """The text of ``token_id``."""
+    return SPECIAL[token_id] if token_id < len(SPECIAL) else f"t{token_id}"
+
+
+def tokenizer_json(vocab_size: int) -> dict[str, Any]:
+    if vocab_size <= len(SPECIAL):
+        raise ValueError(f"vocab_size must exceed {len(SPECIAL)}, got {vocab_size}")
+    added = [
+        {
+            "id": i,
+            "content": text,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, text in enumerate(SPECIAL)
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {
+            "type": "WordLevel",
+            "vocab": {word(i): i for i in range(vocab_size)},
+            "unk_token": SPECIAL[0],
+        },
+    }
+
+
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "unk_token": SPECIAL[0],
+    "bos_token": SPECIAL[1],
+    "eos_token": SPECIAL[2],
+    "model_max_length": 1_000_000,
+    "clean_up_tokenization_spaces": False,
+}
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of ``vocab_size`` words into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(vocab_size)) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1) + "\n")
