@@ -507,7 +507,7 @@ def run(
     record: dict[str, Any] = {
         "tool": "serve_check",
         "commit": os.environ.get("ROWCACHE_COMMIT", "?"),
-        "versions": _versions(),
+        "versions": versions(),
         "model": options.model,
         "mode": options.mode,
         "size": options.size,
@@ -573,7 +573,7 @@ def _vocab(model: str) -> int:
     return int(config["vocab_size"])
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     from importlib import metadata
 
     found: dict[str, str] = {}

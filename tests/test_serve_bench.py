@@ -1,0 +1,215 @@
+"""tools/vllm/serve_bench.py on the CPU: fake servers (serve_check's, answering /health) and a
+fake ``vllm bench serve`` that writes vLLM's result file, for the commands, the sequencing, the
+deadline, the record and its targets; the flags checked against the vLLM 0.25.0 wheel."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_wheels
+from test_serve_check import FAKE_SERVER
+
+from tools.vllm import serve_bench as sb
+from tools.vllm import serve_check as sc
+
+
+def test_levels_and_servers_parse_and_reject_unknown_names() -> None:
+    assert [lv.name for lv in sb.parse_levels("c1,r2")] == ["c1", "r2"]
+    with pytest.raises(ValueError, match=r"--levels: unknown \['c3'\]; known: c1, c8"):
+        sb.parse_levels("c1,c3")
+    with pytest.raises(ValueError, match=r"--servers: unknown \['rows'\]"):
+        sb.parse_servers("none,rows")
+    assert [s.name for s in sb.parse_servers(sb.DEFAULT_SERVERS)] == ["none", "uva", "row"]
+
+
+def test_the_dataset_spans_the_issues_lengths() -> None:
+    low, high = sb.INPUT_LEN * (1 - sb.INPUT_RATIO), sb.INPUT_LEN * (1 + sb.INPUT_RATIO)
+    assert round(low) == 128 and round(high) == 2048
+    low, high = sb.OUTPUT_LEN * (1 - sb.OUTPUT_RATIO), sb.OUTPUT_LEN * (1 + sb.OUTPUT_RATIO)
+    assert round(low) == 64 and round(high) == 256
+    assert {lv.concurrency for lv in sb.LEVELS.values() if lv.rate is None} == {1, 8, 32, 64}
+    assert all(lv.concurrency <= 64 for lv in sb.LEVELS.values())  # --max-num-seqs 64
+
+
+def test_commands() -> None:
+    row = sb.SERVERS["row"]
+    command = sb.serve_command("py", "/m", 8000, row)
+    assert command[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    config = json.loads(command[command.index("--additional-config") + 1])
+    assert config == {"rowcache": {"moe_expert_cache_size": 32}}
+    assert "--skip-tokenizer-init" not in command  # the client sends text
+    uva = sb.serve_command("py", "/m", 8000, sb.SERVERS["uva"])
+    assert uva[uva.index("--cpu-offload-gb") + 1] == "6.75"
+    bench = sb.bench_command("py", "/m", 8000, sb.LEVELS["r2"], Path("/r"), "x.json")
+    flag = {bench[i]: bench[i + 1] for i in range(5, len(bench) - 1) if bench[i].startswith("--")}
+    assert flag["--request-rate"] == "2.0" and flag["--max-concurrency"] == "64"
+    assert json.loads(flag["--random-range-ratio"]) == {"input": 0.8824, "output": 0.6}
+    assert flag["--tokenizer"] == "/m" and flag["--temperature"] == "0"
+    assert "--ignore-eos" in bench and "--save-detailed" in bench
+    assert (
+        sb.bench_command("py", "/m", 1, sb.LEVELS["c8"], Path("/r"), "x")[
+            sb.bench_command("py", "/m", 1, sb.LEVELS["c8"], Path("/r"), "x").index(
+                "--request-rate"
+            )
+            + 1
+        ]
+        == "inf"
+    )
+
+
+class FakeBench:
+    """``vllm bench serve`` faked: writes a result file with throughput by server (the port's
+    server, from the launched commands) and records what ran."""
+
+    def __init__(self, tok_s: dict[str, float], ttft: dict[str, float]) -> None:
+        self.tok_s, self.ttft = tok_s, ttft
+        self.ports: dict[int, str] = {}
+        self.ran: list[tuple[str, str]] = []
+
+    def launcher(self, command: list[str], env: dict[str, str], log: Path) -> sc.Process:
+        name = log.stem.removeprefix("server-")
+        self.ports[int(command[command.index("--port") + 1])] = name
+        script = log.parent / "fake_server.py"
+        script.write_text(textwrap.dedent(FAKE_SERVER))
+        return sc.launch([sys.executable, str(script), *command[5:]], env, log)
+
+    def client(self, command: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
+        port = int(command[command.index("--base-url") + 1].rsplit(":", 1)[1])
+        server = self.ports[port]
+        level = log.stem.rsplit("-", 1)[1]
+        self.ran.append((server, level))
+        out = Path(command[command.index("--result-dir") + 1])
+        name = command[command.index("--result-filename") + 1]
+        result = {
+            "completed": int(command[command.index("--num-prompts") + 1]),
+            "failed": 0,
+            "output_throughput": self.tok_s[server],
+            "request_throughput": self.tok_s[server] / 160,
+            "p99_ttft_ms": self.ttft[server],
+            "median_ttft_ms": self.ttft[server] / 2,
+            "ttfts": [0.1, 0.2],  # per-request lists stay in the raw file only
+        }
+        (out / name).write_text(json.dumps(result))
+        log.write_text("ok\n")
+        return 0
+
+
+def _options(tmp_path: Path, **kw: Any) -> sb.Options:
+    base: dict[str, Any] = {
+        "model": "/models/qwen8",
+        "out": tmp_path / "out",
+        "servers": tuple(sb.parse_servers("none,uva,row")),
+        "levels": tuple(sb.parse_levels("c1,c32")),
+    }
+    return sb.Options(**{**base, **kw})
+
+
+def test_every_server_every_level_one_record_and_the_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench(
+        {"none": 3000.0, "uva": 250.0, "row": 300.0}, {"none": 50, "uva": 900, "row": 700}
+    )
+    record = sb.run(_options(tmp_path), client=fake.client, launcher=fake.launcher)
+    assert fake.ran == [
+        (server, level) for server in ("none", "uva", "row") for level in ("warmup", "c1", "c32")
+    ]
+    servers = {s["name"]: s for s in record["servers"]}
+    assert all(s["status"] == "ready" for s in servers.values())
+    c32 = servers["row"]["levels"]["c32"]
+    assert c32["figures"]["output_throughput"] == 300.0
+    assert "ttfts" not in c32["result"] and c32["raw_file"] == "plain-row-c32.json"
+    text = (tmp_path / "out" / "serve_bench.txt").read_text()
+    assert "c32: row / UVA output tok/s = 1.200" in text
+    assert "c1: row TTFT p99 <= UVA's: 700.0 / 900.0 ms (met)" in text
+    with tarfile.open(tmp_path / "out" / "serve_bench_logs.tar.gz") as tar:
+        names = tar.getnames()
+    assert "plain-row-c32.json" in names and "server-uva.log" in names
+    assert json.loads((tmp_path / "out" / "serve_bench.json").read_text())["label"] == "plain"
+
+
+def test_a_missed_target_and_the_batch_invariant_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench(
+        {"none": 3000.0, "uva": 250.0, "row": 200.0}, {"none": 50, "uva": 500, "row": 700}
+    )
+    options = _options(tmp_path, batch_invariant=True)
+    assert sb.server_env(options)["VLLM_BATCH_INVARIANT"] == "1"
+    assert "VLLM_BATCH_INVARIANT" not in sb.server_env(_options(tmp_path))
+    sb.run(options, client=fake.client, launcher=fake.launcher)
+    text = (tmp_path / "out" / "serve_bench.txt").read_text()
+    assert "c32: row / UVA output tok/s = 0.800" in text
+    assert "c32: row TTFT p99 <= UVA's: 700.0 / 500.0 ms (MISSED)" in text
+
+
+def test_levels_past_the_deadline_are_recorded_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench({"none": 100.0, "uva": 100.0, "row": 100.0}, {"none": 1, "uva": 1, "row": 1})
+    clock = [0.0]
+
+    def client(command: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
+        clock[0] += 100.0  # each level takes 100 s on the fake clock
+        return fake.client(command, env, log, timeout)
+
+    options = _options(tmp_path, servers=(sb.SERVERS["row"],), deadline_s=300.0)
+    record = sb.run(options, clock=lambda: clock[0], client=client, launcher=fake.launcher)
+    levels = record["servers"][0]["levels"]
+    # The warm-up (16 x 160 tokens at 100 tok/s: about 68 s with the margin) and c1 fit; c32
+    # (96 x 160 tokens at the 100 tok/s seen) does not with 100 s left.
+    assert levels["warmup"]["status"] == "ok" and levels["c1"]["status"] == "ok"
+    assert levels["c32"]["status"].startswith("not run: time (100 s left)")
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "m").mkdir()
+    with pytest.raises(SystemExit):
+        sb.main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")])
+    assert "has no tokenizer.json: vllm bench serve needs a tokenizer" in capsys.readouterr().err
+
+
+def test_flags_against_the_wheel() -> None:
+    paths = (
+        "vllm/benchmarks/serve.py",
+        "vllm/benchmarks/datasets/datasets.py",
+        "vllm/engine/arg_utils.py",
+    )
+    source = "\n".join(vllm_wheels.read("0.25.0", *paths).values())
+    command = sb.bench_command("py", "/m", 1, sb.LEVELS["r1"], Path("/r"), "x")
+    command += sb.serve_command("py", "/m", 1, sb.SERVERS["uva"])
+    command += list(sb.COMMON_ARGS)
+    for flag in {c for c in command if c.startswith("--")} - {"--host", "--port", "--model"}:
+        found = re.search(rf'"{flag}"|{flag.removeprefix("--").replace("-", "_")}:', source)
+        assert found, flag
+    assert "gen_prompt_decode_to_target_len" in source  # prompts are text (a tokenizer needed)
+
+
+def test_plot_from_a_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tools.vllm import plot_serve
+
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench({"none": 3000.0, "uva": 250.0, "row": 300.0}, {"none": 5, "uva": 9, "row": 7})
+    options = _options(tmp_path, levels=tuple(sb.parse_levels("c1,r1")))
+    record = sb.run(options, client=fake.client, launcher=fake.launcher)
+    for server in record["servers"]:  # the fake writes no TPOT
+        for entry in server["levels"].values():
+            entry["figures"]["median_tpot_ms"] = 10.0
+    found = plot_serve.points(record)
+    assert [p[0] for p in found["row"]] == ["c1", "r1"]  # no warm-up
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    assert plot_serve.main([str(path), "--out", str(tmp_path / "s.svg")]) == 0
+    assert (tmp_path / "s.svg").read_text().startswith("<?xml")

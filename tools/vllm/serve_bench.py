@@ -1,0 +1,495 @@
+"""Serving under load (issue 35, item 1): ``vllm serve`` without offload, with vLLM's UVA offload
+and with rowcache, each driven by vLLM's own client, ``vllm bench serve``.
+
+    python3 tools/vllm/serve_bench.py --model DIR --out $OUT [--servers none,uva,row]
+        [--levels c1,c8,c32,c64,r1,r2,r4] [--deadline S] [--batch-invariant]
+        [--build "--qwen3-30b-a3b --layers 8 --tokenizer"] [--label plain]
+
+One server at a time (``serve_check.launch``: its own process group, its log in a file,
+``GET /health`` before any request), each with the same serving settings (``COMMON_ARGS``):
+
+* ``none``: vLLM as is, every expert on the GPU;
+* ``uva``: vLLM's UVA offload of 6.75 GiB of experts (``--offload-backend uva --cpu-offload-gb
+  6.75 --cpu-offload-params experts``: the 2.25 GiB left on the GPU are the memory of 32 slots
+  of the 8-layer checkpoint);
+* ``row``: rowcache with 32 slots per MoE layer, everything else the plugin's defaults
+  (``--additional-config '{"rowcache": {"moe_expert_cache_size": 32}}'``).
+
+Each server first serves a warm-up (``WARMUP``: it compiles the kernels of new batch shapes),
+then every level in turn: ``cN``, at most N requests in flight, as fast as they are answered
+(``--max-concurrency N --request-rate inf``); ``rX``, X requests a second, Poisson arrivals,
+at most 64 in flight. The requests are vLLM's random dataset (``--dataset-name random``):
+prompts of 128 to 2,048 tokens and outputs of 64 to 256 (``--random-input-len 1088
+--random-output-len 160`` with range ratios 0.882 and 0.6), ``--ignore-eos``, greedy, the same
+seed at every level of every server, so each server answers the same requests. The client
+needs a tokenizer (the builder's ``--tokenizer``, ``word_tokenizer.py``). vLLM writes one JSON
+per level (``--save-result --save-detailed``); this keeps its figures in
+``$OUT/serve_bench.json`` (one record: the servers, each level's figures and the scalars of its
+result, the plugin's start-up lines, how long each server took to start) beside
+``$OUT/serve_bench.txt`` (a table) and ``$OUT/serve_bench_logs.tar.gz`` (the servers' and
+clients' logs and vLLM's whole result files, per-request lists included).
+``tools/vllm/plot_serve.py`` draws latency against throughput from the records.
+
+``--batch-invariant`` starts every server with ``VLLM_BATCH_INVARIANT=1`` (vLLM's
+batch-invariant kernels: a request's tokens do not depend on what it is batched with), to
+measure what the mode costs. ``--deadline``: levels that would not end before it are recorded
+as not run (an estimate from the level's requests and the server's figures so far).
+
+Packages: the server wheels of ``serve_check.py`` (``vllm bench serve`` imports vLLM's server
+modules too); nothing more for the random dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tarfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from tools.vllm import serve_check
+
+UVA_OFFLOAD_GIB = 6.75
+ROW_SLOTS = 32
+COMMON_ARGS = ("--seed", "0", "--max-num-seqs", "64", "--max-model-len", "2560")
+"""Every server: 64 sequences at once (the highest level), contexts of a 2,048-token prompt and
+256 outputs."""
+INPUT_LEN, INPUT_RATIO = 1088, 0.8824
+"""Prompts of ``1088 x (1 -+ 0.8824)``: 128 to 2,048 tokens, uniform."""
+OUTPUT_LEN, OUTPUT_RATIO = 160, 0.6
+"""Outputs of 64 to 256 tokens, uniform."""
+PERCENTILES = "50,90,99"
+METRICS = "ttft,tpot,itl,e2el"
+
+
+@dataclass(frozen=True)
+class BenchServer:
+    """One server of the benchmark: its label, its ``vllm serve`` arguments beyond
+    ``COMMON_ARGS``, and whether the cache serves its experts."""
+
+    name: str
+    label: str
+    args: tuple[str, ...] = ()
+    caches: bool = False
+
+
+SERVERS = {
+    "none": BenchServer("none", "no offload"),
+    "uva": BenchServer(
+        "uva",
+        f"vLLM UVA offload, {UVA_OFFLOAD_GIB} GiB of experts offloaded",
+        (
+            "--offload-backend",
+            "uva",
+            "--cpu-offload-gb",
+            str(UVA_OFFLOAD_GIB),
+            "--cpu-offload-params",
+            "experts",
+        ),
+    ),
+    "row": BenchServer(
+        "row",
+        f"rowcache, {ROW_SLOTS} slots",
+        ("--additional-config", json.dumps({"rowcache": {"moe_expert_cache_size": ROW_SLOTS}})),
+        caches=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level: ``concurrency`` requests in flight at most, arriving at ``rate`` a
+    second (None: all at once), ``prompts`` requests in all."""
+
+    name: str
+    prompts: int
+    concurrency: int
+    rate: float | None = None
+
+
+LEVELS = {
+    "c1": Level("c1", 8, 1),
+    "c8": Level("c8", 32, 8),
+    "c32": Level("c32", 96, 32),
+    "c64": Level("c64", 128, 64),
+    "r1": Level("r1", 32, 64, 1.0),
+    "r2": Level("r2", 48, 64, 2.0),
+    "r4": Level("r4", 64, 64, 4.0),
+}
+WARMUP = Level("warmup", 16, 16)
+DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
+DEFAULT_SERVERS = "none,uva,row"
+
+
+def parse_levels(text: str) -> list[Level]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in LEVELS]
+    if unknown or not names:
+        raise ValueError(f"--levels: unknown {unknown or text!r}; known: {', '.join(LEVELS)}")
+    return [LEVELS[n] for n in names]
+
+
+def parse_servers(text: str) -> list[BenchServer]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in SERVERS]
+    if unknown or not names:
+        raise ValueError(f"--servers: unknown {unknown or text!r}; known: {', '.join(SERVERS)}")
+    return [SERVERS[n] for n in names]
+
+
+def serve_command(python: str, model: str, port: int, server: BenchServer) -> list[str]:
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *COMMON_ARGS,
+        *server.args,
+    ]
+
+
+def bench_command(
+    python: str, model: str, port: int, level: Level, result_dir: Path, filename: str
+) -> list[str]:
+    """``vllm bench serve`` of one level against the server on ``port`` (module docstring)."""
+    ratios = json.dumps({"input": INPUT_RATIO, "output": OUTPUT_RATIO})
+    command = [
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(INPUT_LEN),
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        "--random-range-ratio",
+        ratios,
+        "--num-prompts",
+        str(level.prompts),
+        "--max-concurrency",
+        str(level.concurrency),
+        "--request-rate",
+        "inf" if level.rate is None else str(level.rate),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        METRICS,
+        "--metric-percentiles",
+        PERCENTILES,
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        filename,
+    ]
+    return command
+
+
+FIGURES = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+)
+"""What the table shows of a level (vLLM's result keys)."""
+
+
+def figures(raw: dict[str, Any]) -> dict[str, Any]:
+    return {key: raw.get(key) for key in FIGURES}
+
+
+def estimate_s(level: Level, tok_s: float | None) -> float:
+    """How long ``level`` should take at ``tok_s`` output tokens a second (the server's best
+    so far; 100 before any), plus a margin for the client's start (its imports)."""
+    tokens = level.prompts * OUTPUT_LEN
+    seconds = tokens / max(tok_s or 100.0, 1.0)
+    if level.rate is not None:
+        seconds = max(seconds, level.prompts / level.rate)
+    return 1.5 * seconds + 30.0
+
+
+Runner = Callable[[list[str], dict[str, str], Path, float], int]
+"""(command, env, log, timeout seconds) -> exit status (124 on timeout)."""
+
+
+def run_client(command: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
+    import subprocess
+
+    with open(log, "ab") as out:
+        try:
+            done = subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return 124
+    return done.returncode
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str
+    out: Path
+    servers: tuple[BenchServer, ...]
+    levels: tuple[Level, ...]
+    label: str = "plain"
+    batch_invariant: bool = False
+    deadline_s: float = 3600.0
+    start_timeout: float = 300.0
+    python: str = sys.executable
+
+
+@dataclass
+class ServerRun:
+    server: BenchServer
+    ready_s: float | None = None
+    status: str = "not started"
+    plugin: dict[str, Any] = field(default_factory=dict)
+    levels: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def bench_server(
+    server: BenchServer,
+    options: Options,
+    env: dict[str, str],
+    work: Path,
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+    run: Runner = run_client,
+    launcher: serve_check.Launcher = serve_check.launch,
+) -> ServerRun:
+    """Start ``server``, serve the warm-up and every level before ``deadline``, stop it."""
+    record = ServerRun(server)
+    port = serve_check.free_port()
+    log = work / f"server-{server.name}.log"
+    command = serve_command(options.python, options.model, port, server)
+    started = clock()
+    process = launcher(command, env, log)
+    handle = serve_check.Server(
+        serve_check.ServerSpec(server.name), port, log, command, process, started
+    )
+    try:
+        serve_check.wait_ready(
+            [handle], min(deadline, started + options.start_timeout), clock=clock
+        )
+        record.status, record.ready_s = handle.status, handle.ready_s
+        if handle.status != "ready":
+            return record
+        best: float | None = None
+        for level in (WARMUP, *options.levels):
+            left = deadline - clock()
+            if left < estimate_s(level, best):
+                record.levels[level.name] = {"status": f"not run: time ({left:.0f} s left)"}
+                continue
+            name = f"{options.label}-{server.name}-{level.name}.json"
+            code = run(
+                bench_command(options.python, options.model, port, level, work, name),
+                env,
+                work / f"client-{server.name}-{level.name}.log",
+                left,
+            )
+            entry: dict[str, Any] = {"status": "ok" if code == 0 else f"exit {code}"}
+            result = work / name
+            if result.exists():
+                raw = json.loads(result.read_text())
+                entry["figures"] = figures(raw)
+                entry["result"] = {k: v for k, v in raw.items() if not isinstance(v, list)}
+                entry["raw_file"] = name
+                tok_s = raw.get("output_throughput")
+                if isinstance(tok_s, int | float) and code == 0:
+                    best = max(best or 0.0, float(tok_s))
+            record.levels[level.name] = entry
+    finally:
+        handle.returncode = serve_check.stop(process)
+        text = log.read_text(errors="replace") if log.exists() else ""
+        record.plugin = serve_check.scan_log(text)
+    return record
+
+
+def server_env(options: Options) -> dict[str, str]:
+    env = dict(os.environ)
+    if options.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
+
+
+def table(runs: Sequence[ServerRun], levels: Sequence[Level]) -> str:
+    """One line per server and level: output and request throughput, TTFT and TPOT p50/p99,
+    ITL p99."""
+    head = (
+        f"{'server':6} {'level':6} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8}  status"
+    )
+    lines = [head]
+    for record in runs:
+        if record.status != "ready":
+            lines.append(f"{record.server.name:6} server {record.status}")
+            continue
+        for level in levels:
+            entry = record.levels.get(level.name, {})
+            fig = entry.get("figures") or {}
+
+            def cell(key: str, width: int, fig: dict[str, Any] = fig) -> str:
+                value = fig.get(key)
+                return (
+                    f"{value:{width}.1f}" if isinstance(value, int | float) else f"{'-':>{width}}"
+                )
+
+            lines.append(
+                f"{record.server.name:6} {level.name:6} {cell('output_throughput', 10)} "
+                f"{cell('request_throughput', 7)} {cell('median_ttft_ms', 9)} "
+                f"{cell('p99_ttft_ms', 9)} {cell('median_tpot_ms', 9)} "
+                f"{cell('p99_tpot_ms', 9)} {cell('p99_itl_ms', 8)}  {entry.get('status', '-')}"
+            )
+    return "\n".join(lines)
+
+
+def ratio_lines(runs: Sequence[ServerRun]) -> list[str]:
+    """Issue 35's targets where both servers have the figure: at concurrency 32 ``row``'s
+    output tok/s against UVA's (>= 1.0 x on the plain router, >= 1.5 x on the skewed one:
+    the record says which it is, by its label); ``row``'s TTFT p99 <= UVA's at every level."""
+    by = {r.server.name: r for r in runs}
+    row, uva = by.get("row"), by.get("uva")
+    if row is None or uva is None:
+        return []
+
+    def fig(record: ServerRun, level: str, key: str) -> float | None:
+        value = (record.levels.get(level, {}).get("figures") or {}).get(key)
+        return float(value) if isinstance(value, int | float) else None
+
+    lines = []
+    for level in row.levels:
+        if level == WARMUP.name:
+            continue
+        mine, theirs = fig(row, level, "output_throughput"), fig(uva, level, "output_throughput")
+        if mine is not None and theirs:
+            lines.append(f"  {level}: row / UVA output tok/s = {mine / theirs:.3f}")
+        mine, theirs = fig(row, level, "p99_ttft_ms"), fig(uva, level, "p99_ttft_ms")
+        if mine is not None and theirs:
+            verdict = "met" if mine <= theirs else "MISSED"
+            lines.append(
+                f"  {level}: row TTFT p99 <= UVA's: {mine:.1f} / {theirs:.1f} ms ({verdict})"
+            )
+    return lines
+
+
+def run(
+    options: Options,
+    clock: Callable[[], float] = time.monotonic,
+    client: Runner = run_client,
+    launcher: serve_check.Launcher = serve_check.launch,
+) -> dict[str, Any]:
+    work = options.out / "serve_bench_work"
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = clock() + options.deadline_s
+    env = server_env(options)
+    runs = [
+        bench_server(s, options, env, work, deadline, clock, client, launcher)
+        for s in options.servers
+    ]
+    record: dict[str, Any] = {
+        "label": options.label,
+        "model": options.model,
+        "batch_invariant": options.batch_invariant,
+        "common_args": list(COMMON_ARGS),
+        "dataset": {
+            "input_len": INPUT_LEN,
+            "input_ratio": INPUT_RATIO,
+            "output_len": OUTPUT_LEN,
+            "output_ratio": OUTPUT_RATIO,
+        },
+        "levels": [dataclasses.asdict(level) for level in options.levels],
+        "servers": [
+            {
+                "name": r.server.name,
+                "label": r.server.label,
+                "args": list(r.server.args),
+                "status": r.status,
+                "ready_s": r.ready_s,
+                "plugin": r.plugin,
+                "levels": r.levels,
+            }
+            for r in runs
+        ],
+        "versions": serve_check.versions(),
+        "commit": os.environ.get("ROWCACHE_COMMIT", "?"),
+    }
+    text = table(runs, (WARMUP, *options.levels)) + "\n" + "\n".join(ratio_lines(runs)) + "\n"
+    (options.out / "serve_bench.json").write_text(json.dumps(record, indent=1) + "\n")
+    (options.out / "serve_bench.txt").write_text(text)
+    with tarfile.open(options.out / "serve_bench_logs.tar.gz", "w:gz") as tar:
+        for path in sorted([*work.glob("*.log"), *work.glob("*.json")]):
+            tar.add(path, arcname=path.name)
+    print(text, flush=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--servers", default=DEFAULT_SERVERS)
+    ap.add_argument("--levels", default=DEFAULT_LEVELS)
+    ap.add_argument("--label", default="plain", help="names the record (plain, skew, ...)")
+    ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--deadline", type=float, default=3600.0)
+    ap.add_argument("--build", default=None, help="make_moe_checkpoint.py arguments")
+    ns = ap.parse_args(argv)
+    try:
+        servers = tuple(parse_servers(ns.servers))
+        levels = tuple(parse_levels(ns.levels))
+    except ValueError as exc:
+        ap.error(str(exc))
+    if ns.build is not None:
+        serve_check.build_checkpoint(Path(ns.model), ns.build)
+    if not (Path(ns.model) / "tokenizer.json").exists():
+        ap.error(
+            f"{ns.model} has no tokenizer.json: vllm bench serve needs a tokenizer (build the "
+            "checkpoint with make_moe_checkpoint.py --tokenizer)"
+        )
+    ns.out.mkdir(parents=True, exist_ok=True)
+    options = Options(ns.model, ns.out, servers, levels, ns.label, ns.batch_invariant, ns.deadline)
+    run(options)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
