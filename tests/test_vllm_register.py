@@ -1167,3 +1167,22 @@ def test_the_engines_exactness_probe_catches_an_inexact_route(fake_vllm: Any, ro
         assert found["equal"]["16"] == 2 and found["max_abs"]["16"] == 0.0
     else:
         assert found["equal"]["16"] < 2 and found["max_abs"]["16"] > 0.0
+
+
+def test_the_refusals_serve_refusals_looks_for(fake_vllm: Any) -> None:
+    """``tools/vllm/serve_refusals.py`` expects these words in a refusing server's log: the
+    plugin's own messages (the first with the fake model's top_k=2 for the real top_k=8)."""
+    from tools.vllm import serve_refusals
+
+    cases = {case.name: case.expect[0] for case in serve_refusals.CASES}
+    with pytest.raises(KnobError) as info:
+        _method(fake_vllm, {"moe_expert_cache_size": 1})
+    below = cases["slots-below-top-k"].replace("=4", "=1").replace("top_k=8", "top_k=2")
+    assert below in str(info.value)
+    plugin.register()
+    with pytest.raises(KnobError) as info:
+        _config(fake_vllm, {"moe_expert_cache_size": 32, "moe_expert_cache_provider": "rows"})
+    assert cases["unknown-provider"] in str(info.value)
+    with pytest.raises(RuntimeError) as failed:
+        _config(fake_vllm, {"moe_expert_cache_size": 32, **HOST}, splitting_ops=[])
+    assert cases["host-planner-in-one-full-graph"] in str(failed.value)
