@@ -46,6 +46,7 @@ class FakeOpenAI(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(
             b"# HELP vllm:num_preemptions_total x\n"
+            b'vllm:num_preemptions_created{engine="0"} 1.7e9\n'
             b'vllm:num_preemptions_total{engine="0"} 3.0\n'
             b'vllm:num_preemptions_total{engine="1"} 2.0\n'
         )
@@ -162,6 +163,10 @@ def _run(tmp_path: Path, fleet: Fleet, monkeypatch: pytest.MonkeyPatch, **kw: An
 
 def test_exact_servers_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fleet = Fleet(tmp_path)
+    monkeypatch.setattr(se, "metric", lambda port, name: 0.0)  # no preemption: caught
+    assert _run(tmp_path, fleet, monkeypatch, kv_blocks=64) == 1
+    assert "counted no preemption" in (tmp_path / "out" / "serve_exact.txt").read_text()
+    monkeypatch.setattr(se, "metric", lambda port, name: 3.0)
     assert _run(tmp_path, fleet, monkeypatch, kv_blocks=64) == 0
     record = json.loads((tmp_path / "out" / "serve_exact.json").read_text())
     assert record["ok"] and [s["server"] for s in record["servers"]] == ["none", "row"]

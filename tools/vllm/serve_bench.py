@@ -63,8 +63,8 @@ ROW_SLOTS = 32
 COMMON_ARGS = ("--seed", "0", "--max-num-seqs", "64", "--max-model-len", "2560")
 """Every server: 64 sequences at once (the highest level), contexts of a 2,048-token prompt and
 256 outputs."""
-INPUT_LEN, INPUT_RATIO = 1088, 0.8824
-"""Prompts of ``1088 x (1 -+ 0.8824)``: 128 to 2,048 tokens, uniform."""
+INPUT_LEN, INPUT_RATIO = 1088, 0.8823
+"""Prompts of ``1088 x (1 -+ 0.8823)`` (vLLM takes floor and ceil): 128 to 2,048 tokens, uniform."""
 OUTPUT_LEN, OUTPUT_RATIO = 160, 0.6
 """Outputs of 64 to 256 tokens, uniform."""
 PERCENTILES = "50,90,99"
@@ -320,6 +320,7 @@ def bench_server(
                 record.levels[level.name] = {"status": f"not run: time ({left:.0f} s left)"}
                 continue
             name = f"{options.label}-{server.name}-{level.name}.json"
+            (work / name).unlink(missing_ok=True)  # never an earlier run's figures
             code = run(
                 bench_command(options.python, options.model, port, level, work, name),
                 env,

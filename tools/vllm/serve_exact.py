@@ -215,7 +215,7 @@ def metric(port: int, name: str) -> float | None:
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
+        if re.match(rf"{re.escape(name)}_total[{{ ]", line)
     ]
     return sum(values) if values else None
 
@@ -307,6 +307,7 @@ def check_server(
     record = Checked(server.name)
     port = serve_check.free_port()
     log = work / f"server-{server.name}.log"
+    log.unlink(missing_ok=True)  # an earlier run's log is not this server's
     command = serve_bench.serve_command(options.python, options.model, port, server)
     command += server_args(options, server)
     env = dict(os.environ)
@@ -338,6 +339,8 @@ def check_server(
         again = [complete_(port, options.model, p, options.max_tokens) for p in batch[:AFTER]]
         record.after = compare(record.alone[:AFTER], again)
         record.preemptions = metric(port, "vllm:num_preemptions")
+        if options.kv_blocks is not None and not record.preemptions:
+            record.errors.append("--kv-blocks set but the server counted no preemption")
         if options.soak_s > 0 and time.monotonic() + options.soak_s < deadline:
             record.soak = soak(port, process.pid, options, batch, complete_)
         elif options.soak_s > 0:
@@ -351,7 +354,8 @@ def check_server(
         serve_check.stop(process)
         text = served.decode(errors="replace")
         record.plugin = serve_check.scan_log(text)
-        record.errors = [line[:300] for line in text.splitlines() if ERROR_LINE.search(line)][:20]
+        logged = [line[:300] for line in text.splitlines() if ERROR_LINE.search(line)]
+        record.errors = record.errors + logged[:20]
     return record
 
 

@@ -5,7 +5,8 @@ draws token ids, decodes them to text, re-encodes to hit each prompt's length an
 (vLLM 0.25.0, ``vllm/benchmarks/datasets/datasets.py``), and a server started with
 ``--skip-tokenizer-init`` refuses text prompts. The random checkpoints have no tokenizer of
 their own; this writes one whose every id is one word: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 (the
-builders' ``bos_token_id`` and ``eos_token_id``), then ``t3`` ... ``t{V-1}``, split on
+Qwen3, Mixtral and Qwen2-MoE builders' ``bos_token_id`` and ``eos_token_id``; the DeepSeek and
+gpt-oss cards name others, harmless with ``ignore_eos``), then ``t3`` ... ``t{V-1}``, split on
 whitespace, no decoder (tokens joined by a space), so that decoding and re-encoding any ids in
 ``[3, V)`` gives them back exactly and a prompt's length in tokens is its number of words.
 
