@@ -70,7 +70,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -594,27 +594,28 @@ def _link_experts(
     record: dict[str, Any],
     files: dict[str, str],
 ) -> list[str]:
-    """The shards taken from ``source`` as hard links: only from a whole checkpoint of the same
-    config, seed and drawing device (else its bytes differ); otherwise every shard is written
-    here, and a line says why."""
+    """The shards taken from ``source`` as hard links: only from a whole checkpoint (its
+    ``.rowcache-built`` marker) of the same config, seed and drawing device, else its bytes
+    differ. Anything else stops the build with the reason: writing every shard instead would
+    take a second copy of a checkpoint the disk may not hold."""
+
+    def refuse(why: str) -> NoReturn:
+        raise SystemExit(f"--experts-from {source}: {why}; build it first (without the skew)")
+
+    if not (source / ".rowcache-built").exists():
+        refuse("not a whole checkpoint (no .rowcache-built marker)")
     try:
         theirs = json.loads((source / "rowcache_router_skew.json").read_text())
         same_config = json.loads((source / "config.json").read_text()) == json.loads(
             json.dumps(config)
         )
     except (OSError, ValueError) as exc:
-        print(f"--experts-from {source}: not a whole checkpoint ({exc}); writing every shard")
-        return []
+        refuse(f"not a checkpoint of this builder ({exc})")
     for key in ("seed", "arch", "drawn_on"):
         if theirs.get(key) != record[key]:
-            print(
-                f"--experts-from {source}: its {key} is {theirs.get(key)!r}, this one's "
-                f"{record[key]!r}; writing every shard"
-            )
-            return []
+            refuse(f"its {key} is {theirs.get(key)!r}, this one's {record[key]!r}")
     if not same_config:
-        print(f"--experts-from {source}: another config; writing every shard")
-        return []
+        refuse("another config")
     return shards.link_shared_shards(source, out, files)
 
 
