@@ -38,6 +38,7 @@ from rowcache.device_plan.forward import run_passes
 from rowcache.device_plan.passes import num_passes
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.device_plan.state import DeviceInputError
+from rowcache.vllm import expert_cache_counter_problems
 
 E, C, K = 6, 3, 2
 H, INTER = 4, 3
@@ -162,6 +163,7 @@ class Lockstep(RuleBasedStateMachine):
         stats = self.device.stats()
         for name in ("hits", "misses", "evictions", "prepare_calls", "invalidations"):
             assert stats[name] == getattr(self.counters, name) == self.host.stats()[name], name
+        assert expert_cache_counter_problems([stats, self.host.stats()]) == []
 
 
 TestLockstep = Lockstep.TestCase

@@ -214,3 +214,13 @@ def test_plot_from_a_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     path.write_text(json.dumps(record))
     assert plot_serve.main([str(path), "--out", str(tmp_path / "s.svg")]) == 0
     assert (tmp_path / "s.svg").read_text().startswith("<?xml")
+
+
+def test_every_level_draws_its_own_prompts() -> None:
+    """One seed per level (the prefix cache would answer a repeated prompt), the same on every
+    server (each answers the same requests)."""
+    levels = [sb.WARMUP, *sb.LEVELS.values()]
+    assert len({level.seed for level in levels}) == len(levels)
+    for level in levels:
+        command = sb.bench_command("py", "/m", 1, level, Path("/r"), "f.json")
+        assert command[command.index("--seed") + 1] == str(level.seed)

@@ -29,6 +29,13 @@ def _tokens(prompt: list[int], max_tokens: int) -> list[int]:
 class FakeOpenAI(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/collective_rpc":
+            known = body["method"] == "rowcache_stats"
+            self.send_response(200 if known else 404)
+            self.end_headers()
+            reply = {"results": [[{"layer": "l0"}]]} if known else {"detail": "Not Found"}
+            self.wfile.write(json.dumps(reply).encode())
+            return
         ids = _tokens(body["prompt"], body["max_tokens"])
         self.send_response(200)
         self.end_headers()
@@ -65,6 +72,9 @@ def openai_port() -> Iterator[int]:
 
 
 def test_the_http_client(openai_port: int) -> None:
+    assert se.collective_rpc(openai_port, "rowcache_stats") == [{"layer": "l0"}]
+    with pytest.raises(RuntimeError, match="nothing: HTTP 404"):
+        se.collective_rpc(openai_port, "nothing")
     assert se.complete(openai_port, "/m", [5, 6], 4) == _tokens([5, 6], 4)
     assert se.abort_midstream(openai_port, "/m", [5, 6], 10) == se.ABORT_CHUNKS
     assert se.metric(openai_port, "vllm:num_preemptions") == 5.0
@@ -107,6 +117,21 @@ class Fleet:
         self.error_in_log: set[str] = set()
         self.commands: list[list[str]] = []
         self.envs: list[dict[str, str]] = []
+        self.cache_reply: dict[str, Any] = {
+            "rowcache_stats": [
+                {
+                    "layer": "l0",
+                    "hits": 9,
+                    "misses": 40,
+                    "evictions": 8,
+                    "invalidations": 0,
+                    "resident": 32,
+                    "capacity": 32,
+                }
+            ],
+            "rowcache_slot_check": {"layers": 1, "slots": 32, "mismatches": []},
+        }
+        self.rpcs: list[tuple[str, str]] = []
 
     def launcher(self, command: list[str], env: dict[str, str], log: Path) -> sc.Process:
         name = log.stem.removeprefix("server-")
@@ -139,6 +164,13 @@ class Fleet:
     def abort(self, port: int, model: str, prompt: list[int], max_tokens: int) -> int:
         return se.ABORT_CHUNKS
 
+    def rpc(self, port: int, method: str) -> Any:
+        self.rpcs.append((self.ports[port], method))
+        reply = self.cache_reply[method]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
 
 def _options(tmp_path: Path, **kw: Any) -> se.Options:
     model = tmp_path / "model"
@@ -158,7 +190,13 @@ def _run(tmp_path: Path, fleet: Fleet, monkeypatch: pytest.MonkeyPatch, **kw: An
     monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
     options = _options(tmp_path, **kw)
     options.out.mkdir(parents=True, exist_ok=True)
-    return se.run(options, complete_=fleet.complete, abort=fleet.abort, launcher=fleet.launcher)
+    return se.run(
+        options,
+        complete_=fleet.complete,
+        abort=fleet.abort,
+        launcher=fleet.launcher,
+        rpc=fleet.rpc,
+    )
 
 
 def test_exact_servers_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,6 +218,79 @@ def test_exact_servers_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     for command in fleet.commands:
         assert command[command.index("--num-gpu-blocks-override") + 1] == "64"
         assert "--skip-tokenizer-init" in command
+        assert "--no-enable-prefix-caching" in command
+    # The cache server alone is read back, through the worker extension in dev mode.
+    extension = [
+        c[c.index("--worker-extension-cls") + 1]
+        for c in fleet.commands[-2:]
+        if "--worker-extension-cls" in c
+    ]
+    assert extension == ["rowcache.vllm.worker_extension.ExpertCacheRpc"]
+    assert [env.get("VLLM_SERVER_DEV_MODE") for env in fleet.envs[-2:]] == [None, "1"]
+    assert set(fleet.rpcs) == {("row", "rowcache_stats"), ("row", "rowcache_slot_check")}
+    assert "row: cache: 32 slots in 1 layers byte-exact, counters consistent" in text
+    assert row["cache"]["totals"]["misses"] == 40
+
+
+@pytest.mark.parametrize(
+    ("method", "reply", "words"),
+    [
+        (
+            "rowcache_slot_check",
+            {"layers": 1, "slots": 32, "mismatches": ["l0: slot 3"]},
+            "slot bytes: l0: slot 3",
+        ),
+        (
+            "rowcache_slot_check",
+            {"layers": 0, "slots": 0, "mismatches": []},
+            "no resident slot checked",
+        ),
+        (
+            "rowcache_stats",
+            [
+                {
+                    "layer": "l0",
+                    "hits": 9,
+                    "misses": 41,
+                    "evictions": 8,
+                    "invalidations": 0,
+                    "resident": 32,
+                    "capacity": 32,
+                }
+            ],
+            "l0: resident=32 but misses - evictions - invalidations",
+        ),
+        ("rowcache_stats", [], "no cached layer"),
+        ("rowcache_stats", RuntimeError("rowcache_stats: HTTP 404"), "cache unreadable"),
+    ],
+)
+def test_a_cache_read_back_wrong_or_not_at_all_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, reply: Any, words: str
+) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.cache_reply[method] = reply
+    assert _run(tmp_path, fleet, monkeypatch, servers=(serve_bench.SERVERS["row"],)) == 1
+    text = (tmp_path / "out" / "serve_exact.txt").read_text()
+    assert "row: cache: " in text and words in text and "MISSED" in text
+
+
+def test_the_record_is_written_after_each_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fleet = Fleet(tmp_path)
+    seen: list[list[str]] = []
+    real = se.check_server
+
+    def spy(*args: Any, **kw: Any) -> se.Checked:
+        path = tmp_path / "out" / "serve_exact.json"
+        seen.append(
+            [s["server"] for s in json.loads(path.read_text())["servers"]] if path.exists() else []
+        )
+        return real(*args, **kw)
+
+    monkeypatch.setattr(se, "check_server", spy)
+    assert _run(tmp_path, fleet, monkeypatch) == 0
+    assert seen == [[], ["none"]]
 
 
 def test_tokens_that_change_under_concurrency_are_caught(

@@ -36,6 +36,7 @@ from rowcache.vllm.knob import CacheSettings, KnobError, parse_settings
 __all__ = [
     "CacheSettings",
     "KnobError",
+    "expert_cache_counter_problems",
     "expert_cache_slot_check",
     "expert_cache_stats",
     "parse_settings",
@@ -170,3 +171,34 @@ def expert_cache_stats(model: Any) -> list[dict[str, Any]]:
         stats["forwards"] = int(getattr(method, "rowcache_forwards", 0))
         found.append(stats)
     return found
+
+
+def expert_cache_counter_problems(stats: list[dict[str, Any]]) -> list[str]:
+    """What is inconsistent in ``expert_cache_stats``' counters (empty: nothing).
+
+    A cache starts empty, every miss fills a slot, every eviction and every invalidation of a
+    resident expert empties one: ``resident == misses - evictions - invalidations``, and never
+    more than ``capacity`` nor fewer than none. A counter lost or counted twice under load
+    (aborted requests, preemption, steps larger than the cache) breaks the first.
+    """
+    problems: list[str] = []
+    for entry in stats:
+        layer = entry.get("layer", "?")
+        try:
+            hits, misses, evictions, invalidations, resident, capacity = (
+                int(entry[key])
+                for key in ("hits", "misses", "evictions", "invalidations", "resident", "capacity")
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"{layer}: counters unreadable ({type(exc).__name__}: {exc})")
+            continue
+        if min(hits, misses, evictions, invalidations) < 0:
+            problems.append(f"{layer}: a negative counter in {entry}")
+        if not 0 <= resident <= capacity:
+            problems.append(f"{layer}: resident={resident} outside [0, capacity={capacity}]")
+        if resident != misses - evictions - invalidations:
+            problems.append(
+                f"{layer}: resident={resident} but misses - evictions - invalidations = "
+                f"{misses} - {evictions} - {invalidations} = {misses - evictions - invalidations}"
+            )
+    return problems

@@ -15,19 +15,19 @@ One server at a time (``serve_check.launch``: its own process group, its log in 
 * ``row``: rowcache with 32 slots per MoE layer, everything else the plugin's defaults
   (``--additional-config '{"rowcache": {"moe_expert_cache_size": 32}}'``).
 
-Each server first serves a warm-up (``WARMUP``: it compiles the kernels of new batch shapes),
-then every level in turn: ``cN``, at most N requests in flight, as fast as they are answered
-(``--max-concurrency N --request-rate inf``); ``rX``, X requests a second, Poisson arrivals,
-at most 64 in flight. The requests are vLLM's random dataset (``--dataset-name random``):
-prompts of 128 to 2,048 tokens and outputs of 64 to 256 (``--random-input-len 1088
---random-output-len 160`` with range ratios 0.882 and 0.6), ``--ignore-eos``, greedy, the same
-seed at every level of every server, so each server answers the same requests. The client
-needs a tokenizer (the builder's ``--tokenizer``, ``word_tokenizer.py``). vLLM writes one JSON
-per level (``--save-result --save-detailed``); this keeps its figures in
-``$OUT/serve_bench.json`` (one record: the servers, each level's figures and the scalars of its
-result, the plugin's start-up lines, how long each server took to start) beside
-``$OUT/serve_bench.txt`` (a table) and ``$OUT/serve_bench_logs.tar.gz`` (the servers' and
-clients' logs and vLLM's whole result files, per-request lists included).
+Each server first serves a warm-up (``WARMUP``: it compiles the kernels of new batch shapes), then
+every level in turn: ``cN``, at most N requests in flight, as fast as they are answered
+(``--max-concurrency N --request-rate inf``); ``rX``, X requests a second, Poisson arrivals, at most
+64 in flight. The requests are vLLM's random dataset (``--dataset-name random``): prompts of 128 to
+2,048 tokens and outputs of 64 to 256 (``--random-input-len 1088 --random-output-len 160`` with
+range ratios 0.882 and 0.6), ``--ignore-eos``, greedy, one seed per level, the same on every server,
+so each server answers the same requests and no level repeats another's prompts (which vLLM's prefix
+cache would answer without their prefill). The client needs a tokenizer (the builder's
+``--tokenizer``, ``word_tokenizer.py``). vLLM writes one JSON per level (``--save-result
+--save-detailed``); this keeps its figures in ``$OUT/serve_bench.json`` (one record: the servers,
+each level's figures and the scalars of its result, the plugin's start-up lines, how long each
+server took to start) beside ``$OUT/serve_bench.txt`` (a table) and ``$OUT/serve_bench_logs.tar.gz``
+(the servers' and clients' logs and vLLM's whole result files, per-request lists included).
 ``tools/vllm/plot_serve.py`` draws latency against throughput from the records.
 
 ``--batch-invariant`` starts every server with ``VLLM_BATCH_INVARIANT=1`` (vLLM's
@@ -108,24 +108,29 @@ SERVERS = {
 @dataclass(frozen=True)
 class Level:
     """One load level: ``concurrency`` requests in flight at most, arriving at ``rate`` a
-    second (None: all at once), ``prompts`` requests in all."""
+    second (None: all at once), ``prompts`` requests in all, drawn with ``seed``.
+
+    Every level has its own seed, the same on every server: with one seed every level would
+    send the first prompts of the level before it again, and vLLM's prefix cache (on by
+    default) would answer them from the KV cache, without their prefill."""
 
     name: str
     prompts: int
     concurrency: int
     rate: float | None = None
+    seed: int = 0
 
 
 LEVELS = {
-    "c1": Level("c1", 8, 1),
-    "c8": Level("c8", 32, 8),
-    "c32": Level("c32", 96, 32),
-    "c64": Level("c64", 128, 64),
-    "r1": Level("r1", 32, 64, 1.0),
-    "r2": Level("r2", 48, 64, 2.0),
-    "r4": Level("r4", 64, 64, 4.0),
+    "c1": Level("c1", 8, 1, seed=1),
+    "c8": Level("c8", 32, 8, seed=2),
+    "c32": Level("c32", 96, 32, seed=3),
+    "c64": Level("c64", 128, 64, seed=4),
+    "r1": Level("r1", 32, 64, 1.0, seed=5),
+    "r2": Level("r2", 48, 64, 2.0, seed=6),
+    "r4": Level("r4", 64, 64, 4.0, seed=7),
 }
-WARMUP = Level("warmup", 16, 16)
+WARMUP = Level("warmup", 16, 16, seed=0)
 DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
 DEFAULT_SERVERS = "none,uva,row"
 
@@ -199,7 +204,7 @@ def bench_command(
         "--temperature",
         "0",
         "--seed",
-        "0",
+        str(level.seed),
         "--percentile-metrics",
         METRICS,
         "--metric-percentiles",
@@ -422,10 +427,16 @@ def run(
     work.mkdir(parents=True, exist_ok=True)
     deadline = clock() + options.deadline_s
     env = server_env(options)
-    runs = [
-        bench_server(s, options, env, work, deadline, clock, client, launcher)
-        for s in options.servers
-    ]
+    runs: list[ServerRun] = []
+    record: dict[str, Any] = {}
+    for server in options.servers:
+        runs.append(bench_server(server, options, env, work, deadline, clock, client, launcher))
+        record = write(options, work, runs)  # a run cut short keeps the servers it finished
+    return record
+
+
+def write(options: Options, work: Path, runs: Sequence[ServerRun]) -> dict[str, Any]:
+    """The record, the table and the logs of the servers run so far."""
     record: dict[str, Any] = {
         "label": options.label,
         "model": options.model,

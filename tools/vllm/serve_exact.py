@@ -19,18 +19,24 @@ tokens at 32 sequences were not reproducible run to run), the same serving setti
    them);
 3. ``after``: the first eight again, alone: what the aborts left behind must not change them.
 
-Every request is greedy (``temperature`` 0), ``max_tokens`` long (``ignore_eos``), and asks
-for its ``token_ids`` (vLLM 0.25.0's ``return_token_ids``). ``together`` and ``after`` are
-compared with ``alone`` request by request (first divergence), and ``row``'s ``alone`` with
-``none``'s. ``--kv-blocks N`` starts the servers with ``--num-gpu-blocks-override N`` (a KV
-cache too small for every request at once: vLLM preempts and recomputes), and the number of
-preemptions is read from the server's ``/metrics`` (``vllm:num_preemptions``). ``--soak S``
-then keeps 32 requests in flight for S seconds, sampling the GPU's memory in use
-(``nvidia-smi``) and the server's resident and pinned host memory (``VmRSS`` and ``VmLck`` of
-its processes) every ten seconds. The server log is searched for errors. Writes
+Every request is greedy (``temperature`` 0), ``max_tokens`` long (``ignore_eos``), and asks for its
+``token_ids`` (vLLM 0.25.0's ``return_token_ids``). ``together`` and ``after`` are compared with
+``alone`` request by request (first divergence), and ``row``'s ``alone`` with ``none``'s. Prefix
+caching is off (``--no-enable-prefix-caching``): a request sent again must be computed again, its
+prompt's experts loaded again, not served from the KV cache of its first sending. A cache server is
+started with the plugin's worker extension (``rowcache.vllm.worker_extension``) and
+``VLLM_SERVER_DEV_MODE=1``, and read through ``POST /collective_rpc`` after ``after`` (and after the
+soak): every layer's counters must be consistent (``rowcache.vllm.expert_cache_counter_problems``)
+and every resident slot's bytes equal to its expert's host bytes. ``--kv-blocks N`` starts the
+servers with ``--num-gpu-blocks-override N`` (a KV cache too small for every request at once: vLLM
+preempts and recomputes), and the number of preemptions is read from the server's ``/metrics``
+(``vllm:num_preemptions``). ``--soak S`` then keeps 32 requests in flight for S seconds, sampling
+the GPU's memory in use (``nvidia-smi``) and the server's resident and pinned host memory (``VmRSS``
+and ``VmLck`` of its processes) every ten seconds. The server log is searched for errors. Writes
 ``$OUT/serve_exact.json`` (one record), ``$OUT/serve_exact.txt`` (the verdicts) and
-``$OUT/serve_exact_logs.tar.gz``; exit status 0 only when every comparison is exact and no
-server logged an error.
+``$OUT/serve_exact_logs.tar.gz``, rewritten after each server (a run cut short keeps the servers it
+finished); exit status 0 only when every comparison is exact, every cache read back consistent and
+exact, and no server logged an error.
 
 The checkpoint needs no tokenizer (prompts are token ids; a server of a checkpoint without one
 is started with ``--skip-tokenizer-init``).
@@ -59,6 +65,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the checkout on the path for tools.vllm
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
+from rowcache.vllm import expert_cache_counter_problems
+from rowcache.vllm.worker_extension import QUALNAME as WORKER_EXTENSION
 from tools.vllm import serve_bench, serve_check
 
 AFTER = 8
@@ -133,8 +141,57 @@ def abort_midstream(port: int, model: str, prompt: list[int], max_tokens: int) -
     return read
 
 
+def collective_rpc(port: int, method: str) -> Any:
+    """The first worker's answer to ``method`` (``POST /collective_rpc``: a server started with
+    ``VLLM_SERVER_DEV_MODE=1`` and the worker extension that has the method)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        connection.request(
+            "POST",
+            "/collective_rpc",
+            json.dumps({"method": method}),
+            {"Content-Type": "application/json"},
+        )
+        response = connection.getresponse()
+        data = json.loads(response.read() or b"null")
+    finally:
+        connection.close()
+    if response.status != 200 or not isinstance(data, dict) or not data.get("results"):
+        raise RuntimeError(f"{method}: HTTP {response.status}: {str(data)[:300]}")
+    return data["results"][0]
+
+
+def read_cache(port: int, rpc: Callable[[int, str], Any]) -> dict[str, Any]:
+    """The cache's counters and slot check, and what is wrong with them (``problems``; a cache
+    that cannot be read is a problem, never a pass)."""
+    try:
+        stats = rpc(port, "rowcache_stats")
+        slots = rpc(port, "rowcache_slot_check")
+    except Exception as exc:
+        return {"problems": [f"cache unreadable: {type(exc).__name__}: {exc}"[:300]]}
+    problems: list[str] = []
+    if not isinstance(stats, list) or not stats:
+        problems.append(f"no cached layer in rowcache_stats: {str(stats)[:200]}")
+    else:
+        problems += expert_cache_counter_problems(stats)
+    if not isinstance(slots, dict) or not slots.get("slots"):
+        problems.append(f"no resident slot checked: {str(slots)[:200]}")
+    else:
+        problems += [f"slot bytes: {m}" for m in slots.get("mismatches", [])][:20]
+    totals = (
+        {
+            key: sum(int(s.get(key, 0)) for s in stats)
+            for key in ("hits", "misses", "evictions", "invalidations")
+        }
+        if isinstance(stats, list)
+        else {}
+    )
+    return {"stats": stats, "totals": totals, "slots": slots, "problems": problems}
+
+
 Complete = Callable[[int, str, list[int], int], list[int]]
 Abort = Callable[[int, str, list[int], int], int]
+Rpc = Callable[[int, str], Any]
 
 
 def divergence(want: list[int], got: list[int] | None) -> int | None:
@@ -188,13 +245,17 @@ class Checked:
     after: dict[str, Any] = field(default_factory=dict)
     aborted: list[int] = field(default_factory=list)
     preemptions: float | None = None
+    cache: dict[str, Any] = field(default_factory=dict)
+    cache_after_soak: dict[str, Any] = field(default_factory=dict)
     soak: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     plugin: dict[str, Any] = field(default_factory=dict)
 
 
 def server_args(options: Options, server: serve_bench.BenchServer) -> list[str]:
-    extra = list(server.args)
+    extra = [*server.args, "--no-enable-prefix-caching"]
+    if server.caches:
+        extra += ["--worker-extension-cls", WORKER_EXTENSION]
     if options.kv_blocks is not None:
         extra += ["--num-gpu-blocks-override", str(options.kv_blocks)]
     if not (Path(options.model) / "tokenizer.json").exists():
@@ -302,6 +363,7 @@ def check_server(
     complete_: Complete = complete,
     abort: Abort = abort_midstream,
     launcher: serve_check.Launcher = serve_check.launch,
+    rpc: Rpc = collective_rpc,
     vocab: int = 4096,
 ) -> Checked:
     record = Checked(server.name)
@@ -313,6 +375,8 @@ def check_server(
     env = dict(os.environ)
     if options.batch_invariant:
         env["VLLM_BATCH_INVARIANT"] = "1"
+    if server.caches:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /collective_rpc, to read the cache
     started = time.monotonic()
     process = launcher(command, env, log)
     handle = serve_check.Server(
@@ -339,10 +403,14 @@ def check_server(
         again = [complete_(port, options.model, p, options.max_tokens) for p in batch[:AFTER]]
         record.after = compare(record.alone[:AFTER], again)
         record.preemptions = metric(port, "vllm:num_preemptions")
+        if server.caches:
+            record.cache = read_cache(port, rpc)
         if options.kv_blocks is not None and not record.preemptions:
             record.errors.append("--kv-blocks set but the server counted no preemption")
         if options.soak_s > 0 and time.monotonic() + options.soak_s < deadline:
             record.soak = soak(port, process.pid, options, batch, complete_)
+            if server.caches:
+                record.cache_after_soak = read_cache(port, rpc)
         elif options.soak_s > 0:
             record.soak = {"status": "not run: time"}
     except Exception as exc:
@@ -377,6 +445,19 @@ def verdicts(checked: Sequence[Checked]) -> tuple[list[str], bool]:
                 f"identical to alone{where}: {'met' if exact else 'MISSED'}"
             )
         lines.append(f"{c.server}: aborted mid-stream: {len(c.aborted)} clients")
+        for what, cache in (("cache", c.cache), ("cache after the soak", c.cache_after_soak)):
+            if not cache:
+                continue
+            problems = cache.get("problems", [])
+            ok &= not problems
+            slots = cache.get("slots") or {}
+            detail = (
+                f"{slots.get('slots')} slots in {slots.get('layers')} layers byte-exact, "
+                f"counters consistent {json.dumps(cache.get('totals'))}"
+                if not problems
+                else f"{len(problems)} problems, first: {problems[0]}"
+            )
+            lines.append(f"{c.server}: {what}: {detail}: {'met' if not problems else 'MISSED'}")
         if c.preemptions is not None:
             lines.append(f"{c.server}: preemptions: {c.preemptions:g}")
         if c.soak:
@@ -400,9 +481,17 @@ def run(options: Options, **fakes: Any) -> int:
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + options.deadline_s
     vocab = int(json.loads((Path(options.model) / "config.json").read_text())["vocab_size"])
-    checked = [
-        check_server(s, options, work, deadline, vocab=vocab, **fakes) for s in options.servers
-    ]
+    checked: list[Checked] = []
+    ok = False
+    for server in options.servers:
+        checked.append(check_server(server, options, work, deadline, vocab=vocab, **fakes))
+        ok = write(options, work, checked)
+    return 0 if ok else 1
+
+
+def write(options: Options, work: Path, checked: Sequence[Checked]) -> bool:
+    """The record, the verdicts and the logs of the servers checked so far; whether all
+    passed."""
     lines, ok = verdicts(checked)
     record = {
         "model": options.model,
@@ -421,7 +510,7 @@ def run(options: Options, **fakes: Any) -> int:
         for path in sorted(work.glob("*.log")):
             tar.add(path, arcname=path.name)
     print("\n".join(lines), flush=True)
-    return 0 if ok else 1
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
