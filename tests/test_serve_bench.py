@@ -224,3 +224,15 @@ def test_every_level_draws_its_own_prompts() -> None:
     for level in levels:
         command = sb.bench_command("py", "/m", 1, level, Path("/r"), "f.json")
         assert command[command.index("--seed") + 1] == str(level.seed)
+
+
+def test_the_context_fits_the_position_limit_the_servers_are_given() -> None:
+    """A server of the builder's Qwen3 shapes (2,048 positions) refused ``--max-model-len
+    2560`` on the H200 until the override."""
+    from tools.vllm import make_moe_checkpoint as mk
+
+    args = list(sb.COMMON_ARGS)
+    overrides = json.loads(args[args.index("--hf-overrides") + 1])
+    assert int(args[args.index("--max-model-len") + 1]) == sb.MAX_MODEL_LEN
+    assert mk.QWEN3_30B_A3B["max_position_embeddings"] < sb.MAX_MODEL_LEN
+    assert overrides["max_position_embeddings"] >= sb.MAX_MODEL_LEN

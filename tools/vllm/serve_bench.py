@@ -60,9 +60,21 @@ from tools.vllm import serve_check
 
 UVA_OFFLOAD_GIB = 6.75
 ROW_SLOTS = 32
-COMMON_ARGS = ("--seed", "0", "--max-num-seqs", "64", "--max-model-len", "2560")
+MAX_MODEL_LEN = 2560
+COMMON_ARGS = (
+    "--seed",
+    "0",
+    "--max-num-seqs",
+    "64",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--hf-overrides",
+    json.dumps({"max_position_embeddings": 4096}),
+)
 """Every server: 64 sequences at once (the highest level), contexts of a 2,048-token prompt and
-256 outputs."""
+256 outputs. The builder's Qwen3 shapes say ``max_position_embeddings`` 2048, below which vLLM
+refuses such a context (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), hence the override, as the offline
+harness's (``EngineSpec.max_position_embeddings``); the real model's card says 40,960."""
 INPUT_LEN, INPUT_RATIO = 1088, 0.8823
 """Prompts of ``1088 x (1 -+ 0.8823)`` (vLLM takes floor and ceil): 128 to 2,048 tokens, uniform."""
 OUTPUT_LEN, OUTPUT_RATIO = 160, 0.6
