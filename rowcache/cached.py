@@ -60,6 +60,8 @@ class CachedWeightProvider(SlotSurface):
         device: torch.device | str,
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
+        w13_bias: Tensor | None = None,
+        w2_bias: Tensor | None = None,
         share_sources: bool = False,
     ) -> None:
         self._set_up_slots(
@@ -69,6 +71,8 @@ class CachedWeightProvider(SlotSurface):
             w2_scale,
             w13_scale_2,
             w2_scale_2,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
             capacity=capacity,
             split=split,
             device=torch.device(device),

@@ -23,8 +23,20 @@ __all__ = [
     "validate_capacity",
 ]
 
-SOURCE_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
-"""Fixed order of the six per-expert tensors; slot buffers follow it too."""
+SOURCE_NAMES = (
+    "w13",
+    "w2",
+    "w13_scale",
+    "w2_scale",
+    "w13_scale_2",
+    "w2_scale_2",
+    "w13_bias",
+    "w2_bias",
+)
+"""Fixed order of the eight per-expert tensors; slot buffers follow it too."""
+
+PAIRS = (("w13_scale_2", "w2_scale_2"), ("w13_bias", "w2_bias"))
+"""Optional sources that come together or not at all."""
 
 
 def _describe(t: Tensor) -> str:
@@ -51,9 +63,11 @@ class ExpertSources:
     """Validated bundle of the per-expert host tensors, expert-major ``[E, ...]``.
 
     ``w13`` and ``w2`` are required; ``w13_scale``/``w2_scale`` are optional;
-    ``w13_scale_2``/``w2_scale_2`` (per-expert global scales, NVFP4) are
-    optional but must be given together. All must live on the CPU and share the
-    same number of experts E.
+    ``w13_scale_2``/``w2_scale_2`` (per-expert global scales, NVFP4) and
+    ``w13_bias``/``w2_bias`` (per-expert output biases: gpt-oss's ``[E, 2I]`` and ``[E, H]``)
+    are optional but each pair must be given together. Every source is bytes to the cache: any
+    dtype, MXFP4's packed ``uint8`` values and ``uint8`` e8m0 scales included. All must live on
+    the CPU and share the same number of experts E.
 
     Ownership (``share``): by default (``share=False``) the sources are copied here, once, into
     host memory the provider owns: pinned for a CUDA target (so that slot fills are
@@ -85,6 +99,8 @@ class ExpertSources:
         *,
         w13_scale_2: Tensor | None = None,
         w2_scale_2: Tensor | None = None,
+        w13_bias: Tensor | None = None,
+        w2_bias: Tensor | None = None,
         device: torch.device | str,
         layout: Layout = "separate",
         share: bool = False,
@@ -107,18 +123,20 @@ class ExpertSources:
             "w2_scale": w2_scale,
             "w13_scale_2": w13_scale_2,
             "w2_scale_2": w2_scale_2,
+            "w13_bias": w13_bias,
+            "w2_bias": w2_bias,
         }
         given = {n: None if t is None else _check_tensor(n, t) for n, t in raw.items()}
         for required in ("w13", "w2"):
             if given[required] is None:
                 raise InvalidInputError(f"{required} is required, got None")
-        if (w13_scale_2 is None) != (w2_scale_2 is None):
-            missing = "w13_scale_2" if w13_scale_2 is None else "w2_scale_2"
-            present = "w2_scale_2" if w13_scale_2 is None else "w13_scale_2"
-            raise InvalidInputError(
-                f"{present} was given without {missing}: per-expert global scales "
-                "must be given together"
-            )
+        for first, second in PAIRS:
+            if (raw[first] is None) != (raw[second] is None):
+                missing, present = (first, second) if raw[first] is None else (second, first)
+                what = "per-expert global scales" if "scale" in first else "per-expert biases"
+                raise InvalidInputError(
+                    f"{present} was given without {missing}: {what} must be given together"
+                )
         present_items = [(n, t) for n, t in given.items() if t is not None]
         off_cpu = [f"{n} is on {t.device}" for n, t in present_items if t.device.type != "cpu"]
         if off_cpu:
@@ -194,8 +212,16 @@ class ExpertSources:
     def w2_scale_2(self) -> Tensor | None:
         return self._tensors["w2_scale_2"]
 
+    @property
+    def w13_bias(self) -> Tensor | None:
+        return self._tensors["w13_bias"]
+
+    @property
+    def w2_bias(self) -> Tensor | None:
+        return self._tensors["w2_bias"]
+
     def tensors(self) -> tuple[Tensor | None, ...]:
-        """All six sources in ``SOURCE_NAMES`` order, None where absent."""
+        """All eight sources in ``SOURCE_NAMES`` order, None where absent."""
         return tuple(self._tensors[n] for n in SOURCE_NAMES)
 
     @property
@@ -208,7 +234,7 @@ class ExpertSources:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host memory held by the sources (all experts, all six tensors, and the
+        """Bytes of host memory held by the sources (all experts, all eight tensors, and the
         alignment padding of a packed layout)."""
         return _storage_bytes(self._tensors.values())
 
@@ -263,7 +289,7 @@ def validate_capacity(capacity: object, num_experts: int) -> int:
 
 @dataclass(frozen=True)
 class SlotBuffers:
-    """The six device buffers ``[capacity, *row_shape]`` that slots live in.
+    """The eight device buffers ``[capacity, *row_shape]`` that slots live in.
 
     Allocated once; providers write into them in place and never replace them,
     so the addresses captured by kernels stay valid.
@@ -276,10 +302,21 @@ class SlotBuffers:
     w2_scale: Tensor | None
     w13_scale_2: Tensor | None
     w2_scale_2: Tensor | None
+    w13_bias: Tensor | None
+    w2_bias: Tensor | None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
-        """All six buffers in ``SOURCE_NAMES`` order, None where absent."""
-        return (self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_scale_2, self.w2_scale_2)
+        """All eight buffers in ``SOURCE_NAMES`` order, None where absent."""
+        return (
+            self.w13,
+            self.w2,
+            self.w13_scale,
+            self.w2_scale,
+            self.w13_scale_2,
+            self.w2_scale_2,
+            self.w13_bias,
+            self.w2_bias,
+        )
 
     @property
     def slot_bytes(self) -> int:
@@ -309,7 +346,7 @@ def allocate_slot_buffers(
         views = packed_views(storage, sources.tensors(), offsets)
         first, second = views[0], views[1]
         assert first is not None and second is not None
-        return SlotBuffers(capacity, first, second, views[2], views[3], views[4], views[5])
+        return SlotBuffers(capacity, first, second, *views[2:])
 
     # torch.empty on the target device is the only allocation: device-generic,
     # so that the CUDA specifics stay in the CUDA backend.
@@ -321,4 +358,4 @@ def allocate_slot_buffers(
     bufs = [alloc(t) for t in sources.tensors()]
     w13, w2 = bufs[0], bufs[1]
     assert w13 is not None and w2 is not None
-    return SlotBuffers(capacity, w13, w2, bufs[2], bufs[3], bufs[4], bufs[5])
+    return SlotBuffers(capacity, w13, w2, *bufs[2:])

@@ -42,6 +42,8 @@ class SlotSurface:
         w13_scale_2: Tensor | None,
         w2_scale_2: Tensor | None,
         *,
+        w13_bias: Tensor | None = None,
+        w2_bias: Tensor | None = None,
         capacity: int,
         split: object,
         device: torch.device,
@@ -60,6 +62,8 @@ class SlotSurface:
             w2_scale,
             w13_scale_2=w13_scale_2,
             w2_scale_2=w2_scale_2,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
             device=device,
             layout=layout,
             share=share_sources,
@@ -160,3 +164,11 @@ class SlotSurface:
     @property
     def buf_w2_scale_2(self) -> Tensor | None:
         return self._slots.w2_scale_2
+
+    @property
+    def buf_w13_bias(self) -> Tensor | None:
+        return self._slots.w13_bias
+
+    @property
+    def buf_w2_bias(self) -> Tensor | None:
+        return self._slots.w2_bias

@@ -79,6 +79,12 @@ class ExpertWeightProvider(Protocol):
     @property
     def buf_w2_scale_2(self) -> Tensor | None: ...
 
+    @property
+    def buf_w13_bias(self) -> Tensor | None: ...
+
+    @property
+    def buf_w2_bias(self) -> Tensor | None: ...
+
     def prepare(self, topk_ids: Tensor, unique_ids: UniqueIds | None = None) -> ExpertWeightResult:
         """Make the requested experts resident and expose exactly them.
 

@@ -153,6 +153,13 @@ def test_refuses_without_cuda_with_a_subset(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = ["--geometries", "nvfp4", "--providers", "row,row_pt", "--misses", "0,8"]
+    argv = ["--geometries", "nvfp4,mxfp4", "--providers", "row,row_pt", "--misses", "0,8"]
     assert main([*argv, "--trace-steps", "0", "--out", str(tmp_path)]) == 2
     assert NO_CUDA in capsys.readouterr().err
+
+
+def test_the_named_geometries_are_known_but_not_defaults() -> None:
+    from rowcache.bench.geometry import KNOWN_GEOMETRIES
+
+    assert set(GEOMETRIES) == {"bf16", "nvfp4", "bf16_large"}
+    assert set(KNOWN_GEOMETRIES) == {*GEOMETRIES, "fp8_block", "mxfp4"}

@@ -57,8 +57,13 @@ ROWS = st.lists(st.lists(st.integers(-1, E - 1), min_size=K, max_size=K), min_si
 def weights(seed: int = 0, geometry: str = "f32") -> dict[str, Tensor]:
     """``f32``: six float32 tensors; ``fp8_block``: vLLM's block-scaled FP8 experts
     (float8_e4m3fn weights as random bytes, float32 block scales ``[E, 2, 3]`` and ``[E, 3, 1]``,
-    whose 12-byte rows the gather copies in bytes)."""
+    whose 12-byte rows the gather copies in bytes); ``mxfp4``: gpt-oss's experts (packed uint8
+    values, uint8 e8m0 scales, float32 biases; ``test_mxfp4_slots``)."""
     gen = torch.Generator().manual_seed(seed)
+    if geometry == "mxfp4":
+        from test_mxfp4_slots import mxfp4_sources
+
+        return mxfp4_sources(hidden=64, inter=32, experts=E)
     if geometry == "fp8_block":
 
         def raw(*shape: int) -> Tensor:
@@ -93,7 +98,7 @@ def groups_of(rows: list[list[int]], slot_of: tuple[int, ...]) -> list[list[int]
 class Lockstep(RuleBasedStateMachine):
     @initialize(
         layout=st.sampled_from(["separate", "packed"]),
-        geometry=st.sampled_from(["f32", "fp8_block"]),
+        geometry=st.sampled_from(["f32", "fp8_block", "mxfp4"]),
     )
     def start(self, layout: str, geometry: str) -> None:
         self.w = weights(geometry=geometry)

@@ -29,6 +29,8 @@ def tensors() -> dict[str, torch.Tensor]:
         "w2_scale": torch.rand(E, 1, generator=gen),
         "w13_scale_2": torch.rand(E, generator=gen),  # 4-byte rows: the byte path
         "w2_scale_2": torch.rand(E, generator=gen),
+        "w13_bias": torch.rand(E, 64, generator=gen),
+        "w2_bias": torch.rand(E, 33, generator=gen).to(torch.bfloat16),  # 66 B: the byte path
     }
 
 

@@ -20,8 +20,9 @@ CPU = torch.device("cpu")
 
 
 def nvfp4_like(num_experts: int = E, seed: int = 0) -> dict[str, Tensor]:
-    """Six tensors of the NVFP4 kinds (packed fp4 bytes, fp8 block scales, fp32 globals),
-    every expert's bytes distinct."""
+    """Every source: six tensors of the NVFP4 kinds (packed fp4 bytes, fp8 block scales, fp32
+    globals) and a pair of biases (bf16 rows of 22 and 10 bytes: odd lengths to pad), every
+    expert's bytes distinct."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.arange(num_experts, dtype=torch.float32)
     return {
@@ -35,6 +36,8 @@ def nvfp4_like(num_experts: int = E, seed: int = 0) -> dict[str, Tensor]:
         ),
         "w13_scale_2": ids * 3 + 0.5,
         "w2_scale_2": ids * 5 + 0.25,
+        "w13_bias": (torch.rand(num_experts, 11, generator=g) + ids[:, None]).to(torch.bfloat16),
+        "w2_bias": (torch.rand(num_experts, 5, generator=g) - ids[:, None]).to(torch.bfloat16),
     }
 
 

@@ -50,6 +50,8 @@ class Provider(Protocol):
     buf_w2_scale: torch.Tensor | None
     buf_w13_scale_2: torch.Tensor | None
     buf_w2_scale_2: torch.Tensor | None
+    buf_w13_bias: torch.Tensor | None
+    buf_w2_bias: torch.Tensor | None
 
     def prepare(self, topk_ids: torch.Tensor, unique_ids: Any = None) -> Any: ...
 
@@ -125,7 +127,8 @@ KINDS = [
 
 
 def sources(num_experts: int = E) -> dict[str, torch.Tensor]:
-    """Distinct rows per expert in all six tensors (fp8 block scales, fp32 global scales)."""
+    """Distinct rows per expert in every source (fp8 block scales, fp32 global scales, bf16 and
+    fp32 biases)."""
     e = torch.arange(num_experts, dtype=torch.float32)
     w13 = e.view(-1, 1, 1) * 100 + torch.arange(8, dtype=torch.float32).view(1, 4, 2)
     w2 = (e.view(-1, 1, 1) + 0.5 + torch.arange(8, dtype=torch.float32).view(1, 2, 4) / 16).to(
@@ -142,6 +145,8 @@ def sources(num_experts: int = E) -> dict[str, torch.Tensor]:
         "w2_scale": w2_scale,
         "w13_scale_2": e * 3 + 0.125,
         "w2_scale_2": e * 7 + 0.25,
+        "w13_bias": (e.view(-1, 1) - torch.arange(4, dtype=torch.float32) / 8).to(torch.bfloat16),
+        "w2_bias": e.view(-1, 1) * 11 + torch.arange(2, dtype=torch.float32),
     }
 
 
@@ -163,15 +168,24 @@ def fp8_block_sources(num_experts: int = E) -> dict[str, torch.Tensor]:
     }
 
 
+def mxfp4_sources(num_experts: int = E) -> dict[str, torch.Tensor]:
+    """gpt-oss's MXFP4 experts (``test_mxfp4_slots``): packed uint8 values, uint8 e8m0 scales,
+    float32 biases."""
+    from test_mxfp4_slots import mxfp4_sources as draw
+
+    return draw(hidden=64, inter=32, experts=num_experts)
+
+
 GEOMETRIES: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
     "mixed": sources,
     "fp8_block": fp8_block_sources,
+    "mxfp4": mxfp4_sources,
 }
-"""Expert geometries every provider serves: ``sources`` (six tensors of mixed dtypes) and
-vLLM's block-scaled FP8 experts."""
+"""Expert geometries every provider serves: ``sources`` (eight tensors of mixed dtypes),
+vLLM's block-scaled FP8 experts and gpt-oss's MXFP4 ones."""
 
 EXPERT_BYTES = sum(t[0].nbytes for t in sources().values())
-"""Bytes of one expert's rows of the six tensors: what one miss copies."""
+"""Bytes of one expert's rows of every source: what one miss copies."""
 
 Make = Callable[..., Provider]
 
@@ -203,6 +217,8 @@ def buffers(p: Provider) -> list[torch.Tensor | None]:
         p.buf_w2_scale,
         p.buf_w13_scale_2,
         p.buf_w2_scale_2,
+        p.buf_w13_bias,
+        p.buf_w2_bias,
     ]
 
 
@@ -218,7 +234,7 @@ def assert_serves(
     src: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """The map exposes exactly ``requested``, and every resident expert's slot holds its rows
-    of ``src`` (the original sources by default), all six tensors."""
+    of ``src`` (the original sources by default), every tensor."""
     src = sources() if src is None else src
     resident = p.resident_experts()
     bufs = buffers(p)
@@ -250,7 +266,7 @@ def test_satisfies_the_shared_protocol(kind: ProviderKind, make: Make) -> None:
     assert p.share_sources is False
 
 
-def test_prepare_exposes_exactly_the_request_with_all_six_tensors(make: Make) -> None:
+def test_prepare_exposes_exactly_the_request_with_every_tensor(make: Make) -> None:
     p = make()
     result = p.prepare(ids([5, 1], [1, 2]))
     assert_serves(p, result.expert_map, {1, 2, 5})
@@ -281,6 +297,7 @@ def test_scales_optional(kind: ProviderKind) -> None:
     assert result.w1_scale is None and result.w2_scale is None
     assert p.buf_w13_scale is None and p.buf_w2_scale is None
     assert p.buf_w13_scale_2 is None and p.buf_w2_scale_2 is None
+    assert p.buf_w13_bias is None and p.buf_w2_bias is None
     slot = int(result.expert_map[4])
     assert torch.equal(p.buf_w13[slot], src["w13"][4])
     assert torch.equal(p.buf_w2[slot], src["w2"][4])
@@ -703,6 +720,8 @@ def test_rejected_call_changes_nothing(
         ({"w2_scale_2": None}, "w13_scale_2 was given without w2_scale_2"),
         ({"w13_scale_2": None}, "w2_scale_2 was given without w13_scale_2"),
         ({"w2_scale_2": torch.zeros(E - 1)}, "w2_scale_2 has E=7"),
+        ({"w13_bias": None}, "w2_bias was given without w13_bias: per-expert biases"),
+        ({"w2_bias": torch.zeros(E - 1, 2)}, "w2_bias has E=7"),
         ({"w2": torch.zeros(E - 1, 2, 4)}, "w2 has E=7"),
         ({"w13": torch.zeros(E, 4, 2, device="meta")}, "w13 is on meta"),
         ({"w13": torch.zeros(E)[:0]}, "expert sources disagree on the number of experts"),

@@ -20,7 +20,7 @@ E = 5
 CPU = torch.device("cpu")
 
 
-def six(num_experts: int = E) -> dict[str, torch.Tensor]:
+def every_source(num_experts: int = E) -> dict[str, torch.Tensor]:
     return {
         "w13": torch.randn(num_experts, 6, 4),
         "w2": torch.randn(num_experts, 4, 3),
@@ -28,6 +28,8 @@ def six(num_experts: int = E) -> dict[str, torch.Tensor]:
         "w2_scale": torch.ones(num_experts, 4, 1, dtype=torch.float16),
         "w13_scale_2": torch.ones(num_experts),
         "w2_scale_2": torch.ones(num_experts, 1),
+        "w13_bias": torch.zeros(num_experts, 6),
+        "w2_bias": torch.zeros(num_experts, 4, dtype=torch.bfloat16),
     }
 
 
@@ -39,8 +41,8 @@ def rejected(match: str) -> pytest.RaisesExc[InvalidInputError]:
     return pytest.raises(InvalidInputError, match=re.escape(match))
 
 
-def test_all_six_copied_in_order_by_default() -> None:
-    given = six()
+def test_every_source_copied_in_order_by_default() -> None:
+    given = every_source()
     sources = build(given)
     assert sources.num_experts == E and not sources.shared
     for name, kept in zip(SOURCE_NAMES, sources.tensors(), strict=True):
@@ -53,14 +55,14 @@ def test_all_six_copied_in_order_by_default() -> None:
 
 
 def test_a_non_contiguous_source_is_copied_contiguous() -> None:
-    given = six()
+    given = every_source()
     given["w13"] = torch.randn(4, 6, E).permute(2, 1, 0)
     sources = build(given)
     assert sources.w13.is_contiguous() and torch.equal(sources.w13, given["w13"])
 
 
 def test_shared_sources_are_the_callers_tensors() -> None:
-    given = six()
+    given = every_source()
     sources = ExpertSources(**given, device=CPU, share=True)
     assert sources.shared
     assert all(s is given[n] for s, n in zip(sources.tensors(), SOURCE_NAMES, strict=True))
@@ -68,13 +70,13 @@ def test_shared_sources_are_the_callers_tensors() -> None:
 
 def test_share_is_checked() -> None:
     with rejected("share_sources must be a bool, got 1 (int)"):
-        ExpertSources(**six(), device=CPU, share=1)  # type: ignore[arg-type]
+        ExpertSources(**every_source(), device=CPU, share=1)  # type: ignore[arg-type]
     with rejected("share_sources=True cannot be combined with layout='packed'"):
-        ExpertSources(**six(), device=CPU, layout="packed", share=True)
+        ExpertSources(**every_source(), device=CPU, layout="packed", share=True)
 
 
 def test_expert_bytes_is_one_row_of_every_source() -> None:
-    given = six()
+    given = every_source()
     assert build(given).expert_bytes == sum(t[0].nbytes for t in given.values())
     two = ExpertSources(given["w13"], given["w2"], device=CPU)
     assert two.expert_bytes == given["w13"][0].nbytes + given["w2"][0].nbytes
@@ -83,14 +85,14 @@ def test_expert_bytes_is_one_row_of_every_source() -> None:
 
 
 def test_optional_sources_absent() -> None:
-    given = six()
+    given = every_source()
     sources = ExpertSources(given["w13"], given["w2"], device=CPU)
-    assert sources.tensors()[2:] == (None, None, None, None)
+    assert sources.tensors()[2:] == (None,) * 6
     assert sources.host_bytes == given["w13"].nbytes + given["w2"].nbytes
 
 
 def test_host_bytes_counts_every_source() -> None:
-    given = six()
+    given = every_source()
     assert build(given).host_bytes == sum(t.nbytes for t in given.values())
 
 
@@ -98,14 +100,14 @@ def test_host_bytes_counts_every_source() -> None:
     ("present", "missing"), [("w13_scale_2", "w2_scale_2"), ("w2_scale_2", "w13_scale_2")]
 )
 def test_scale_2_must_come_together(present: str, missing: str) -> None:
-    given = six()
+    given = every_source()
     del given[missing]
     with rejected(f"{present} was given without {missing}"):
         build(given)
 
 
 def test_expert_counts_must_agree_and_each_is_named() -> None:
-    given = six()
+    given = every_source()
     given["w2_scale"] = torch.ones(E + 1, 4, 1)
     given["w13_scale_2"] = torch.ones(E - 1)
     with rejected(
@@ -116,14 +118,14 @@ def test_expert_counts_must_agree_and_each_is_named() -> None:
 
 
 def test_sources_must_be_on_cpu_and_the_device_is_named() -> None:
-    given = six()
+    given = every_source()
     given["w2_scale"] = torch.empty(E, 4, 1, device="meta")
     with rejected("expert sources must be on the CPU (host memory): w2_scale is on meta"):
         build(given)
 
 
 def test_zero_dim_and_non_tensor_rejected() -> None:
-    given = six()
+    given = every_source()
     given["w13_scale_2"] = torch.tensor(1.0)
     with rejected("w13_scale_2 must be expert-major [E, ...], got a 0-dim tensor"):
         build(given)
@@ -135,7 +137,7 @@ def test_zero_dim_and_non_tensor_rejected() -> None:
 
 def test_no_experts_rejected() -> None:
     with rejected("expert sources hold no experts (E=0)"):
-        build(six(0))
+        build(every_source(0))
 
 
 class FakePinning:
@@ -173,7 +175,7 @@ def test_cuda_target_copies_every_source_into_pinned_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake = FakePinning(monkeypatch)
-    given = six()
+    given = every_source()
     fake.pinned.add(given["w13"].data_ptr())  # already pinned: copied all the same
     sources = build(given, device="cuda")
     assert fake.pin_calls == len(given)  # one pinned allocation each
@@ -185,7 +187,7 @@ def test_cuda_target_copies_every_source_into_pinned_memory(
 
 def test_cuda_target_shares_pinned_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakePinning(monkeypatch)
-    given = six()
+    given = every_source()
     fake.pinned.update(t.data_ptr() for t in given.values())
     sources = ExpertSources(**given, device="cuda", share=True)
     assert fake.pin_calls == 0
@@ -194,7 +196,7 @@ def test_cuda_target_shares_pinned_sources(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_cuda_target_does_not_share_unpinned_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakePinning(monkeypatch)
-    given = six()
+    given = every_source()
     fake.pinned.update(t.data_ptr() for n, t in given.items() if n not in ("w2", "w2_scale_2"))
     with rejected("share_sources=True on cuda needs pinned sources, and w2, w2_scale_2 are not"):
         ExpertSources(**given, device="cuda", share=True)
@@ -203,14 +205,14 @@ def test_cuda_target_does_not_share_unpinned_sources(monkeypatch: pytest.MonkeyP
 
 def test_cpu_target_never_pins(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakePinning(monkeypatch)
-    given = six()
+    given = every_source()
     build(given)
     assert fake.pin_calls == 0
 
 
 def test_rejected_sources_are_never_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakePinning(monkeypatch)
-    given = six()
+    given = every_source()
     given["w2"] = torch.ones(E + 1, 1)
     with rejected("disagree on the number of experts"):
         build(given, device="cuda")
@@ -222,7 +224,7 @@ def test_rejected_sources_are_never_pinned(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_slot_buffers_shape_dtype_device(device: str) -> None:
-    given = six()
+    given = every_source()
     # Sources stay on the CPU whatever the target; only the buffers go there.
     sources = build(given, device=device)
     buffers = allocate_slot_buffers(sources, 3, device)
@@ -236,16 +238,16 @@ def test_slot_buffers_shape_dtype_device(device: str) -> None:
 
 
 def test_absent_sources_have_no_buffers() -> None:
-    given = six()
+    given = every_source()
     buffers = allocate_slot_buffers(ExpertSources(given["w13"], given["w2"], device=CPU), 2, CPU)
-    assert buffers.tensors()[2:] == (None, None, None, None)
+    assert buffers.tensors()[2:] == (None,) * 6
     assert buffers.slot_bytes == 2 * (given["w13"][0].nbytes + given["w2"][0].nbytes)
 
 
 @pytest.mark.parametrize("capacity", [0, -1, E + 1])
 def test_capacity_out_of_range_names_both_values(capacity: int) -> None:
     with rejected(f"got capacity={capacity} with num_experts={E}"):
-        allocate_slot_buffers(build(six()), capacity, CPU)
+        allocate_slot_buffers(build(every_source()), capacity, CPU)
 
 
 @pytest.mark.parametrize("capacity", [True, 2.0, "2", None])
@@ -260,4 +262,4 @@ def test_capacity_equal_to_num_experts_allowed() -> None:
 
 def test_slots_must_be_on_the_device_the_sources_were_prepared_for() -> None:
     with rejected("slot buffers requested on meta but the sources were prepared for cpu"):
-        allocate_slot_buffers(build(six()), 2, "meta")
+        allocate_slot_buffers(build(every_source()), 2, "meta")

@@ -3,7 +3,7 @@
 Streams and events do not exist on a CPU, so ``record_event``, ``wait_event``, ``wait_flag``,
 ``release_staging`` and ``host_sync`` do nothing: every step has finished when its call returns,
 which satisfies every ordering the table asks for. Copies are real tensor copies of each
-expert's rows of all six sources into its slot, and maps are real int32 tensors.
+expert's rows of every present source into its slot, and maps are real int32 tensors.
 """
 
 from __future__ import annotations

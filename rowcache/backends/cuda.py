@@ -10,7 +10,7 @@ operation and nothing else:
   table records it. ``stream.wait_event`` captures the snapshot at the time of the call;
   PyTorch skips a wait on an event never recorded.
 * ``copy_rows``: on the copy stream, every row of every present source tensor of every miss
-  (all six tensors when scales are given), from the pinned sources into the slot rows. Two
+  (every present tensor: scales and biases too), from the pinned sources into the slot rows. Two
   paths, chosen at construction (``CudaBackend(device, copy=...)``):
 
   - ``"batched"`` (default): ONE ``cudaMemcpyBatchAsync`` per call, whatever the number of

@@ -31,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
         "--geometries",
         default=None,
         metavar="A,B",
-        help="comma-separated expert geometries (default: all: bf16, nvfp4, bf16_large)",
+        help=(
+            "comma-separated expert geometries (default: bf16, nvfp4, bf16_large; by name "
+            "also fp8_block, mxfp4)"
+        ),
     )
     parser.add_argument(
         "--providers",
@@ -115,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(document))
         return 0
 
-    from rowcache.bench.geometry import GEOMETRIES
+    from rowcache.bench.geometry import GEOMETRIES, KNOWN_GEOMETRIES
     from rowcache.bench.providers import PROVIDERS
 
-    geometries = _choice(parser, "--geometries", args.geometries, tuple(GEOMETRIES))
+    geometries = _choice(parser, "--geometries", args.geometries, tuple(KNOWN_GEOMETRIES))
+    if args.geometries is None:
+        geometries = tuple(GEOMETRIES)
     providers = _choice(parser, "--providers", args.providers, tuple(PROVIDERS))
     misses = _misses(parser, args.misses)
 

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from rowcache.bench.device_report import format_table, sample_stats
-from rowcache.bench.geometry import GEOMETRIES, make_sources
+from rowcache.bench.geometry import GEOMETRIES, KNOWN_GEOMETRIES, make_sources
 from rowcache.bench.steps import exact_miss_request
 from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
 
@@ -230,7 +230,7 @@ def _cells(
     settings: argparse.Namespace,
     ceilings: dict[int, float],
 ) -> list[dict[str, Any]]:
-    expert_bytes = GEOMETRIES[geometry].expert_bytes
+    expert_bytes = KNOWN_GEOMETRIES[geometry].expert_bytes
     layers = len(forward.layers)
     rows = []
     for misses in settings.misses:
@@ -385,7 +385,7 @@ def _host_path(
                 "geometry": geometry,
                 "provider": "row_packed",
                 "misses": misses,
-                "bytes_per_step": misses * GEOMETRIES[geometry].expert_bytes,
+                "bytes_per_step": misses * KNOWN_GEOMETRIES[geometry].expert_bytes,
                 **timing,
             }
         )
@@ -413,7 +413,7 @@ def _geometry(
     experts = settings.experts_of[geometry]
     trace = generate_trace(TraceSpec(steps=settings.trace_steps), experts, settings.top_k)
     started = time.perf_counter()
-    sources = make_sources(GEOMETRIES[geometry], experts, seed=7)
+    sources = make_sources(KNOWN_GEOMETRIES[geometry], experts, seed=7)
     _log(
         f"{geometry}: {experts} experts per layer, sources in {time.perf_counter() - started:.1f}s"
     )
@@ -514,7 +514,8 @@ def run(settings: argparse.Namespace, write: Callable[[dict[str, Any]], None]) -
         "trace": [],
     }
     sizes = sorted(
-        {m * GEOMETRIES[g].expert_bytes for g in settings.geometries for m in settings.misses} - {0}
+        {m * KNOWN_GEOMETRIES[g].expert_bytes for g in settings.geometries for m in settings.misses}
+        - {0}
     )
     ceilings = {
         s: measure_ceiling(s, repeats=settings.ceiling_repeats, device=device) for s in sizes
@@ -584,8 +585,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     args.geometries = [g for g in args.geometries.split(",") if g]
     for name in args.geometries:
-        if name not in GEOMETRIES:
-            parser.error(f"unknown geometry {name!r} (known: {', '.join(GEOMETRIES)})")
+        if name not in KNOWN_GEOMETRIES:
+            parser.error(f"unknown geometry {name!r} (known: {', '.join(KNOWN_GEOMETRIES)})")
     args.layouts = [x for x in args.layouts.split(",") if x]
     for layout in args.layouts:
         if layout not in ("separate", "packed"):

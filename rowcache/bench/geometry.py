@@ -7,7 +7,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FP8_BLOCK", "GEOMETRIES", "Geometry", "TensorSpec", "make_sources"]
+__all__ = [
+    "FP8_BLOCK",
+    "GEOMETRIES",
+    "KNOWN_GEOMETRIES",
+    "MXFP4",
+    "Geometry",
+    "TensorSpec",
+    "make_sources",
+]
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,27 @@ FP8_BLOCK = Geometry(
 four tensors, 4.72 MB per expert. Not in ``GEOMETRIES`` yet: the benches run every geometry
 there by default, and their recorded defaults are bf16, nvfp4 and bf16_large."""
 
+MXFP4 = Geometry(
+    "mxfp4",
+    (
+        TensorSpec("w13", (5760, 1440), torch.uint8),
+        TensorSpec("w2", (2880, 1440), torch.uint8),
+        TensorSpec("w13_scale", (5760, 90), torch.uint8),
+        TensorSpec("w2_scale", (2880, 90), torch.uint8),
+        TensorSpec("w13_bias", (5760,), torch.float32),
+        TensorSpec("w2_bias", (2880,), torch.float32),
+    ),
+)
+"""A gpt-oss-20b expert in MXFP4 (hidden 2880, intermediate 2880): two 4-bit values per
+``uint8`` (``[2I, H/2]`` and ``[H, I/2]``), one e8m0 ``uint8`` scale per 32 values (``[2I,
+H/32]``, ``[H, I/32]``) and float32 output biases (``[2I]``, ``[H]``), as vLLM 0.25.0 loads
+them before its Hopper swizzle (which keeps each expert's bytes contiguous); six tensors,
+13.25 MB per expert. Not in ``GEOMETRIES``, for the reason ``FP8_BLOCK`` gives: a bench takes
+it by name (``--geometries mxfp4``)."""
+
 GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (BF16, NVFP4, BF16_LARGE)}
+KNOWN_GEOMETRIES: dict[str, Geometry] = {**GEOMETRIES, FP8_BLOCK.name: FP8_BLOCK, MXFP4.name: MXFP4}
+"""What a bench takes by name: the defaults and those it runs only when named."""
 
 FILL_BLOCK = 64 << 20
 """Sources larger than this many bytes are filled by tiling one random block of this size."""

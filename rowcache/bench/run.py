@@ -13,7 +13,7 @@ import torch
 
 from rowcache.bench.ceilings import MIB, measure_ceiling
 from rowcache.bench.cells import fill, measure_cell
-from rowcache.bench.geometry import GEOMETRIES, make_sources
+from rowcache.bench.geometry import GEOMETRIES, KNOWN_GEOMETRIES, make_sources
 from rowcache.bench.providers import PROVIDERS, copy_path_of
 from rowcache.bench.trace import TraceSpec, generate_trace, replay
 
@@ -85,7 +85,7 @@ def run_benchmark(settings: Settings, *, commit: str, command: str) -> dict[str,
     }
     step_bytes = sorted(
         {
-            m * GEOMETRIES[g].expert_bytes
+            m * KNOWN_GEOMETRIES[g].expert_bytes
             for g in settings.geometries
             for m in settings.misses
             if m > 0
@@ -104,7 +104,7 @@ def run_benchmark(settings: Settings, *, commit: str, command: str) -> dict[str,
         else None
     )
     for geometry_name in settings.geometries:
-        geometry = GEOMETRIES[geometry_name]
+        geometry = KNOWN_GEOMETRIES[geometry_name]
         sources = make_sources(geometry, settings.num_experts, seed=7)
         for provider_name in settings.providers:
             factory = PROVIDERS[provider_name]

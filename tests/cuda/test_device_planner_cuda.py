@@ -62,7 +62,7 @@ SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
 # Examples in every lockstep cell; unset or empty: the cell's share of EXAMPLES.
 PER_CELL = int(os.environ.get("ROWCACHE_LOCKSTEP_EXAMPLES") or 0)
-GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block")
+GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block", "mxfp4")
 RACE_RUNS = [f"run{n}" for n in range(1, int(os.environ.get("ROWCACHE_RACE_RUNS", "5")) + 1)]
 
 
@@ -89,7 +89,9 @@ def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
     global scales, whose 4-byte rows take the gather's byte path) or vLLM's block-scaled FP8
     (four: float8_e4m3fn w13 [E, 2I, H] and w2 [E, H, I] as random bytes, float32 128 x 128
     block scales [E, 2, 3] and [E, 3, 1] for H=384, I=128; the 12-byte w2 scale rows take the
-    byte path in the separate layout)."""
+    byte path in the separate layout) or gpt-oss's MXFP4 (six: packed uint8 values [E, 2I, H/2]
+    and [E, H, I/2], uint8 e8m0 scales [E, 2I, H/32] and [E, H, I/32], float32 biases [E, 2I]
+    and [E, H], for H=64, I=32, all as random bytes)."""
     gen = torch.Generator().manual_seed(seed)
 
     def raw(*shape: int) -> Tensor:
@@ -113,6 +115,15 @@ def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
             "w2": raw(E, 384, 128).view(torch.float8_e4m3fn),
             "w13_scale": raw(E, 2, 3 * 4).view(torch.float32),
             "w2_scale": raw(E, 3, 1 * 4).view(torch.float32),
+        }
+    if geometry == "mxfp4":
+        return {
+            "w13": raw(E, 64, 32),
+            "w2": raw(E, 64, 16),
+            "w13_scale": raw(E, 64, 2),
+            "w2_scale": raw(E, 64, 1),
+            "w13_bias": raw(E, 64 * 4).view(torch.float32),
+            "w2_bias": raw(E, 64 * 4).view(torch.float32),
         }
     return {
         "w13": raw(E, 64, 16),
@@ -348,8 +359,8 @@ def run_machine(geometry: str, layout: Layout, examples: int, mutant: int = 0) -
 @pytest.mark.parametrize("layout", ["separate", "packed"])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 def test_device_planner_in_lockstep_inside_graphs(geometry: str, layout: Layout) -> None:
-    # PER_CELL each, else EXAMPLES x 4/3 in all (NVFP4, six tensors, a third of them per layout,
-    # the three others a sixth), over the eight geometry x layout cells.
+    # PER_CELL each, else EXAMPLES x 5/3 in all (NVFP4, six tensors, a third of them per layout,
+    # the four others a sixth), over the ten geometry x layout cells.
     share = max(1, EXAMPLES // 3) if geometry == "nvfp4" else max(1, EXAMPLES // 6)
     run_machine(geometry, layout, PER_CELL or share)
 
