@@ -12,6 +12,9 @@
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 8 --fp8-block
         the same Qwen3-MoE layout stored in FP8 with 128 x 128 block scales, as Qwen3-30B-A3B-FP8
         and DeepSeek ship it (``--fp8-bf16-attention``: attention projections left in bf16)
+    python3 tools/vllm/make_moe_checkpoint.py OUTDIR --qwen3-30b-a3b --layers 48 --fp8-block \
+        --sharded     Qwen3-30B-A3B at full depth in block FP8 (29 GB of experts), written as
+        the sharded layouts are (below; without ``--fp8-block``: bf16, 58 GB)
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch deepseek_v2     DeepSeek-V2-Lite at
         full depth, bf16 (27 layers, 64 routed experts top-6 plus 2 shared, MLA; 31 GB)
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch deepseek_v3     the DeepSeek-V3
@@ -20,7 +23,7 @@
     python3 tools/vllm/make_moe_checkpoint.py OUTDIR --arch gpt_oss     gpt-oss-20b at full
         depth, experts in MXFP4 as the released checkpoints store them (24 layers, 32 experts
         top-4, biases; about 14 GB)
-    ... --experts-from DIR    (DeepSeek, gpt-oss) hard-link every shard but the routers' from
+    ... --experts-from DIR    (the sharded layouts) hard-link every shard but the routers' from
         DIR, the same checkpoint built before without --router-skew (the skewed twin then costs
         only its routers)
     python3 tools/vllm/make_moe_checkpoint.py --estimate --qwen3-30b-a3b --router-skew ALPHA
@@ -41,12 +44,12 @@ decoding is not decided by ties; without ``--router-skew`` the checkpoint is the
 GPU bundle's builder makes from the same seed. The skew is applied after, from its own seeds,
 and recorded in ``rowcache_router_skew.json`` beside the weights.
 
-The DeepSeek and gpt-oss layouts (``deepseek_layout.py``, ``gpt_oss_layout.py``) are written as
-sharded safetensors one tensor at a time (``shards.py``): each tensor drawn from a generator of
-its own, seeded from the seed and the tensor's name, on the GPU where there is one (``drawn_on``
-in the record), so that a 31 GB checkpoint is built in 36 s there (the H200 machine) without
-holding more than one tensor; FP8 weights
-(``deepseek_v3``) are quantized as ``--fp8-block``'s are, one scale per 128 x 128 block.
+The DeepSeek and gpt-oss layouts (``deepseek_layout.py``, ``gpt_oss_layout.py``), and Qwen3-MoE with
+``--sharded`` (``fp8_plan``'s tensors, or bf16), are written as sharded safetensors one tensor at a
+time (``shards.py``): each tensor drawn from a generator of its own, seeded from the seed and the
+tensor's name, on the GPU where there is one (``drawn_on`` in the record), so that a 31 GB
+checkpoint is built in 36 s there (the H200 machine) without holding more than one tensor; FP8
+weights (``deepseek_v3``) are quantized as ``--fp8-block``'s are, one scale per 128 x 128 block.
 
 ``--fp8-block`` writes the Qwen3-MoE layout directly too (no transformers), in the format vLLM
 0.25.0's ``Fp8Config`` / ``Fp8MoEMethod`` load (``vllm/model_executor/layers/quantization/
@@ -505,6 +508,14 @@ ROUTED_STD = 0.08
 """The sharded layouts' matrices and vectors are N(0, 0.08), like the builder's others."""
 
 
+def qwen3_plan(config: dict[str, Any]) -> shards.Plan:
+    """Every stored tensor of a Qwen3-MoE: ``fp8_plan``'s with a ``quantization_config``
+    (``--fp8-block``), else bf16 throughout."""
+    if "quantization_config" in config:
+        return fp8_plan(config)
+    return {name: (shape, torch.bfloat16) for name, shape in load_plan("qwen3", config).items()}
+
+
 def sharded_config(arch: str, layers: int | None) -> dict[str, Any]:
     if arch == "gpt_oss":
         return gpt_oss_layout.config(layers)
@@ -514,6 +525,8 @@ def sharded_config(arch: str, layers: int | None) -> dict[str, Any]:
 def sharded_plan(arch: str, config: dict[str, Any]) -> shards.Plan:
     """Every stored tensor of a sharded checkpoint (DeepSeek's FP8 weights with their block
     scales)."""
+    if arch == "qwen3":
+        return qwen3_plan(config)
     if arch == "gpt_oss":
         return gpt_oss_layout.load_plan(config)
     plan: shards.Plan = {}
@@ -529,6 +542,9 @@ def sharded_plan(arch: str, config: dict[str, Any]) -> shards.Plan:
 def sharded_routers(arch: str, config: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(the router matrices ``--router-skew`` scales, in layer order; every tensor of the
     router shard)."""
+    if arch == "qwen3":
+        names = router_names("qwen3", config)
+        return names, names
     layout = gpt_oss_layout if arch == "gpt_oss" else deepseek_layout
     return layout.router_names(config), layout.router_tensors(config)
 
@@ -662,12 +678,18 @@ def main(argv: list[str] | None = None) -> int:
         help="with --fp8-block: attention projections in bf16 (modules_to_not_convert)",
     )
     parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="Qwen3-MoE written one tensor at a time into 4 GiB shards, drawn on the GPU where "
+        "there is one (what a full-depth Qwen3-30B-A3B needs: 48 layers, 29 GB of FP8 experts)",
+    )
+    parser.add_argument(
         "--experts-from",
         type=Path,
         default=None,
         metavar="DIR",
-        help="DeepSeek: hard-link every shard but the routers' from DIR (the same checkpoint "
-        "without --router-skew)",
+        help="a sharded layout: hard-link every shard but the routers' from DIR (the same "
+        "checkpoint without --router-skew)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -677,10 +699,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimate", action="store_true", help="print the simulated hit rate")
     parser.add_argument("--slots", type=int, default=32, help="slots for --estimate")
     args = parser.parse_args(argv)
-    sharded = args.arch in SHARDED_ARCHS
-    if args.experts_from is not None and not sharded:
-        parser.error(f"--experts-from takes a sharded layout ({', '.join(SHARDED_ARCHS)})")
     direct = args.arch != "qwen3"
+    if args.sharded and direct:
+        parser.error(f"--sharded writes a Qwen3-MoE ({args.arch} is always sharded or never)")
+    sharded = args.arch in SHARDED_ARCHS or args.sharded
+    if args.experts_from is not None and not sharded:
+        parser.error(
+            f"--experts-from takes a sharded layout ({', '.join(SHARDED_ARCHS)}, or --sharded)"
+        )
     if direct and args.qwen3_30b_a3b:
         parser.error("--qwen3-30b-a3b is a Qwen3-MoE shape; leave it out with --arch " + args.arch)
     if args.fp8_block and direct:
@@ -689,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--fp8-bf16-attention needs --fp8-block")
     if args.fp8_block:
         config = fp8_config(args.qwen3_30b_a3b, args.layers, args.fp8_bf16_attention)
-    elif sharded:
+    elif args.arch in SHARDED_ARCHS:
         try:
             config = sharded_config(args.arch, args.layers)
         except ValueError as exc:
@@ -710,10 +736,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("OUTDIR is required unless --estimate is given")
-    if args.fp8_block:
+    if sharded:
+        arch = "qwen3" if args.sharded else args.arch
+        build_sharded(args.out, arch, config, args.seed, args.router_skew, args.experts_from)
+    elif args.fp8_block:
         build_fp8(args.out, config, args.seed, args.router_skew)
-    elif sharded:
-        build_sharded(args.out, args.arch, config, args.seed, args.router_skew, args.experts_from)
     elif direct:
         build_direct(args.out, args.arch, config, args.seed, args.router_skew)
     else:
