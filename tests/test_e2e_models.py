@@ -225,3 +225,49 @@ def test_reduced_deepseek_v3_phases() -> None:
     assert engines.DS3_SKEW.experts_from == engines.DS3.directory
     [phase] = phases.select(["deepseek_v3"])
     assert [c.directory for c in phase.checkpoints()] == ["deepseek-v3-reduced"]
+
+
+def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
+    config = mk.fp8_config(True, 48)
+    plan = mk.sharded_plan("qwen3", config)
+    experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".mlp.experts." in n)
+    budget = engines.QWEN48_FP8_BUDGET
+    assert budget.expert_gib * 2**30 == experts
+    assert (budget.experts, budget.moe_layers) == (128, 48)
+    names = [s.name for s in engines.models(engines.QWEN48_FP8)]
+    assert names == [
+        "models.qwen48fp8.none.full",
+        "models.qwen48fp8.row32dev.full",
+        "models.qwen48fp8.uva2025.full",
+        "models.qwen48fp8.row64dev.full",
+        "models.qwen48fp8.uva1350.full",
+    ]
+    for spec in engines.models(engines.QWEN48_FP8) + engines.models(engines.QWEN48_FP8_SKEW):
+        assert spec.quantized and spec.model_runner_v1
+        # The builder's Qwen3 config says 2,048 positions: a 2,048-token prompt needs more.
+        assert spec.max_position_embeddings is not None
+        assert spec.max_position_embeddings >= spec.max_model_len > 2048
+        assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
+    assert checkpoints.command(tmp_path, engines.QWEN48_FP8_SKEW)[2:] == [
+        str(tmp_path / "qwen3-30b-a3b-fp8-full-skew"),
+        "--qwen3-30b-a3b",
+        "--fp8-block",
+        "--sharded",
+        "--layers",
+        "48",
+        "--router-skew",
+        "1.0",
+        "--experts-from",
+        str(tmp_path / "qwen3-30b-a3b-fp8-full"),
+    ]
+    needed: list[Any] = []
+    for phase in phases.select(["qwen3_full_skew", "qwen3_full"]):
+        assert phase.budgeted and phase.one_at_a_time
+        needed += [c for c in phase.checkpoints() if c not in needed]
+    assert [c.directory for c in needed] == [
+        "qwen3-30b-a3b-fp8-full",
+        "qwen3-30b-a3b-fp8-full-skew",
+    ]
+    # The builder takes those arguments and writes the config the budget was read from.
+    built = mk.main([str(tmp_path / "tiny"), "--layers", "2", "--fp8-block", "--sharded"])
+    assert built == 0

@@ -601,11 +601,25 @@ DS3 = Checkpoint("deepseek-v3-reduced", arch="deepseek_v3")
 DS3_SKEW = Checkpoint(
     "deepseek-v3-reduced-skew", arch="deepseek_v3", router_skew=1.0, experts_from=DS3.directory
 )
+QWEN48_FP8 = Checkpoint(
+    "qwen3-30b-a3b-fp8-full", qwen3_30b_a3b=True, layers=48, fp8_block=True, sharded=True
+)
+QWEN48_FP8_SKEW = Checkpoint(
+    "qwen3-30b-a3b-fp8-full-skew",
+    qwen3_30b_a3b=True,
+    layers=48,
+    fp8_block=True,
+    sharded=True,
+    router_skew=1.0,
+    experts_from=QWEN48_FP8.directory,
+)
 MODELS_PREFIX = {
     DS2: "models.ds2lite",
     DS2_SKEW: "models.ds2lite-skew",
     DS3: "models.ds3",
     DS3_SKEW: "models.ds3-skew",
+    QWEN48_FP8: "models.qwen48fp8",
+    QWEN48_FP8_SKEW: "models.qwen48fp8-skew",
 }
 MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64)
 """b1 and b8 decode of 64 greedy tokens (medians of three) and the time to first token of three
@@ -655,7 +669,20 @@ DS3_BUDGET = ModelBudget(experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXP
 ``FP8_EXPERT_BYTES`` (1.125 GiB a layer). A quarter: 64 slots (2.53 GiB) against UVA keeping 3
 layers (3.38 GiB); a half: 128 slots (5.06 GiB) against UVA keeping 5 layers (5.63 GiB): with
 9 layers, whole layers give UVA up to a third more memory than the slots."""
-MODEL_BUDGETS = {DS2: DS2_BUDGET, DS2_SKEW: DS2_BUDGET, DS3: DS3_BUDGET, DS3_SKEW: DS3_BUDGET}
+QWEN48_FP8_BUDGET = ModelBudget(
+    experts=QWEN_EXPERTS, moe_layers=48, expert_gib=48 * QWEN_EXPERTS * FP8_EXPERT_BYTES / 2**30
+)
+"""Qwen3-30B-A3B at full depth in block FP8: 48 MoE layers x 128 experts of
+``FP8_EXPERT_BYTES`` (27.0 GiB, 0.563 GiB a layer). A quarter: 32 slots (6.75 GiB) against UVA
+keeping 12 layers (6.75 GiB); a half: 64 slots against 24 layers (13.50 GiB each)."""
+MODEL_BUDGETS = {
+    DS2: DS2_BUDGET,
+    DS2_SKEW: DS2_BUDGET,
+    DS3: DS3_BUDGET,
+    DS3_SKEW: DS3_BUDGET,
+    QWEN48_FP8: QWEN48_FP8_BUDGET,
+    QWEN48_FP8_SKEW: QWEN48_FP8_BUDGET,
+}
 QUARTER, HALF = 0.25, 0.5
 # Estimated seconds (start and everything once, with every repeat), from the DeepSeek-V2-Lite
 # run of 2026-12-03 (72cd29b, vLLM's V2 model runner): engines started in 64 to 101 s and took
@@ -717,6 +744,9 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
                 # Every engine of a model on the runner where UVA offload works (specs), so
                 # that its engines compare like with like.
                 model_runner_v1=True,
+                # The builder's Qwen3 shapes say 2,048 positions; a 2,048-token prompt and its
+                # tokens need more (the other architectures' configs say more).
+                max_position_embeddings=4096 if checkpoint.arch == "qwen3" else None,
                 time_once_s=once,
                 time_full_s=full,
             )

@@ -162,6 +162,22 @@ PHASES = (
         budgeted=True,
     ),
     Phase(
+        "qwen3_full",
+        "Qwen3-30B-A3B at full depth (48 layers) in block FP8, 27 GiB of experts: the engines "
+        "of deepseek (row at 32 and 64 slots, UVA keeping 12 and 24 layers)",
+        lambda _results: engines.models(engines.QWEN48_FP8),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "qwen3_full_skew",
+        "the same on the skewed full-depth Qwen3-30B-A3B (--router-skew 1.0; its expert shards "
+        "hard-linked from the plain checkpoint's)",
+        lambda _results: engines.models(engines.QWEN48_FP8_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
         "archs",
         "random Mixtral and Qwen2-MoE (gated shared expert) in full graphs: no offload, row "
         "with the device planner at a slot count that misses and one that needs two passes",

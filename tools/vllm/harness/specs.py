@@ -236,6 +236,9 @@ class Checkpoint:
     fp8_block: bool = False
     """The builder's ``--fp8-block``: stored in FP8 with 128 x 128 block scales (vLLM loads it
     with its ``Fp8MoEMethod``; no ``quantization`` argument needed)."""
+    sharded: bool = False
+    """The builder's ``--sharded`` (Qwen3-MoE): written one tensor at a time into 4 GiB shards,
+    drawn on the GPU (a full-depth Qwen3-30B-A3B: 29 GB of FP8 experts)."""
     experts_from: str | None = None
     """The directory (under the run's work directory) of the same checkpoint without a router
     skew, whose shards but the routers' this one hard-links (the builder's
@@ -252,6 +255,7 @@ class Checkpoint:
         args = [] if self.arch == "qwen3" else ["--arch", self.arch]
         args += ["--qwen3-30b-a3b"] if self.qwen3_30b_a3b else []
         args += ["--fp8-block"] if self.fp8_block else []
+        args += ["--sharded"] if self.sharded else []
         if self.layers is not None:
             args += ["--layers", str(self.layers)]
         if self.router_skew:
