@@ -236,3 +236,30 @@ def test_the_context_fits_the_position_limit_the_servers_are_given() -> None:
     assert int(args[args.index("--max-model-len") + 1]) == sb.MAX_MODEL_LEN
     assert mk.QWEN3_30B_A3B["max_position_embeddings"] < sb.MAX_MODEL_LEN
     assert overrides["max_position_embeddings"] >= sb.MAX_MODEL_LEN
+
+
+def test_records_of_one_label_merge_and_the_fuller_run_of_a_server_wins() -> None:
+    """On 2026-12-03 UVA ran in one call and ``row`` (left no time there) in the next: one
+    panel, ``row`` from the call where it ran, and the ratios of the levels both have."""
+    from tools.vllm import plot_serve
+
+    def level(tok_s: float, ttft: float) -> dict[str, Any]:
+        return {"figures": {"output_throughput": tok_s, "median_tpot_ms": 9.0, "p99_ttft_ms": ttft}}
+
+    first = {
+        "label": "plain",
+        "servers": [
+            {"name": "uva", "levels": {"c1": level(70.0, 2100.0), "c8": level(116.0, 2000.0)}},
+            {"name": "row", "levels": {"c1": {"status": "not run: time (21 s left)"}}},
+        ],
+    }
+    second = {"label": "plain", "servers": [{"name": "row", "levels": {"c1": level(77.0, 1900.0)}}]}
+    skew = {"label": "skew", "servers": [{"name": "row", "levels": {"c1": level(200.0, 900.0)}}]}
+    merged = plot_serve.merge([first, second, skew])
+    assert [r["label"] for r in merged] == ["plain", "skew"]
+    assert [s["name"] for s in merged[0]["servers"]] == ["uva", "row"]
+    assert merged[0]["servers"][1] is second["servers"][0]
+    assert plot_serve.ratios(merged[0]) == [
+        "plain  c1   row / UVA output tok/s 1.100, TTFT p99 1900.0 / 2100.0 ms (met: row <= UVA)"
+    ]
+    assert plot_serve.ratios(merged[1]) == []
