@@ -73,6 +73,7 @@ class FakeBench:
         self.tok_s, self.ttft = tok_s, ttft
         self.ports: dict[int, str] = {}
         self.ran: list[tuple[str, str]] = []
+        self.failed: dict[tuple[str, str], int] = {}
 
     def launcher(self, command: list[str], env: dict[str, str], log: Path) -> sc.Process:
         name = log.stem.removeprefix("server-")
@@ -90,7 +91,7 @@ class FakeBench:
         name = command[command.index("--result-filename") + 1]
         result = {
             "completed": int(command[command.index("--num-prompts") + 1]),
-            "failed": 0,
+            "failed": self.failed.get((server, level), 0),
             "output_throughput": self.tok_s[server],
             "request_throughput": self.tok_s[server] / 160,
             "p99_ttft_ms": self.ttft[server],
@@ -263,3 +264,19 @@ def test_records_of_one_label_merge_and_the_fuller_run_of_a_server_wins() -> Non
         "plain  c1   row / UVA output tok/s 1.100, TTFT p99 1900.0 / 2100.0 ms (met: row <= UVA)"
     ]
     assert plot_serve.ratios(merged[1]) == []
+
+
+def test_a_level_with_failed_requests_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the H200 (2026-12-03) vLLM refused 4 of 128 long prompts with HTTP 400; the level's
+    figures then cover fewer requests, which its status must say."""
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench({"uva": 250.0}, {"uva": 9})
+    fake.failed[("uva", "c32")] = 4
+    options = _options(tmp_path, servers=(sb.SERVERS["uva"],))
+    record = sb.run(options, client=fake.client, launcher=fake.launcher)
+    levels = record["servers"][0]["levels"]
+    assert levels["c1"]["status"] == "ok"
+    assert levels["c32"]["status"] == "4 of 96 requests FAILED (errors in plain-uva-c32.json)"
+    assert "4 of 96 requests FAILED" in (tmp_path / "out" / "serve_bench.txt").read_text()

@@ -17,7 +17,7 @@ from tools.vllm import word_tokenizer as wt
 
 def _library_built(vocab_size: int) -> dict[str, object]:
     vocab = {wt.word(i): i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=wt.UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in wt.SPECIAL])
     found: dict[str, object] = json.loads(tokenizer.to_str())
@@ -56,3 +56,24 @@ def test_the_builder_writes_it_with_the_checkpoint(tmp_path: Path) -> None:
     vocab = json.loads((tmp_path / "m" / "config.json").read_text())["vocab_size"]
     written = json.loads((tmp_path / "m" / "tokenizer.json").read_text())
     assert len(written["model"]["vocab"]) == vocab
+
+
+@pytest.mark.parametrize("vocab_size", [64, 4096, 102_400, 201_088])
+def test_prompts_pass_vllms_character_bound(vocab_size: int) -> None:
+    """vLLM 0.25.0 refuses a prompt text longer than ``max_input_tokens`` times its tokenizer's
+    longest vocabulary entry (``hf.py``: ``max(len(tok) for tok in vocab)``), before it
+    tokenizes: a prompt of n words must be at most n times that long."""
+    vocab = wt.tokenizer_json(vocab_size)["model"]["vocab"]  # type: ignore[index]
+    longest = max(len(text) for text in vocab)
+    rng = random.Random(1)
+    for n in (1, 2, 2048):
+        ids = [rng.randrange(3, vocab_size) for _ in range(n)] + [vocab_size - 1]
+        text = " ".join(wt.word(i) for i in ids)
+        assert len(text) <= len(ids) * longest
+    # The bound that failed on the H200: the longest word and its space against <unk>.
+    assert len(wt.word(4095)) + 1 > len("<unk>")
+
+
+def test_a_vocabulary_too_large_for_the_unknown_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="longer than '<unknown-word>'"):
+        wt.tokenizer_json(10**14)

@@ -354,6 +354,12 @@ def bench_server(
                 tok_s = raw.get("output_throughput")
                 if isinstance(tok_s, int | float) and code == 0:
                     best = max(best or 0.0, float(tok_s))
+                failed = raw.get("failed") or 0
+                if failed:
+                    # Figures of fewer requests than asked: never a clean level.
+                    entry["status"] = (
+                        f"{failed} of {level.prompts} requests FAILED (errors in {name})"
+                    )
             record.levels[level.name] = entry
     finally:
         handle.returncode = serve_check.stop(process)

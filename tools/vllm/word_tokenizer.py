@@ -4,11 +4,19 @@
 draws token ids, decodes them to text, re-encodes to hit each prompt's length and sends text
 (vLLM 0.25.0, ``vllm/benchmarks/datasets/datasets.py``), and a server started with
 ``--skip-tokenizer-init`` refuses text prompts. The random checkpoints have no tokenizer of
-their own; this writes one whose every id is one word: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2 (the
+their own; this writes one whose every id is one word: ``UNK`` 0, ``<s>`` 1, ``</s>`` 2 (the
 Qwen3, Mixtral and Qwen2-MoE builders' ``bos_token_id`` and ``eos_token_id``; the DeepSeek and
 gpt-oss cards name others, harmless with ``ignore_eos``), then ``t3`` ... ``t{V-1}``, split on
 whitespace, no decoder (tokens joined by a space), so that decoding and re-encoding any ids in
 ``[3, V)`` gives them back exactly and a prompt's length in tokens is its number of words.
+
+The unknown token's text is long on purpose. Before tokenizing, vLLM 0.25.0's server refuses a
+prompt whose text has more characters than ``max_input_tokens`` times the longest vocabulary
+entry (``vllm/tokenizers/hf.py``, ``max_chars_per_token``; ``vllm/renderers/params.py``,
+``_text_len_check``). Every word here takes one character more in a prompt than in the
+vocabulary (the space after it), so with ``<unk>`` the longest entry a prompt of about 2,000
+tokens failed that check at ``--max-model-len 2560`` (HTTP 400, on the H200 on 2026-12-03);
+``UNK`` is longer than any word and its space (``tokenizer_json`` checks).
 
 ``tokenizer.json`` is the format of Hugging Face's ``tokenizers`` (a ``WordLevel`` model with a
 ``WhitespaceSplit`` pre-tokenizer and the three special tokens added), written without the
@@ -23,7 +31,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-SPECIAL = ("<unk>", "<s>", "</s>")
+UNK = "<unknown-word>"
+SPECIAL = (UNK, "<s>", "</s>")
 
 
 def word(token_id: int) -> str:
@@ -34,6 +43,11 @@ def word(token_id: int) -> str:
 def tokenizer_json(vocab_size: int) -> dict[str, Any]:
     if vocab_size <= len(SPECIAL):
         raise ValueError(f"vocab_size must exceed {len(SPECIAL)}, got {vocab_size}")
+    if len(UNK) < len(word(vocab_size - 1)) + 1:
+        raise ValueError(
+            f"vocab_size {vocab_size}: its last word {word(vocab_size - 1)!r} and a space are "
+            f"longer than {UNK!r}, which vLLM's prompt length check needs to be the longest entry"
+        )
     added = [
         {
             "id": i,
