@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import sys
 import textwrap
 import threading
@@ -101,7 +102,14 @@ def test_prompts_and_comparisons() -> None:
         {"gpu_mib": 100, "rss_kib": 50},
         {"gpu_mib": 100, "rss_kib": 70},
     ]
-    assert se.growth(samples) == {"gpu_mib": 0.0, "rss_kib": 20.0, "locked_kib": None}
+    assert se.growth(samples) == {
+        "gpu_mib": 0.0,
+        "rss_kib": 20.0,
+        "locked_kib": None,
+        "pinned_kib": None,
+    }
+    here = se.memory_sample(os.getpgid(0))  # this process group: real /proc fields
+    assert here["rss_kib"] > 0 and here["locked_kib"] >= 0 and here["pinned_kib"] >= 0
 
 
 class Fleet:
@@ -326,3 +334,42 @@ def test_command_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         with pytest.raises(SystemExit):
             se.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), *args])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("result", "problems"),
+    [
+        ({"requests": 500, "failures": [], "growth": {"gpu_mib": 2.0, "locked_kib": 0.0}}, []),
+        ({"status": "not run: time"}, ["not run: time"]),
+        (
+            {"requests": 500, "failures": ["HTTP 500"], "growth": {"gpu_mib": 0.0}},
+            ["1 requests failed"],
+        ),
+        (
+            {"requests": 500, "failures": [], "growth": {"gpu_mib": 300.0, "pinned_kib": 4.0}},
+            ["GPU memory grew 300 MiB (limit 64)", "pinned host memory grew 4 KiB"],
+        ),
+        (
+            {"requests": 0, "failures": [], "growth": {"gpu_mib": None}},
+            [
+                "no request answered",
+                "GPU memory not sampled",
+            ],
+        ),
+    ],
+)
+def test_a_soak_passes_only_without_failures_or_growth(
+    result: dict[str, Any], problems: list[str]
+) -> None:
+    assert se.soak_problems(result) == problems
+
+
+def test_a_failed_soak_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet = Fleet(tmp_path)
+    monkeypatch.setattr(se, "metric", lambda port, name: 3.0)
+    grown = {"requests": 9, "failures": [], "growth": {"gpu_mib": 500.0}, "samples": []}
+    monkeypatch.setattr(se, "soak", lambda *args: grown)
+    servers = (serve_bench.SERVERS["row"],)
+    assert _run(tmp_path, fleet, monkeypatch, servers=servers, soak_s=1.0) == 1
+    text = (tmp_path / "out" / "serve_exact.txt").read_text()
+    assert "row: soak: " in text and "MISSED: GPU memory grew 500 MiB" in text

@@ -282,8 +282,11 @@ def metric(port: int, name: str) -> float | None:
 
 
 def memory_sample(pid: int) -> dict[str, Any]:
-    """GPU memory in use (MiB, ``nvidia-smi``) and the resident and locked (pinned) host memory
-    of the server's process group (KiB, ``/proc``)."""
+    """GPU memory in use (MiB, ``nvidia-smi``) and the server's process group's host memory
+    (KiB, ``/proc/PID/status``): resident (``VmRSS``, which holds CUDA's pinned allocations:
+    they are resident pages of the process), locked by ``mlock`` (``VmLck``) and pinned by a
+    driver (``VmPin``). Which of the last two CUDA's pinned host memory shows in depends on how
+    the driver pins it, so all three are kept."""
     sample: dict[str, Any] = {"t": round(time.time(), 1)}
     with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
         out = subprocess.run(
@@ -293,7 +296,7 @@ def memory_sample(pid: int) -> dict[str, Any]:
             timeout=30,
         ).stdout
         sample["gpu_mib"] = int(out.split()[0])
-    rss = locked = 0
+    rss = locked = pinned = 0
     for status in Path("/proc").glob("[0-9]*/status"):
         with contextlib.suppress(OSError, ValueError):
             fields = dict(
@@ -303,7 +306,8 @@ def memory_sample(pid: int) -> dict[str, Any]:
                 continue
             rss += int(fields.get("VmRSS", "0 kB").split()[0])
             locked += int(fields.get("VmLck", "0 kB").split()[0])
-    sample["rss_kib"], sample["locked_kib"] = rss, locked
+            pinned += int(fields.get("VmPin", "0 kB").split()[0])
+    sample["rss_kib"], sample["locked_kib"], sample["pinned_kib"] = rss, locked, pinned
     return sample
 
 
@@ -347,12 +351,39 @@ def soak(
 def growth(samples: list[dict[str, Any]]) -> dict[str, float | None]:
     """Last sample over the second (the first is before any load): GPU MiB and host KiB."""
     if len(samples) < 3:
-        return {"gpu_mib": None, "rss_kib": None, "locked_kib": None}
+        return {"gpu_mib": None, "rss_kib": None, "locked_kib": None, "pinned_kib": None}
     first, last = samples[1], samples[-1]
     return {
         key: (float(last[key]) - float(first[key])) if key in first and key in last else None
-        for key in ("gpu_mib", "rss_kib", "locked_kib")
+        for key in ("gpu_mib", "rss_kib", "locked_kib", "pinned_kib")
     }
+
+
+SOAK_GPU_GROWTH_MIB = 64
+"""GPU memory a soak may add between its first loaded sample and its last (allocator noise);
+pinned and locked host memory may add nothing."""
+
+
+def soak_problems(result: dict[str, Any]) -> list[str]:
+    """Why a soak fails (empty: it passed): not run, requests that failed, memory that grew."""
+    if "status" in result:
+        return [str(result["status"])]
+    problems = []
+    if result.get("failures"):
+        problems.append(f"{len(result['failures'])} requests failed")
+    if not result.get("requests"):
+        problems.append("no request answered")
+    growth = result.get("growth") or {}
+    gpu = growth.get("gpu_mib")
+    if gpu is None:
+        problems.append("GPU memory not sampled")
+    elif gpu > SOAK_GPU_GROWTH_MIB:
+        problems.append(f"GPU memory grew {gpu:g} MiB (limit {SOAK_GPU_GROWTH_MIB})")
+    for key in ("locked_kib", "pinned_kib"):
+        value = growth.get(key)
+        if value is not None and value > 0:
+            problems.append(f"{key.removesuffix('_kib')} host memory grew {value:g} KiB")
+    return problems
 
 
 def check_server(
@@ -462,7 +493,10 @@ def verdicts(checked: Sequence[Checked]) -> tuple[list[str], bool]:
             lines.append(f"{c.server}: preemptions: {c.preemptions:g}")
         if c.soak:
             shown = {k: c.soak.get(k) for k in ("requests", "failures", "growth", "status")}
-            lines.append(f"{c.server}: soak: {json.dumps(shown)}")
+            problems = soak_problems(c.soak)
+            ok &= not problems
+            verdict = "met" if not problems else "MISSED: " + "; ".join(problems)
+            lines.append(f"{c.server}: soak: {json.dumps(shown)}: {verdict}")
         if c.errors:
             ok = False
             lines.append(f"{c.server}: errors in the log ({len(c.errors)}): {c.errors[0]}: MISSED")
