@@ -73,3 +73,22 @@ def test_verdict_needs_an_exit(status: str) -> None:
     assert not sr.verdict(case, status, case.expect[0])["refused"]
     assert sr.verdict(case, "exited", case.expect[0])["refused"]
     assert not sr.verdict(case, "exited", "something else")["refused"]
+
+
+def test_a_checkpoint_without_a_tokenizer_is_served_without_one(tmp_path: Path) -> None:
+    """Else the server would stop at the missing tokenizer, not at the plugin's refusal."""
+    commands: list[list[str]] = []
+    inner = _launcher(tmp_path, "refuse.py")
+
+    def launch(command: list[str], env: dict[str, str], log: Path) -> sc.Process:
+        commands.append(command)
+        return inner(command, env, log)
+
+    with_tokenizer = tmp_path / "tok"
+    with_tokenizer.mkdir()
+    (with_tokenizer / "tokenizer.json").write_text("{}")
+    assert sr.run(str(tmp_path), tmp_path / "a", 60.0, launcher=launch) == 0
+    assert sr.run(str(with_tokenizer), tmp_path / "b", 60.0, launcher=launch) == 0
+    flags = ["--skip-tokenizer-init" in c for c in commands]
+    assert flags == [True] * len(sr.CASES) + [False] * len(sr.CASES)
+    assert json.loads((tmp_path / "a" / "serve_refusals.json").read_text())["commit"]

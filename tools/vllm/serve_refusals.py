@@ -89,7 +89,11 @@ def run(
     for case in CASES:
         port = serve_check.free_port()
         log = work / f"server-{case.name}.log"
-        server = serve_bench.BenchServer(case.name, case.name, case.args)
+        args = case.args
+        if not (Path(model) / "tokenizer.json").exists():
+            # Else the server stops at its tokenizer, before the plugin could refuse anything.
+            args = (*args, "--skip-tokenizer-init")
+        server = serve_bench.BenchServer(case.name, case.name, args)
         command = serve_bench.serve_command(python, model, port, server)
         started = time.monotonic()
         process = launcher(command, dict(os.environ), log)
@@ -108,7 +112,12 @@ def run(
         for r in results
     ]
     ok = all(r["refused"] for r in results)
-    record = {"model": model, "results": results, "ok": ok}
+    record = {
+        "model": model,
+        "results": results,
+        "ok": ok,
+        "commit": os.environ.get("ROWCACHE_COMMIT", "?"),
+    }
     (out / "serve_refusals.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "serve_refusals.txt").write_text("\n".join(lines) + "\n")
     with tarfile.open(out / "serve_refusals_logs.tar.gz", "w:gz") as tar:
