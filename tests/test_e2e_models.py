@@ -199,6 +199,9 @@ def test_an_offload_engine_that_offloads_nothing_stops() -> None:
     with pytest.raises(RuntimeError, match="offloader is NoopOffloader: nothing was offloaded"):
         child.check_offloader(uva, {"offloader": "NoopOffloader"})
     child.check_offloader(uva, {"offloader": "UVAOffloader"})
+    child.check_offloader(uva, {"offloader": "UVAOffloader", "cpu_offload_bytes": 7 << 30})
+    with pytest.raises(RuntimeError, match="it offloaded 0 bytes"):
+        child.check_offloader(uva, {"offloader": "UVAOffloader", "cpu_offload_bytes": 0})
     none = engines.models(engines.DS2)[0]
     child.check_offloader(none, {"offloader": "NoopOffloader"})  # no offload asked: fine
 

@@ -108,10 +108,19 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
 
 def check_offloader(spec: EngineSpec, found: dict[str, Any] | None) -> None:
     """Stop an engine configured with vLLM's offload whose offloader (``probes.offloader``)
-    is vLLM's no-op one: nothing was offloaded, and it would be measured as an offload
-    engine while it runs as no offload (vLLM 0.25.0's V2 model runner ignores the offload
-    settings: ``EngineSpec.model_runner_v1``)."""
-    if spec.offload is None or (found or {}).get("offloader") != "NoopOffloader":
+    is vLLM's no-op one, or a UVA offloader that offloaded 0 bytes: nothing was offloaded, and
+    it would be measured as an offload engine while it runs as no offload (vLLM 0.25.0's V2
+    model runner ignores the offload settings: ``EngineSpec.model_runner_v1``)."""
+    if spec.offload is None:
+        return
+    found = found or {}
+    if found.get("offloader") == "UVAOffloader" and found.get("cpu_offload_bytes") == 0:
+        raise RuntimeError(
+            f"vLLM's UVA offload is configured ({spec.offload.engine_args()}) but it offloaded "
+            "0 bytes: no parameter matched cpu_offload_params, and this engine would measure "
+            "no offload"
+        )
+    if found.get("offloader") != "NoopOffloader":
         return
     raise RuntimeError(
         f"vLLM's offload is configured ({spec.offload.engine_args()}) but its offloader is "

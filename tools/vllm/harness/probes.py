@@ -175,13 +175,25 @@ def routes(model: Any) -> dict[str, Any]:
 
 
 def offloader(model: Any) -> dict[str, Any]:
-    """vLLM's weight offloader in this process (``vllm.model_executor.offloader``): its class
-    and, for the prefetch offloader, the layers it offloads and the bytes it saves."""
+    """vLLM's weight offloader in this process (``vllm.model_executor.offloader``): its class;
+    for the prefetch offloader the layers it offloads and the bytes it saves; for the UVA one
+    the bytes it offloaded against its limit, and whether they are pinned and read through
+    unified addressing (``vllm/model_executor/offloader/uva.py``)."""
     from vllm.model_executor.offloader.base import get_offloader
 
     found = get_offloader()
     out: dict[str, Any] = {"offloader": type(found).__name__}
-    for attr in ("group_size", "num_in_group", "prefetch_step", "total_offloaded_bytes"):
+    attrs = (
+        "group_size",
+        "num_in_group",
+        "prefetch_step",
+        "total_offloaded_bytes",
+        "cpu_offload_bytes",
+        "cpu_offload_max_bytes",
+        "pin_memory",
+        "uva_offloading",
+    )
+    for attr in attrs:
         if hasattr(found, attr):
             value = getattr(found, attr)
             out[attr] = value if isinstance(value, int | float) else repr(value)
