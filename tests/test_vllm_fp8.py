@@ -619,24 +619,28 @@ def test_other_fp8_checkpoints_are_rejected_by_name(
     assert "supported: UnquantizedFusedMoEMethod" in str(info.value)
 
 
-def test_other_quantized_methods_are_rejected_by_name(fake_fp8: Any) -> None:
+@pytest.mark.parametrize(
+    "method_name",
+    # NVFP4, and gpt-oss's MXFP4 (vLLM 0.25.0's quantization/mxfp4.py: GptOssMxfp4MoEMethod for
+    # gpt-oss checkpoints, Mxfp4MoEMethod for others): rejected by name, never served uncached.
+    ["ModelOptNvFp4FusedMoE", "GptOssMxfp4MoEMethod", "Mxfp4MoEMethod"],
+)
+def test_other_quantized_methods_are_rejected_by_name(fake_fp8: Any, method_name: str) -> None:
     plugin.register()
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    class ModelOptNvFp4FusedMoE:
-        moe = _moe()
-
-    quant_config = SimpleNamespace(get_quant_method=lambda layer, prefix: ModelOptNvFp4FusedMoE())
+    other = type(method_name, (), {"moe": _moe()})
+    quant_config = SimpleNamespace(get_quant_method=lambda layer, prefix: other())
     _engine(fake_fp8, {"moe_expert_cache_size": 4}, quantization="fp8")
     with pytest.raises(RuntimeError) as info:
         RoutedExperts(_moe(), quant_config)
     message = str(info.value)
-    assert "does not support vLLM's MoE method ModelOptNvFp4FusedMoE yet" in message
+    assert f"does not support vLLM's MoE method {method_name} yet" in message
     assert "Fp8MoEMethod with 128 x 128 block scales" in message
     # The knob off: vLLM's method, whatever it is.
     _engine(fake_fp8, None, quantization="fp8")
     method = RoutedExperts(_moe(), quant_config).quant_method
-    assert type(method) is ModelOptNvFp4FusedMoE
+    assert type(method) is other
     # No quantization: the unquantized method, ours through the registry.
     from rowcache.vllm._method import RowcacheMoEMethod
 
@@ -663,3 +667,13 @@ def test_config_guard_names_unsupported_quantizations(fake_fp8: Any) -> None:
     message = str(info.value)
     assert "does not support quantization 'gptq' yet" in message
     assert "'fp8' or 'fp8_per_tensor'" in message and "Fp8MoEMethod" in message
+
+
+def test_the_rejected_mxfp4_methods_are_vllms_names() -> None:
+    """The names the rejection test above uses are vLLM 0.25.0's MXFP4 MoE methods."""
+    import vllm_wheels
+
+    path = "vllm/model_executor/layers/quantization/mxfp4.py"
+    source = vllm_wheels.read("0.25.0", path)[path]
+    assert "class GptOssMxfp4MoEMethod(FusedMoEMethodBase):" in source
+    assert "class Mxfp4MoEMethod(FusedMoEMethodBase):" in source
