@@ -142,7 +142,7 @@ def test_packed_scale_views_are_strided_and_the_per_tensor_one_is_not_contiguous
     assert separate.buf_w13_scale.is_contiguous() and separate.buf_w13_scale.shape == (C,)
 
 
-def _covered(table: Tensor) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+def covered_pieces(table: Tensor) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
     pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for src, _, dst, _, offset, length, wide in table.tolist():
         pieces.setdefault((src, dst), []).append((offset, length, wide))
@@ -175,7 +175,7 @@ def test_gather_pieces_of_a_qwen3_30b_a3b_fp8_expert(
         assert [(r.name, r.row_bytes) for r in regions] == [
             (name, src[name][0].nbytes) for name in ("w13", "w2", "w13_scale", "w2_scale")
         ]
-    pieces = _covered(chunk_table(regions, torch.device("cpu")))
+    pieces = covered_pieces(chunk_table(regions, torch.device("cpu")))
     for region in regions:
         got = sorted(pieces[(region.src_ptr, region.dst_ptr)])
         at = 0

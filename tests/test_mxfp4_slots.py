@@ -12,14 +12,12 @@ every byte of every region once, and the biases must come as a pair.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
+from test_fp8_slots import KINDS, covered_pieces, raw_bytes
 from torch import Tensor
 
-from rowcache import CachedWeightProvider, InvalidInputError, RowCacheWeightProvider
+from rowcache import InvalidInputError, RowCacheWeightProvider
 from rowcache.device_plan.regions import chunk_table, copy_regions
 from rowcache.packing import PACK_ALIGN, pack_offsets
 from rowcache.sources import SOURCE_NAMES
@@ -45,27 +43,6 @@ def mxfp4_sources(hidden: int = 96, inter: int = 64, experts: int = E) -> dict[s
         "w13_bias": raw(experts, 2 * inter * 4).view(torch.float32),
         "w2_bias": raw(experts, hidden * 4).view(torch.float32),
     }
-
-
-def raw_bytes(t: Tensor) -> Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _row(**kw: Any) -> Any:
-    return RowCacheWeightProvider(split="token", **kw)
-
-
-def _device(**kw: Any) -> Any:
-    return RowCacheWeightProvider(planner="device", split="expert", **kw)
-
-
-def _cached(layout: str = "separate", **kw: Any) -> Any:
-    if layout != "separate":
-        pytest.skip("the cached baseline has the separate layout only")
-    return CachedWeightProvider(**kw)
-
-
-KINDS: dict[str, Callable[..., Any]] = {"row": _row, "device": _device, "cached": _cached}
 
 
 def test_the_geometry_has_vllms_shapes() -> None:
@@ -145,13 +122,6 @@ def test_a_bias_with_another_expert_count_is_rejected() -> None:
         RowCacheWeightProvider(**src, capacity=C, device="cpu")
 
 
-def _covered(table: Tensor) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
-    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-    for src, _, dst, _, offset, length, _wide in table.tolist():
-        pieces.setdefault((src, dst), []).append((offset, length, _wide))
-    return pieces
-
-
 @pytest.mark.parametrize("layout", ["separate", "packed"])
 def test_gather_pieces_of_a_gpt_oss_20b_expert(layout: str) -> None:
     """At gpt-oss-20b's shapes (H = I = 2880): every region is covered once and exactly, and a
@@ -170,7 +140,7 @@ def test_gather_pieces_of_a_gpt_oss_20b_expert(layout: str) -> None:
         assert regions[0].row_bytes == p._sources.pack[1] >= MXFP4.expert_bytes
     else:
         assert [(r.name, r.row_bytes) for r in regions] == [(n, src[n][0].nbytes) for n in NAMES]
-    pieces = _covered(chunk_table(regions, torch.device("cpu")))
+    pieces = covered_pieces(chunk_table(regions, torch.device("cpu")))
     for region in regions:
         at = 0
         for offset, length, _ in sorted(pieces[(region.src_ptr, region.dst_ptr)]):
