@@ -6,7 +6,9 @@ give; ``rowcache.device_plan.provider.DevicePlannedProvider`` plans and copies o
 inside CUDA graphs. Neither imports the other; each names its planner when it is defined
 (``class HostPlannedProvider(RowCacheWeightProvider, planner="host")``), and
 ``RowCacheWeightProvider(..., planner=...)`` builds the provider of that planner (``"host"`` by
-default), so ``isinstance(p, RowCacheWeightProvider)`` holds for both.
+default), so ``isinstance(p, RowCacheWeightProvider)`` holds for both. A class that derives
+from ``RowCacheWeightProvider`` without naming a planner (integration code written against the
+contract) derives from ``HostPlannedProvider`` in its place.
 
 Shared here: the slot set-up and the read-only shape properties (``SlotSurface``), the call
 guard, the result every ``prepare`` returns, the owner stream, and the inspection surface
@@ -82,15 +84,63 @@ class RowCacheWeightProvider(SlotSurface):
 
     def __init_subclass__(cls, planner: Planner | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if planner is None:
+        if planner is not None and planner not in PLANNERS:
+            raise TypeError(
+                f"{cls.__name__}: planner must be one of {list(PLANNERS)}, got {planner!r}"
+            )
+        inherited = cls._inherited_planner()
+        if inherited is not None:
+            # A subclass of a planner's class keeps that planner.
+            if planner is not None and planner != inherited:
+                raise TypeError(
+                    f"{cls.__name__} derives from {_BY_PLANNER[inherited].__name__}, which plans"
+                    f" on the {inherited}, but names planner={planner!r}"
+                )
             return
-        if planner not in PLANNERS:
-            raise TypeError(f"{cls.__name__}: planner must be one of {list(PLANNERS)}")
+        if planner is None:
+            cls._derive_from_host_planner()
+            return
+        # A planner's own class (``HostPlannedProvider``, ``DevicePlannedProvider``).
         missing = [n for n in SURFACE if getattr(cls, n) is getattr(RowCacheWeightProvider, n)]
         if missing:
-            raise TypeError(f"{cls.__name__} plans on the {planner} but does not define {missing}")
+            raise TypeError(
+                f"{cls.__name__} plans on the {planner} but does not define {missing}; a provider"
+                " that reuses a planner derives from HostPlannedProvider or DevicePlannedProvider"
+            )
         cls.planner = planner
         _BY_PLANNER[planner] = cls
+
+    @classmethod
+    def _inherited_planner(cls) -> Planner | None:
+        """The planner of the planner's class that ``cls`` derives from, if any."""
+        for name, planned in _BY_PLANNER.items():
+            if planned in cls.__mro__[1:]:
+                return name  # type: ignore[return-value]
+        return None
+
+    @classmethod
+    def _derive_from_host_planner(cls) -> None:
+        """Integration code written against the contract subclasses the contract's class
+        (``class P(RowCacheWeightProvider)``, its ``__init__`` calling
+        ``super().__init__(w13, w2, ..., capacity=..., device=...)``), as the base built the
+        host-planned provider: such a class derives from ``HostPlannedProvider``, put in the
+        contract class's place among its bases, so that ``super()`` reaches that provider's
+        constructor and methods. A device-planned subclass derives from
+        ``DevicePlannedProvider`` itself."""
+        if "host" not in _BY_PLANNER:
+            raise TypeError(
+                f"{cls.__name__}: no host-planned provider is defined yet (import rowcache"
+                " first); derive from HostPlannedProvider or DevicePlannedProvider"
+            )
+        provider = _BY_PLANNER["host"]
+        bases = tuple(provider if b is RowCacheWeightProvider else b for b in cls.__bases__)
+        if provider not in bases:
+            raise TypeError(
+                f"{cls.__name__} reaches RowCacheWeightProvider only through"
+                f" {[b.__name__ for b in cls.__bases__]}: derive from HostPlannedProvider or"
+                " DevicePlannedProvider"
+            )
+        cls.__bases__ = bases
 
     # The arguments of each planner's constructor (``HostPlannedProvider.__init__``,
     # ``DevicePlannedProvider.__init__``), for type checkers; written again here because this

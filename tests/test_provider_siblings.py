@@ -17,7 +17,7 @@ from rowcache import (
     InvalidInputError,
     RowCacheWeightProvider,
 )
-from rowcache.provider_base import PLANNERS, SURFACE
+from rowcache.provider_base import _BY_PLANNER, PLANNERS, SURFACE
 from rowcache.row_provider import RowCacheWeightProvider as FromRowProvider
 
 E, C = 6, 3
@@ -124,3 +124,67 @@ def test_classes_pickle_by_name_and_repr_names_the_class() -> None:
         assert pickle.loads(pickle.dumps(cls)) is cls
     assert repr(build()) == "HostPlannedProvider(num_experts=6, capacity=3, device=cpu)"
     assert repr(build(planner="device")).startswith("DevicePlannedProvider(num_experts=6,")
+
+
+class ContractSubclass(RowCacheWeightProvider):
+    """Integration code written against the contract: it subclasses the contract's class and
+    hands its weights to ``super().__init__``, wrapping a method on the way."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, capacity: int, device: str) -> None:
+        super().__init__(w13, w2, capacity=capacity, device=device)  # type: ignore[call-arg]
+        self.prepared = 0
+
+    def prepare(self, topk_ids: Any, unique_ids: Any = None) -> Any:
+        self.prepared += 1
+        return super().prepare(topk_ids, unique_ids)
+
+
+def test_a_subclass_of_the_contract_class_is_a_host_planned_provider() -> None:
+    w = weights()
+    p = ContractSubclass(w["w13"], w["w2"], capacity=C, device="cpu")
+    assert isinstance(p, HostPlannedProvider) and isinstance(p, RowCacheWeightProvider)
+    assert p.planner == "host" and ContractSubclass.__bases__ == (HostPlannedProvider,)
+    result = p.prepare(torch.tensor([[4, 1]]))
+    assert p.prepared == 1 and p.resident_experts() == {1: 0, 4: 1}
+    assert torch.equal(result.w1[0], w["w13"][1]) and torch.equal(result.w2[1], w["w2"][4])
+    # the planners' classes are still what the base builds
+    assert type(build()) is HostPlannedProvider
+    assert type(build(planner="device")) is DevicePlannedProvider
+
+
+def test_a_device_planned_subclass_derives_from_its_class() -> None:
+    class Device(DevicePlannedProvider):
+        pass
+
+    p = Device(**weights(), capacity=C, device="cpu")  # type: ignore[arg-type]
+    assert p.planner == "device" and isinstance(p, DevicePlannedProvider)
+    assert type(build()) is HostPlannedProvider
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "class Both(HostPlannedProvider, planner='device'): pass",
+            "Both derives from HostPlannedProvider, which plans on the host, but names"
+            " planner='device'",
+        ),
+        (
+            "class Named(RowCacheWeightProvider, planner='device'): pass",
+            "Named plans on the device but does not define",
+        ),
+        ("class Odd(RowCacheWeightProvider, planner='gpu'): pass", "got 'gpu'"),
+    ],
+)
+def test_a_subclass_that_contradicts_its_planner_is_refused_when_defined(
+    source: str, message: str
+) -> None:
+    scope = {
+        "HostPlannedProvider": HostPlannedProvider,
+        "RowCacheWeightProvider": RowCacheWeightProvider,
+    }
+    before = dict(_BY_PLANNER)
+    with pytest.raises(TypeError, match=message.replace("[", r"\[")) as caught:
+        exec(source, scope)
+    assert "\n" not in str(caught.value)
+    assert before == _BY_PLANNER and type(build()) is HostPlannedProvider
