@@ -206,7 +206,7 @@ def _prefix(table: Table | DeviceTable) -> str:
 
 
 def machine_column(table: Table | DeviceTable, examples: int, steps: int) -> Column:
-    from model_check.search.machine import run_machine
+    from model_check.search.run_machines import run_machine
 
     start = time.perf_counter()
     found = run_machine(table, MACHINE_BOUNDS, max_examples=examples, steps=steps)
@@ -324,7 +324,7 @@ def kill_row(
     )
     if use_z3:
         row.append(z3_kill(mutated))
-    from model_check.search.machine import run_machine
+    from model_check.search.run_machines import run_machine
 
     start = time.perf_counter()
     found_h = run_machine(mutated, MACHINE_BOUNDS, max_examples=examples, steps=steps)

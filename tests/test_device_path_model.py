@@ -408,14 +408,14 @@ def test_induction_fails_without_the_handoff() -> None:
 
 
 def test_machine_passes_on_the_real_table() -> None:
-    from model_check.search.machine import run_machine
+    from model_check.search.run_machines import run_machine
 
     assert run_machine(TABLE, Bounds(4, 3), max_examples=60, steps=30) is None
 
 
 @pytest.mark.parametrize("name", ["dp_prepare_skips_handoff", "dp_check_errors_without_sync"])
 def test_machine_kills_mutants(name: str) -> None:
-    from model_check.search.machine import run_machine
+    from model_check.search.run_machines import run_machine
 
     table = device_mutant(name).apply(TABLE)
     assert run_machine(table, Bounds(4, 3), max_examples=200, steps=30) is not None

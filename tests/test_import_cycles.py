@@ -1,7 +1,8 @@
-"""No module of ``rowcache/`` imports a module that imports it back.
+"""No module of ``rowcache/``, ``model_check/`` or ``tools/`` imports a module that imports it
+back, directly or through others.
 
-Every module under ``rowcache/`` is parsed with ``ast``; its edges are the rowcache modules it
-names in an ``import`` or ``from ... import`` anywhere in it (at module level, under
+Every module under the three packages is parsed with ``ast``; its edges are the modules of
+the three it names in an ``import`` or ``from ... import`` anywhere in it (at module level, under
 ``TYPE_CHECKING``, or inside a function), relative imports resolved and ``from package import
 module`` taken as the module. The package a named module lives in is not an edge of its own
 (importing ``rowcache.x.y`` runs ``rowcache/x/__init__.py`` first, whatever imports it).
@@ -12,14 +13,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "rowcache"
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("rowcache", "model_check", "tools")
 
 
-def module_files() -> dict[str, Path]:
-    """Dotted name -> file, for every module and package under ``rowcache/``."""
+def module_files(repo: Path = REPO) -> dict[str, Path]:
+    """Dotted name -> file, for every module and package under the three packages."""
     modules: dict[str, Path] = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in sorted(p for package in PACKAGES for p in (repo / package).rglob("*.py")):
+        parts = list(path.relative_to(repo).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
@@ -27,7 +31,7 @@ def module_files() -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The rowcache modules ``name`` imports, anywhere in its source."""
+    """The modules of the three packages ``name`` imports, anywhere in its source."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -49,8 +53,8 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = module_files()
+def import_graph(repo: Path = REPO) -> dict[str, set[str]]:
+    modules = module_files(repo)
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
@@ -95,6 +99,9 @@ def test_the_graph_sees_imports_at_every_level() -> None:
     assert "rowcache.provider_base" in graph["rowcache.row_provider"]
     assert "rowcache.backends.cuda" in graph["rowcache.row_provider"]
     assert "rowcache.provider_base" in graph["rowcache.device_plan.provider"]
+    assert "model_check.search.property_violated" in graph["model_check.search.machine"]
+    assert "tools.vllm.harness.zygote" in graph["tools.vllm.harness.child"]
+    assert {name.partition(".")[0] for name in graph} == set(PACKAGES)
 
 
 def test_no_module_imports_one_that_imports_it_back() -> None:
@@ -110,3 +117,34 @@ def test_no_longer_import_cycles() -> None:
 def test_the_cycle_finder_finds_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}
     assert cycles(graph) == [["a", "b", "c"], ["e", "f"]]
+
+
+def _copy_packages(tmp_path: Path) -> Path:
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            target = tmp_path / path.relative_to(REPO)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(path.read_text())
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("module", "imported"),
+    [
+        ("rowcache/provider_base.py", "rowcache.row_provider"),
+        ("model_check/search/device_machine.py", "model_check.search.run_machines"),
+        ("tools/vllm/harness/zygote.py", "tools.vllm.harness.child"),
+    ],
+)
+def test_a_seeded_circle_in_each_package_is_found(
+    tmp_path: Path, module: str, imported: str
+) -> None:
+    """In a copy of the packages, a module imports (inside a function, as the circles these
+    packages once had did) a module that imports it: the checks above fail on each."""
+    repo = _copy_packages(tmp_path)
+    path = repo / module
+    path.write_text(path.read_text() + f"\n\ndef _seeded() -> None:\n    import {imported}\n")
+    graph = import_graph(repo)
+    name = module.removesuffix(".py").replace("/", ".")
+    assert any(name in component and imported in component for component in cycles(graph))
+    assert cycles(import_graph()) == []

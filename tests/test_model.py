@@ -8,7 +8,7 @@ import pytest
 
 from model_check.config import CHECKS, MUTANT_CHECKS, Check, Pinned, load_manifest
 from model_check.search import explore
-from model_check.search.machine import run_machine
+from model_check.search.run_machines import run_machine
 from model_check.streams.hb import NotExpressible, packing
 from model_check.streams.program import Packing, Pending, Recorder, run_program
 from model_check.streams.queues import QueueCall, host_call, initial_state

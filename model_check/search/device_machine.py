@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from model_check.search.machine import PropertyViolated
+from model_check.search.property_violated import PropertyViolated
 from model_check.streams.device_hb import Pend, Summary, device_program
 from model_check.streams.device_program import HostPart, call, initial_host, interpret
 from model_check.streams.device_queues import (

@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from model_check.search.property_violated import PropertyViolated
 from model_check.streams.hb import (
     HbState,
     NotExpressible,
@@ -39,13 +40,7 @@ from model_check.streams.queues import (
 )
 from model_check.table.properties import Violation
 from model_check.table.reference import Bounds
-from model_check.table.schema import DeviceTable, Table
-
-
-class PropertyViolated(AssertionError):
-    def __init__(self, violation: Violation, checker: str) -> None:
-        super().__init__(f"{checker}: {violation.prop}: {violation.detail}")
-        self.violation = violation
+from model_check.table.schema import Table
 
 
 def machine_for(
@@ -185,47 +180,3 @@ def machine_for(
 
     ModelMachine.__name__ = "ModelMachine"
     return ModelMachine
-
-
-def run_machine(
-    table: Table | DeviceTable,
-    bounds: Bounds,
-    *,
-    max_examples: int,
-    steps: int,
-    derandomize: bool = True,
-    lockstep: bool = True,
-) -> Violation | None:
-    """Run the machine of either path's table (the device-planned path's is
-    `device_machine.machine_for`); the violation it found (after shrinking), or None."""
-    if isinstance(table, DeviceTable):
-        from model_check.search.device_machine import machine_for as device_machine_for
-
-        machine = device_machine_for(table, bounds)
-    else:
-        machine = machine_for(table, bounds, lockstep=lockstep)
-    return run(machine, max_examples=max_examples, steps=steps, derandomize=derandomize)
-
-
-def run(
-    machine: type[RuleBasedStateMachine], *, max_examples: int, steps: int, derandomize: bool
-) -> Violation | None:
-    """Run a machine of either path; the violation it found (after shrinking), or None."""
-    from hypothesis import HealthCheck, settings
-    from hypothesis.stateful import run_state_machine_as_test
-
-    config = settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        derandomize=derandomize,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-        report_multiple_bugs=False,
-    )
-    try:
-        run_state_machine_as_test(machine, settings=config)
-    except PropertyViolated as found:
-        return found.violation
-    return None

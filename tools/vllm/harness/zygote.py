@@ -79,11 +79,12 @@ FORKED_ENV = "ROWCACHE_E2E_FORKED"
 
 
 def preload_vllm() -> None:
-    """What an engine's process imports before anything else (``child.run``)."""
+    """What an engine's process imports before anything else (``child.run``). The harness's
+    own engine code (``child``) is imported by ``e2e.py`` before it starts the zygote, which
+    hands ``child.main`` in: this module imports nothing of the harness that imports it back."""
     from vllm import LLM, SamplingParams  # noqa: F401
 
     import rowcache.vllm._config  # noqa: F401
-    import tools.vllm.harness.child  # noqa: F401
 
 
 def cuda_canary() -> None:
