@@ -1,0 +1,136 @@
+"""The GPU decode of bf16 planes (``rowcache.compress.bf16_planes``) into slots, in Triton.
+
+``decode_gather_kernel`` runs after the device planner's plan, like its gather: a fixed grid of
+programs walks the work items (miss, block of ``BLOCK`` values); the number of items comes
+from the miss count on the device, so with no miss every program returns after one load, and
+the launch is captured in a CUDA graph once. A work item reads the block's sign-mantissa bytes
+and exponent codes (on the host through unified addressing, or on the device), looks each code
+up in the 16-entry codebook, takes the escaped exponents from the block's range of the escape
+plane (the rank of an escape in its block is an exclusive prefix sum of the escape flags), and
+stores the reassembled 16 bits into the slot. Every store is masked by the block's end and by
+the miss count; a miss entry below 0 (never written below the count) writes nothing.
+
+``decode_into_slots`` is the launch; it takes the planes, the slot buffer and the device
+planner's miss list. Under ``TRITON_INTERPRET=1`` the same kernel runs on the CPU, which is how
+CI checks it against ``bf16_planes.decode_experts``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from rowcache.compress.bf16_planes import BLOCK, ESCAPE, Bf16Planes
+from rowcache.errors import InvalidInputError
+
+__all__ = ["decode_gather_kernel", "decode_into_slots"]
+
+
+@triton.jit
+def decode_gather_kernel(
+    codebook_ptr,
+    sm_ptr,
+    sm_stride,
+    codes_ptr,
+    codes_stride,
+    starts_ptr,
+    starts_stride,
+    escapes_ptr,
+    dst_ptr,
+    dst_stride,
+    n,
+    blocks,
+    miss_experts_ptr,
+    miss_slots_ptr,
+    miss_count_ptr,
+    capacity,
+    BLOCK: tl.constexpr,
+    ESCAPE: tl.constexpr,
+    MUTANT: tl.constexpr = 0,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # Seeded bug 2 decodes every entry of the miss list, not the first count.
+    if MUTANT == 2:  # noqa: SIM108 (a branch on a constexpr, resolved at compile time)
+        total = capacity * blocks
+    else:
+        total = tl.load(miss_count_ptr) * blocks
+    for item in range(pid, total, nprog):
+        m = item // blocks
+        b = item % blocks
+        expert = tl.load(miss_experts_ptr + m).to(tl.int64)
+        slot = tl.load(miss_slots_ptr + m).to(tl.int64)
+        if (expert >= 0) & (slot >= 0):
+            at = b * BLOCK + tl.arange(0, BLOCK)
+            inside = at < n
+            sm = tl.load(sm_ptr + expert * sm_stride + at, mask=inside, other=0).to(tl.int32)
+            pair = tl.load(codes_ptr + expert * codes_stride + at // 2, mask=inside, other=0)
+            code = (pair.to(tl.int32) >> ((at % 2) * 4).to(tl.int32)) & 0xF
+            exponent = tl.load(codebook_ptr + code).to(tl.int32)
+            escaped = (code == ESCAPE) & inside
+            flags = escaped.to(tl.int32)
+            rank = tl.cumsum(flags, axis=0) - flags  # escapes before this value in its block
+            if MUTANT == 1:  # seeded bug: the inclusive prefix sum (one escape late)
+                rank = rank + flags
+            start = tl.load(starts_ptr + expert * starts_stride + b)
+            escape = tl.load(escapes_ptr + start + rank, mask=escaped, other=0).to(tl.int32)
+            exponent = tl.where(escaped, escape, exponent)
+            bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
+            if MUTANT == 3:  # seeded bug: the sign is dropped
+                bits = bits & 0x7FFF
+            if MUTANT == 4:  # seeded bug: the last block's store is not cut at the expert's end
+                inside = at < blocks * BLOCK
+            tl.store(dst_ptr + slot * dst_stride + at, bits.to(tl.int16), mask=inside)
+
+
+def decode_into_slots(
+    planes: Bf16Planes,
+    slots: Tensor,
+    miss_experts: Tensor,
+    miss_slots: Tensor,
+    miss_count: Tensor,
+    *,
+    grid: int,
+    codebook: Tensor | None = None,
+    mutant: int = 0,
+) -> None:
+    """Decode the first ``miss_count`` misses (expert ``miss_experts[i]`` into slot
+    ``miss_slots[i]`` of the bf16 ``[C, ...]`` buffer ``slots``) with ``grid`` programs.
+
+    ``codebook`` is the planes' codebook where the kernel should read it (on the device, once:
+    the planes may live in host memory); the planes' own by default. ``mutant`` (tests only)
+    selects a seeded bug of the kernel."""
+    n = planes.values_per_expert
+    if slots.dtype.itemsize != 2 or slots.dim() < 1 or slots[0].numel() != n:
+        raise InvalidInputError(
+            f"bf16 planes of {n} values an expert decode into 16-bit [C, ...] slots of as many "
+            f"values, got {slots.dtype} of shape {tuple(slots.shape)}"
+        )
+    if not slots.is_contiguous() or grid < 1:
+        raise InvalidInputError(
+            f"the decode writes contiguous slots with >= 1 program, got strides "
+            f"{slots.stride()} and grid {grid}"
+        )
+    decode_gather_kernel[(grid,)](
+        planes.codebook if codebook is None else codebook,
+        planes.sign_mantissa,
+        planes.sign_mantissa.stride(0),
+        planes.codes,
+        planes.codes.stride(0),
+        planes.escape_starts,
+        planes.escape_starts.stride(0),
+        planes.escapes,
+        slots.view(slots.shape[0], -1).view(torch.int16),
+        n,
+        n,
+        planes.blocks_per_expert,
+        miss_experts,
+        miss_slots,
+        miss_count,
+        miss_experts.numel(),
+        BLOCK=BLOCK,
+        ESCAPE=ESCAPE,
+        MUTANT=mutant,
+    )
