@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rowcache.compress import BLOCK, decode_experts, encode  # noqa: E402
-from rowcache.compress.triton_decode import decode_into_slots  # noqa: E402
+from rowcache.compress import BLOCK, decode_experts, encode
+from rowcache.compress.triton_decode import decode_into_slots
 
 GUARD = 4096  # values of sentinel before and after the slots
 SENTINEL = 0x5A5A

@@ -6,10 +6,9 @@ and each seeded bug of the kernel caught."""
 
 from __future__ import annotations
 
+import decode_kernel_checks as checks
 import pytest
 import torch
-
-import decode_kernel_checks as checks
 
 
 @pytest.mark.parametrize("where", ["device", "pinned host"])
