@@ -1,0 +1,218 @@
+"""The decode of bf16 planes into slots against the pinned copy ceiling, in CUDA graphs:
+``python -m rowcache.bench.decode_gather --out DIR``.
+
+One layer of Qwen3-30B-A3B expert shapes (``E`` experts of w13 ``[2I, H]`` and w2 ``[H, I]``
+in bf16, Gaussian weights as the checkpoint builder makes them) is encoded into bf16 planes
+(``rowcache.compress``) held in pinned host memory. For each miss count ``m`` (1, 2, 8, 32):
+
+* **decode**: a CUDA graph of the two decode launches (w13 and w2) over a miss list of ``m``
+  experts, reading the planes through unified addressing and writing decoded bf16 into slots,
+  is captured once and replayed; each replay is timed with CUDA events, and the bytes
+  *decoded* (``m`` experts' bf16 bytes) over the median time is the decoded rate;
+* **ceiling**: one pinned host-to-device copy of the same ``m`` experts' bf16 bytes, timed the
+  same way (what an uncompressed miss moves at best over the same link);
+* the slots after the decode are checked bit for bit against the source experts before any
+  time is recorded (a decode that is fast and wrong is reported as wrong, not timed).
+
+Writes ``decode_gather.json`` (per count: medians, the rates, their ratio, the planes' ratio
+and the encode rate on the device and on the host) and prints a table. ``--device cpu`` runs
+the same code under Triton's interpreter (``TRITON_INTERPRET=1``) at ``--quick`` shapes, with
+host timers and no graphs: a check of the bench itself, its times meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rowcache.compress import Bf16Planes, encode
+
+__all__ = ["main"]
+
+MISSES = (1, 2, 8, 32)
+QWEN3 = {"experts": 128, "hidden": 2048, "intermediate": 768}
+QUICK = {"experts": 6, "hidden": 64, "intermediate": 24}
+PROGRAMS_PER_SM = 8
+
+
+def _planes_on(planes: Bf16Planes, device: torch.device, pinned: bool) -> Bf16Planes:
+    def placed(t: Tensor) -> Tensor:
+        return t.cpu().pin_memory() if pinned else t.to(device)
+
+    return Bf16Planes(
+        shape=planes.shape,
+        codebook=planes.codebook.to(device),  # 16 bytes the kernel reads on every value
+        sign_mantissa=placed(planes.sign_mantissa),
+        codes=placed(planes.codes),
+        escape_starts=placed(planes.escape_starts),
+        escapes=placed(planes.escapes),
+    )
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """Seconds one call of ``fn`` takes: CUDA events on a GPU, the host clock elsewhere."""
+
+    def timed(fn: Callable[[], None]) -> float:
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+        began = time.perf_counter()
+        fn()
+        return time.perf_counter() - began
+
+    return timed
+
+
+def _encode_rate(weights: Tensor) -> dict[str, float]:
+    """GB/s (bf16 bytes in) of ``encode`` where ``weights`` lives, and of the planes' ratio."""
+    began = time.perf_counter()
+    planes = encode(weights)
+    if weights.device.type == "cuda":
+        torch.cuda.synchronize(weights.device)
+    seconds = time.perf_counter() - began
+    return {"gb_per_s": planes.raw_nbytes / seconds / 1e9, "ratio": planes.ratio}
+
+
+def measure(
+    shape: dict[str, int], device: torch.device, *, repeats: int, warmup: int
+) -> dict[str, Any]:
+    from rowcache.compress.triton_decode import decode_into_slots
+
+    experts, hidden, inter = shape["experts"], shape["hidden"], shape["intermediate"]
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(torch.bfloat16)
+    on_gpu = device.type == "cuda"
+    encode_host = _encode_rate(w13)
+    encode_device = _encode_rate(w13.to(device)) if on_gpu else None
+    planes = [_planes_on(encode(w), device, pinned=on_gpu) for w in (w13, w2)]
+    capacity = max(MISSES) if experts >= max(MISSES) else experts
+    slots = [torch.empty((capacity, *w.shape[1:]), dtype=w.dtype, device=device) for w in (w13, w2)]
+    expert_bytes = sum(w[0].numel() * w.element_size() for w in (w13, w2))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
+    timed = _timer(device)
+    rows: list[dict[str, Any]] = []
+    for misses in (m for m in MISSES if m <= capacity):
+        chosen = torch.randperm(experts, generator=gen)[:misses]
+        miss_experts = torch.full((capacity,), -1, dtype=torch.int32)
+        miss_slots = torch.full((capacity,), -1, dtype=torch.int32)
+        miss_experts[:misses] = chosen.to(torch.int32)
+        miss_slots[:misses] = torch.arange(misses, dtype=torch.int32)
+        lists = [t.to(device) for t in (miss_experts, miss_slots)]
+        count = torch.tensor(misses, dtype=torch.int32, device=device)
+
+        def decode(lists: list[Tensor] = lists, count: Tensor = count) -> None:
+            for p, s in zip(planes, slots, strict=True):
+                decode_into_slots(p, s, lists[0], lists[1], count, grid=sms * PROGRAMS_PER_SM)
+
+        run: Callable[[], None] = decode
+        if on_gpu:
+            decode()  # compiles the kernel outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                decode()
+            run = graph.replay
+        run()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        for s, w in zip(slots, (w13, w2), strict=True):
+            got = s[:misses].cpu().view(torch.int16)
+            if not torch.equal(got, w[chosen].view(torch.int16)):
+                raise SystemExit(f"decode_gather: {misses} misses decoded wrong bytes")
+        raw = torch.empty(misses * expert_bytes, dtype=torch.uint8, pin_memory=on_gpu)
+        target = torch.empty_like(raw, device=device)
+
+        def copy(raw: Tensor = raw, target: Tensor = target) -> None:
+            target.copy_(raw, non_blocking=True)
+
+        decode_s = [timed(run) for _ in range(warmup + repeats)][warmup:]
+        copy_s = [timed(copy) for _ in range(warmup + repeats)][warmup:]
+        decoded = misses * expert_bytes
+        moved = sum(p.expert_nbytes(int(e)) for p in planes for e in chosen)
+        rows.append(
+            {
+                "misses": misses,
+                "decoded_bytes": decoded,
+                "compressed_bytes_read": moved,
+                "decode_s_median": statistics.median(decode_s),
+                "copy_s_median": statistics.median(copy_s),
+                "decode_gb_per_s": decoded / statistics.median(decode_s) / 1e9,
+                "copy_gb_per_s": decoded / statistics.median(copy_s) / 1e9,
+                "decode_over_copy": statistics.median(copy_s) / statistics.median(decode_s),
+                "decode_s": decode_s,
+                "copy_s": copy_s,
+            }
+        )
+    return {
+        "shape": shape,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "planes_ratio": {"w13": planes[0].ratio, "w2": planes[1].ratio},
+        "encode_host": encode_host,
+        "encode_device": encode_device,
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    lines = [
+        f"{'misses':>7}{'decoded MB':>12}{'read MB':>10}{'decode us':>11}{'copy us':>10}"
+        f"{'decode GB/s':>13}{'copy GB/s':>11}{'decode/copy':>13}"
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['misses']:>7}{r['decoded_bytes'] / 1e6:>12.2f}"
+            f"{r['compressed_bytes_read'] / 1e6:>10.2f}{r['decode_s_median'] * 1e6:>11.1f}"
+            f"{r['copy_s_median'] * 1e6:>10.1f}{r['decode_gb_per_s']:>13.2f}"
+            f"{r['copy_gb_per_s']:>11.2f}{r['decode_over_copy']:>12.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rowcache.bench.decode_gather")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("decode_gather: --device cuda needs a CUDA device (none here)", file=sys.stderr)
+        return 2
+    quick = args.quick or device.type != "cuda"
+    result = measure(
+        QUICK if quick else QWEN3,
+        device,
+        repeats=3 if quick else args.repeats,
+        warmup=1 if quick else 5,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_gather.json").write_text(json.dumps(result, indent=1))
+    print(format_rows(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
