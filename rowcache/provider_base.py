@@ -185,6 +185,7 @@ class RowCacheWeightProvider(SlotSurface):
         kernels: str | None = None,
         share_sources: bool = False,
         split: Split = "expert",
+        compress: bool = False,
         planner: Literal["device"],
     ) -> RowCacheWeightProvider: ...
 

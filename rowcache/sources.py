@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rowcache.compress import Bf16Planes, decode_experts, encode
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout, pack_offsets, packed_storage, packed_views
 
@@ -37,6 +38,10 @@ SOURCE_NAMES = (
 
 PAIRS = (("w13_scale_2", "w2_scale_2"), ("w13_bias", "w2_bias"))
 """Optional sources that come together or not at all."""
+
+COMPRESSED = ("w13", "w2")
+"""The sources ``compress=True`` holds as bf16 planes (``rowcache.compress``); the scales and
+biases, a few percent of an expert, stay as they are."""
 
 
 def _describe(t: Tensor) -> str:
@@ -86,9 +91,16 @@ class ExpertSources:
     ``layout="packed"`` (``rowcache.packing``) copies every source into one host buffer
     ``[E, P]`` (pinned for a CUDA target) holding each expert's tensors in one byte range, and
     keeps only that copy; the slot buffers then follow the same layout.
+
+    ``compress=True`` holds ``w13`` and ``w2`` (bf16) as bf16 planes (``rowcache.compress``:
+    lossless, about three quarters of the bytes, pinned for a CUDA target) and nothing else of
+    them: ``planes`` has them, ``copied()`` leaves them out (a miss decodes them into the slots
+    instead of copying them), and ``tensors()`` gives for each a tensor on the ``meta`` device
+    of its shape and dtype, which sizes the slots and fails loudly if anything copies from it.
+    It takes the separate layout and the provider's own copy (not ``share``).
     """
 
-    __slots__ = ("_tensors", "device", "layout", "num_experts", "pack", "shared")
+    __slots__ = ("_tensors", "device", "layout", "num_experts", "pack", "planes", "shared")
 
     def __init__(
         self,
@@ -104,12 +116,20 @@ class ExpertSources:
         device: torch.device | str,
         layout: Layout = "separate",
         share: bool = False,
+        compress: bool = False,
     ) -> None:
         target = torch.device(device)
         checked_layout = check_layout(layout)
-        if not isinstance(share, bool):
+        for flag, value in (("share_sources", share), ("compress", compress)):
+            if not isinstance(value, bool):
+                raise InvalidInputError(
+                    f"{flag} must be a bool, got {value!r} ({type(value).__name__})"
+                )
+        if compress and (share or checked_layout == "packed"):
             raise InvalidInputError(
-                f"share_sources must be a bool, got {share!r} ({type(share).__name__})"
+                "compress=True holds w13 and w2 as bf16 planes of its own: it takes "
+                f"layout='separate' and share_sources=False, got layout={checked_layout!r} and "
+                f"share_sources={share}"
             )
         if share and checked_layout == "packed":
             raise InvalidInputError(
@@ -150,6 +170,13 @@ class ExpertSources:
         num_experts = experts["w13"]
         if num_experts == 0:
             raise InvalidInputError("expert sources hold no experts (E=0)")
+        if compress:
+            dtypes = {n: t.dtype for n, t in present_items if n in COMPRESSED}
+            other = [f"{n} is {d}" for n, d in dtypes.items() if d != torch.bfloat16]
+            if other:
+                raise InvalidInputError(
+                    "compress=True holds bf16 w13 and w2 as bf16 planes, but " + ", ".join(other)
+                )
 
         self.pack: tuple[list[int], int] | None = None
         """(byte offset of each tensor in ``SOURCE_NAMES`` order, range size) when packed."""
@@ -176,7 +203,16 @@ class ExpertSources:
                     )
         else:
             own = _pinned_copy if _needs_pinning(target) else _host_copy
-            given = {n: None if t is None else own(t) for n, t in given.items()}
+            kept = {n: t for n, t in given.items() if not (compress and n in COMPRESSED)}
+            given = {**given, **{n: None if t is None else own(t) for n, t in kept.items()}}
+        self.planes: dict[str, Bf16Planes] = {}
+        """The sources held as bf16 planes (``compress=True``: w13 and w2), by name."""
+        if compress:
+            for name in COMPRESSED:
+                source = given[name]
+                assert source is not None
+                self.planes[name] = _planes_copy(encode(source), pinned=_needs_pinning(target))
+                given[name] = torch.empty(source.shape, dtype=source.dtype, device="meta")
         self._tensors = given
         self.device = target
         self.layout: Layout = checked_layout
@@ -221,8 +257,24 @@ class ExpertSources:
         return self._tensors["w2_bias"]
 
     def tensors(self) -> tuple[Tensor | None, ...]:
-        """All eight sources in ``SOURCE_NAMES`` order, None where absent."""
+        """All eight sources in ``SOURCE_NAMES`` order, None where absent (a compressed one
+        as its ``meta`` stand-in: shape and dtype, no bytes)."""
         return tuple(self._tensors[n] for n in SOURCE_NAMES)
+
+    def copied(self) -> tuple[Tensor | None, ...]:
+        """The sources a miss copies as bytes, in ``SOURCE_NAMES`` order: ``tensors()`` with
+        None for those held as planes (a miss decodes those)."""
+        return tuple(None if n in self.planes else self._tensors[n] for n in SOURCE_NAMES)
+
+    def expert_host_bytes(self, name: str, expert: int) -> Tensor:
+        """The bytes expert ``expert`` of source ``name`` holds, as a slot must hold them (a
+        compressed source decoded on the host): for audits, not for a forward."""
+        if name in self.planes:
+            return decode_experts(self.planes[name], [expert])[0].reshape(-1).view(torch.uint8)
+        source = self._tensors[name]
+        if source is None:
+            raise InvalidInputError(f"these sources hold no {name}")
+        return source[expert].reshape(-1).contiguous().view(torch.uint8)
 
     @property
     def expert_bytes(self) -> int:
@@ -235,8 +287,23 @@ class ExpertSources:
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory held by the sources (all experts, all eight tensors, and the
-        alignment padding of a packed layout)."""
-        return _storage_bytes(self._tensors.values())
+        alignment padding of a packed layout; the planes of compressed ones)."""
+        planes = sum(p.nbytes for p in self.planes.values())
+        return _storage_bytes(self.copied()) + planes
+
+
+def _planes_copy(planes: Bf16Planes, *, pinned: bool) -> Bf16Planes:
+    """``planes`` with every plane in pinned host memory (``pinned``) or as it is."""
+    if not pinned:
+        return planes
+    return Bf16Planes(
+        shape=planes.shape,
+        codebook=planes.codebook.pin_memory(),
+        sign_mantissa=planes.sign_mantissa.pin_memory(),
+        codes=planes.codes.pin_memory(),
+        escape_starts=planes.escape_starts.pin_memory(),
+        escapes=planes.escapes.pin_memory(),
+    )
 
 
 def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:

@@ -49,10 +49,12 @@ class SlotSurface:
         device: torch.device,
         layout: Layout = "separate",
         share_sources: bool = False,
+        compress: bool = False,
     ) -> None:
         """Validate the split and the sources (copied into host memory the provider owns
-        unless ``share_sources``: ``rowcache.sources.ExpertSources``), allocate ``capacity``
-        slots on ``device`` in ``layout`` (``rowcache.packing``)."""
+        unless ``share_sources``, w13 and w2 as bf16 planes with ``compress``:
+        ``rowcache.sources.ExpertSources``), allocate ``capacity`` slots on ``device`` in
+        ``layout`` (``rowcache.packing``)."""
         self._split = check_split(split)
         self._device = device
         self._sources = ExpertSources(
@@ -67,6 +69,7 @@ class SlotSurface:
             device=device,
             layout=layout,
             share=share_sources,
+            compress=compress,
         )
         self._slots = allocate_slot_buffers(self._sources, capacity, device)
         self._capacity = capacity
@@ -108,7 +111,7 @@ class SlotSurface:
             if source is None or slots is None:
                 continue
             for expert, slot in sorted(resident.items()):
-                host = source[expert].reshape(-1).contiguous().view(torch.uint8)
+                host = self._sources.expert_host_bytes(name, expert)
                 held = slots[slot].to("cpu").reshape(-1).contiguous().view(torch.uint8)
                 if not torch.equal(host, held):
                     bad.append(f"expert {expert} slot {slot}: {name}")

@@ -58,8 +58,18 @@ def weights(seed: int = 0, geometry: str = "f32") -> dict[str, Tensor]:
     """``f32``: six float32 tensors; ``fp8_block``: vLLM's block-scaled FP8 experts
     (float8_e4m3fn weights as random bytes, float32 block scales ``[E, 2, 3]`` and ``[E, 3, 1]``,
     whose 12-byte rows the gather copies in bytes); ``mxfp4``: gpt-oss's experts (packed uint8
-    values, uint8 e8m0 scales, float32 biases; ``test_mxfp4_slots``)."""
+    values, uint8 e8m0 scales, float32 biases; ``test_mxfp4_slots``); ``compressed``: bf16
+    weights over many binades with every special class among them (the device provider holds
+    them compressed, ``compress=True``, and its slots must still hold every bit)."""
     gen = torch.Generator().manual_seed(seed)
+    if geometry == "compressed":
+        scale = torch.exp2(torch.randint(-24, 8, (E, 2 * INTER * H), generator=gen).float())
+        w13 = (torch.randn(E, 2 * INTER * H, generator=gen) * scale).to(torch.bfloat16)
+        specials = [0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7FC1, 0xFF81]
+        bits = torch.tensor([b - 0x10000 if b >= 0x8000 else b for b in specials])
+        w13.view(torch.int16)[:, : len(specials)] = bits.to(torch.int16)
+        w2 = (torch.randn(E, H, INTER, generator=gen) * 0.02).to(torch.bfloat16)
+        return {"w13": w13.reshape(E, 2 * INTER, H), "w2": w2}
     if geometry == "mxfp4":
         from test_mxfp4_slots import mxfp4_sources
 
@@ -98,16 +108,19 @@ def groups_of(rows: list[list[int]], slot_of: tuple[int, ...]) -> list[list[int]
 class Lockstep(RuleBasedStateMachine):
     @initialize(
         layout=st.sampled_from(["separate", "packed"]),
-        geometry=st.sampled_from(["f32", "fp8_block", "mxfp4"]),
+        geometry=st.sampled_from(["f32", "fp8_block", "mxfp4", "compressed"]),
     )
     def start(self, layout: str, geometry: str) -> None:
         self.w = weights(geometry=geometry)
+        compress = geometry == "compressed"
         self.device = DevicePlannedProvider(
             **self.w,
             capacity=C,
             device="cpu",
-            layout=layout,  # type: ignore[arg-type]
+            layout="separate" if compress else layout,  # type: ignore[arg-type]
+            compress=compress,
         )
+        assert bool(self.device._sources.planes) == compress
         self.host = RowCacheWeightProvider(**self.w, capacity=C, device="cpu", split="expert")
         self.bounds = Bounds(E, C)
         self.model = initial_host(self.bounds)

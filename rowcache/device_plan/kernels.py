@@ -13,10 +13,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from rowcache.compress import Bf16Planes, decode_experts
 from rowcache.device_plan.regions import CHUNK_BYTES, chunk_table, copy_regions
 from rowcache.device_plan.state import DeviceCacheState
 from rowcache.device_plan.torch_planner import invalidate_expert, plan_pass
-from rowcache.sources import ExpertSources, SlotBuffers
+from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
 
 __all__ = ["Kernels", "TorchKernels", "TritonKernels", "kernels_for"]
 
@@ -35,16 +36,19 @@ class Kernels(Protocol):
 
 class TorchKernels:
     """Torch operations; the miss copies read the miss count back, so this serves the CPU
-    (where nothing is asynchronous) and tests, not a captured graph."""
+    (where nothing is asynchronous) and tests, not a captured graph. Sources held as bf16
+    planes are decoded by the reference decode (``rowcache.compress.decode_experts``)."""
 
     name = "torch"
 
     def __init__(self, sources: ExpertSources, slots: SlotBuffers) -> None:
         self._pairs = [
             (src, dst)
-            for src, dst in zip(sources.tensors(), slots.tensors(), strict=True)
+            for src, dst in zip(sources.copied(), slots.tensors(), strict=True)
             if src is not None and dst is not None
         ]
+        buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
+        self._decoded = [(planes, buffers[name]) for name, planes in sources.planes.items()]
 
     def plan(
         self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
@@ -63,6 +67,9 @@ class TorchKernels:
         for expert, slot in pairs:
             for src, dst in self._pairs:
                 dst[slot].copy_(src[expert])
+            for planes, buffer in self._decoded:
+                assert buffer is not None
+                buffer[slot].copy_(decode_experts(planes, [expert])[0])
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
         invalidate_expert(state, expert_id)
@@ -122,6 +129,15 @@ class TritonKernels:
         self._block_c = _block(capacity)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._gather_grid = (sms * programs_per_sm,)
+        # Sources held as bf16 planes: decoded into their slots after the copies, by the same
+        # miss list; the 16-byte codebook read on the device, the planes through unified
+        # addressing like every other source.
+        buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
+        self._decoded: list[tuple[Bf16Planes, Tensor, Tensor]] = []
+        for name, planes in sources.planes.items():
+            buffer = buffers[name]
+            assert buffer is not None
+            self._decoded.append((planes, buffer, planes.codebook.to(device)))
 
     def plan(
         self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
@@ -172,6 +188,19 @@ class TritonKernels:
             MUTANT=self._mutant,
             num_warps=self._gather_warps,
         )
+        if self._decoded:
+            from rowcache.compress.triton_decode import decode_into_slots
+
+            for planes, buffer, codebook in self._decoded:
+                decode_into_slots(
+                    planes,
+                    buffer,
+                    state.miss_experts,
+                    state.miss_slots,
+                    state.miss_count,
+                    grid=self._gather_grid[0],
+                    codebook=codebook,
+                )
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
         from rowcache.device_plan.triton_kernels import invalidate_kernel

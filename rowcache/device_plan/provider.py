@@ -44,7 +44,6 @@ from torch import Tensor
 
 from rowcache.device_plan.kernels import Kernels, kernels_for
 from rowcache.device_plan.passes import num_passes
-from rowcache.device_plan.regions import copy_regions
 from rowcache.device_plan.state import (
     COUNTERS,
     DeviceCacheState,
@@ -80,7 +79,10 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
     ``RowCacheWeightProvider(..., planner="device")`` builds.
 
     ``kernels``: ``"triton"`` (the fused launches; the default on CUDA) or ``"torch"`` (torch
-    operations; the default on the CPU). The split is always by expert groups (``"expert"``):
+    operations; the default on the CPU). ``compress=True`` holds bf16 ``w13`` and ``w2`` as
+    lossless bf16 planes in host memory (``rowcache.compress``: about three quarters of the
+    bytes) and decodes each miss into its slots after the gather, by the same miss list. The
+    split is always by expert groups (``"expert"``):
     passes over all rows, summed in fp32 when there is more than one. A sibling of the host
     planner's ``rowcache.row_provider.HostPlannedProvider`` (the same policy and inspection
     surface, ``rowcache.provider_base``): it has no copy backend (its copies are the gather
@@ -104,6 +106,7 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
         kernels: str | None = None,
         share_sources: bool = False,
         split: Split = "expert",
+        compress: bool = False,
         planner: Planner = "device",
     ) -> None:
         target = torch.device(device)
@@ -131,10 +134,11 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
             device=target,
             layout=layout,
             share_sources=share_sources,
+            compress=compress,
         )
         self._kernels: Kernels = kernels_for(self._sources, self._slots, self._num_experts, kernels)
         self._state: DeviceCacheState = new_state(self._num_experts, capacity, target)
-        self._expert_bytes = sum(r.row_bytes for r in copy_regions(self._sources, self._slots))
+        self._expert_bytes = self._sources.expert_bytes  # what a miss writes into its slots
         self._cuda = target.type == "cuda"
         # The streams the handoff runs on (none on the CPU: no handoff, no owner).
         self._streams: Streams[Any] | None = CudaStreams(target) if self._cuda else None

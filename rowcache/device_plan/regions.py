@@ -65,7 +65,8 @@ def _region(name: str, src: Tensor, dst: Tensor) -> Region:
 
 
 def copy_regions(sources: ExpertSources, slots: SlotBuffers) -> list[Region]:
-    """The regions of these sources and slots: one packed range, or one per present tensor."""
+    """The regions of these sources and slots: one packed range, or one per present tensor
+    that a miss copies as bytes (not those held as bf16 planes, which a miss decodes)."""
     if sources.pack is not None:
         _, size = sources.pack
         src_base = sources.w13.untyped_storage().data_ptr()
@@ -73,7 +74,7 @@ def copy_regions(sources: ExpertSources, slots: SlotBuffers) -> list[Region]:
         return [Region("packed", src_base, size, dst_base, size, size)]
     return [
         _region(name, src, dst)
-        for name, src, dst in zip(SOURCE_NAMES, sources.tensors(), slots.tensors(), strict=True)
+        for name, src, dst in zip(SOURCE_NAMES, sources.copied(), slots.tensors(), strict=True)
         if src is not None and dst is not None
     ]
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("where", ["device", "pinned host"])
+@pytest.mark.parametrize("where", ["device", "pinned_host"])
 def test_the_kernel_decodes_every_case_exactly(where: str) -> None:
     failures = []
     for case in checks.cases():
-        failures += checks.run_case(case, torch.device("cuda"), 0, pinned=where == "pinned host")
+        failures += checks.run_case(case, torch.device("cuda"), 0, pinned=where == "pinned_host")
     assert failures == []
 
 

@@ -50,10 +50,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 from race_verdict import Observation, Outcome, Role, log_outcomes, settle
 from torch import Tensor
 
+from rowcache.compress import decode
 from rowcache.device_plan.kernels import TritonKernels
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.device_plan.state import COUNTERS
 from rowcache.packing import Layout
+from rowcache.sources import SOURCE_NAMES
 
 pytestmark = pytest.mark.cuda
 
@@ -62,7 +64,14 @@ SIZES = (1, 2, 3)  # captured batch sizes; eager forwards use 1 to 5 rows
 EXAMPLES = int(os.environ.get("ROWCACHE_CUDA_EXAMPLES", "200"))
 # Examples in every lockstep cell; unset or empty: the cell's share of EXAMPLES.
 PER_CELL = int(os.environ.get("ROWCACHE_LOCKSTEP_EXAMPLES") or 0)
-GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block", "mxfp4")
+GEOMETRIES = ("bf16", "bf16_scaled", "nvfp4", "fp8_block", "mxfp4", "compressed")
+# The compressed geometry holds its sources as bf16 planes, which take the separate layout only.
+CELLS = [
+    (g, lay)
+    for g in GEOMETRIES
+    for lay in ("separate", "packed")
+    if (g, lay) != ("compressed", "packed")
+]
 RACE_RUNS = [f"run{n}" for n in range(1, int(os.environ.get("ROWCACHE_RACE_RUNS", "5")) + 1)]
 
 
@@ -91,12 +100,23 @@ def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
     block scales [E, 2, 3] and [E, 3, 1] for H=384, I=128; the 12-byte w2 scale rows take the
     byte path in the separate layout) or gpt-oss's MXFP4 (six: packed uint8 values [E, 2I, H/2]
     and [E, H, I/2], uint8 e8m0 scales [E, 2I, H/32] and [E, H, I/32], float32 biases [E, 2I]
-    and [E, H], for H=64, I=32, all as random bytes)."""
+    and [E, H], for H=64, I=32, all as random bytes) or bf16 held compressed (two: bf16 over
+    many binades, every special class among them, so that the decode escapes in every block)."""
     gen = torch.Generator().manual_seed(seed)
 
     def raw(*shape: int) -> Tensor:
         return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
 
+    if geometry == "compressed":
+        scale = torch.exp2(torch.randint(-24, 8, (E, 64 * 32), generator=gen).float())
+        w13 = (torch.randn(E, 64 * 32, generator=gen) * scale).to(torch.bfloat16)
+        specials = [0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7FC1, 0xFF81]
+        bits = torch.tensor([b - 0x10000 if b >= 0x8000 else b for b in specials])
+        w13.view(torch.int16)[:, : len(specials)] = bits.to(torch.int16)
+        return {
+            "w13": w13.reshape(E, 64, 32),
+            "w2": (torch.randn(E, 32, 32, generator=gen) * 0.02).to(torch.bfloat16),
+        }
     if geometry == "bf16":
         return {
             "w13": torch.randn(E, 64, 32, generator=gen).to(torch.bfloat16),
@@ -136,7 +156,7 @@ def sources(geometry: str, seed: int = 0) -> dict[str, Tensor]:
 
 
 def provider(
-    tensors: dict[str, Tensor], device: str, layout: Layout, mutant: int = 0
+    tensors: dict[str, Tensor], device: str, layout: Layout, mutant: int = 0, compress: bool = False
 ) -> DevicePlannedProvider:
     p = DevicePlannedProvider(
         **{k: v.pin_memory() if device == "cuda" else v for k, v in tensors.items()},
@@ -144,6 +164,7 @@ def provider(
         device=device,
         layout=layout,
         kernels="triton" if device == "cuda" else "torch",
+        compress=compress,
     )
     if mutant:
         p._kernels = TritonKernels(p._sources, p._slots, E, mutant=mutant)
@@ -155,7 +176,13 @@ def slot_buffers(p: DevicePlannedProvider) -> list[Tensor]:
 
 
 def host_rows(p: DevicePlannedProvider) -> list[Tensor]:
-    return [t for t in p._sources.tensors() if t is not None]
+    """Every present source as the slots must hold it (a compressed one decoded on the host)."""
+    planes = p._sources.planes
+    return [
+        decode(planes[name]) if name in planes else t
+        for name, t in zip(SOURCE_NAMES, p._sources.tensors(), strict=True)
+        if t is not None
+    ]
 
 
 def as_bytes(t: Tensor) -> Tensor:
@@ -192,6 +219,7 @@ class Harness:
     layout: Layout
     mutant: int = 0
     handoff_mutant: str | None = None  # the provider runs the handoff of this mutant's table
+    compress: bool = field(init=False)
     gpu: DevicePlannedProvider = field(init=False)
     ref: DevicePlannedProvider = field(init=False)
     graphs: dict[int, Captured] = field(default_factory=dict)
@@ -199,17 +227,18 @@ class Harness:
 
     def __post_init__(self) -> None:
         tensors = sources(self.geometry)
-        self.gpu = provider(tensors, "cuda", self.layout, self.mutant)
+        self.compress = self.geometry == "compressed"
+        self.gpu = provider(tensors, "cuda", self.layout, self.mutant, self.compress)
         if self.handoff_mutant is not None:
             install_mutant(self.gpu, self.handoff_mutant)
-        self.ref = provider(tensors, "cpu", self.layout)
+        self.ref = provider(tensors, "cpu", self.layout, compress=self.compress)
         self.streams = [torch.cuda.Stream() for _ in range(2)]
         self._warm(tensors)
 
     def _warm(self, tensors: dict[str, Tensor]) -> None:
         """Compile every kernel specialization the captures use, on a throwaway cache (a
         compilation cannot happen inside a capture)."""
-        scratch = provider(tensors, "cuda", self.layout, self.mutant)
+        scratch = provider(tensors, "cuda", self.layout, self.mutant, self.compress)
         for rows in (*SIZES, 4, 5):
             ids = torch.zeros(rows, K, dtype=torch.int32, device="cuda")
             total = scratch.num_passes(ids)
@@ -356,8 +385,7 @@ def run_machine(geometry: str, layout: Layout, examples: int, mutant: int = 0) -
     )
 
 
-@pytest.mark.parametrize("layout", ["separate", "packed"])
-@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize(("geometry", "layout"), CELLS)
 def test_device_planner_in_lockstep_inside_graphs(geometry: str, layout: Layout) -> None:
     # PER_CELL each, else EXAMPLES x 5/3 in all (NVFP4, six tensors, a third of them per layout,
     # the four others a sixth), over the ten geometry x layout cells.
