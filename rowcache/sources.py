@@ -97,7 +97,8 @@ class ExpertSources:
     them: ``planes`` has them, ``copied()`` leaves them out (a miss decodes them into the slots
     instead of copying them), and ``tensors()`` gives for each a tensor on the ``meta`` device
     of its shape and dtype, which sizes the slots and fails loudly if anything copies from it.
-    It takes the separate layout and the provider's own copy (not ``share``).
+    It takes the separate layout; with ``share`` the other sources are the caller's tensors
+    and w13 and w2 are read once, to encode them (the caller may then free its copies).
     """
 
     __slots__ = ("_tensors", "device", "layout", "num_experts", "pack", "planes", "shared")
@@ -125,11 +126,10 @@ class ExpertSources:
                 raise InvalidInputError(
                     f"{flag} must be a bool, got {value!r} ({type(value).__name__})"
                 )
-        if compress and (share or checked_layout == "packed"):
+        if compress and checked_layout == "packed":
             raise InvalidInputError(
-                "compress=True holds w13 and w2 as bf16 planes of its own: it takes "
-                f"layout='separate' and share_sources=False, got layout={checked_layout!r} and "
-                f"share_sources={share}"
+                "compress=True holds w13 and w2 as bf16 planes of their own, which take "
+                f"layout='separate', got layout={checked_layout!r}"
             )
         if share and checked_layout == "packed":
             raise InvalidInputError(
@@ -194,7 +194,11 @@ class ExpertSources:
             self.pack = (offsets, size)
         elif share:
             if _needs_pinning(target):
-                unpinned = [n for n, t in present_items if not t.is_pinned()]
+                unpinned = [
+                    n
+                    for n, t in present_items
+                    if not t.is_pinned() and not (compress and n in COMPRESSED)
+                ]
                 if unpinned:
                     raise InvalidInputError(
                         f"share_sources=True on {target} needs pinned sources, and "

@@ -124,8 +124,7 @@ def test_a_wrong_decode_is_caught_by_the_audit(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"layout": "packed"}, "takes layout='separate' and share_sources=False, got layout="),
-        ({"share_sources": True}, "share_sources=True"),
+        ({"layout": "packed"}, "which take layout='separate', got layout='packed'"),
         ({"compress": "yes"}, "compress must be a bool, got 'yes' (str)"),
     ],
 )
@@ -133,6 +132,17 @@ def test_settings_the_format_cannot_take_are_refused(change: dict[str, Any], mes
     args: dict[str, Any] = {"compress": True, **change}
     with pytest.raises(InvalidInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RowCacheWeightProvider(**weights(), capacity=C, device="cpu", planner="device", **args)
+
+
+def test_shared_sources_keep_the_scales_and_encode_the_weights() -> None:
+    """With ``share_sources`` the scales are the caller's tensors (an in-place write reaches a
+    later miss, as for every shared source) and w13 and w2 are planes of their own."""
+    w = weights()
+    sources = ExpertSources(**w, device="cpu", share=True, compress=True)
+    assert sources.tensors()[2] is w["w13_scale"]
+    assert set(sources.planes) == {"w13", "w2"}
+    w["w13"].zero_()  # the caller's copy no longer matters
+    assert not torch.equal(decode_experts(sources.planes["w13"], [0])[0], w["w13"][0])
 
 
 def test_experts_that_are_not_bf16_are_refused() -> None:

@@ -173,3 +173,45 @@ def test_planner_defaults_to_host_and_device_splits_by_expert() -> None:
 def test_describe() -> None:
     assert "32 slots" in CacheSettings(size=32).describe()
     assert "off" in CacheSettings(eager_between_graphs=True).describe()
+
+
+def test_compress_defaults_to_auto_which_is_off() -> None:
+    settings = parse_settings(cfg(moe_expert_cache_size=8, moe_expert_cache_planner="device"), {})
+    assert settings.compress == "auto" and not settings.compress_planes
+    assert "bf16 planes" not in settings.describe()
+    assert ENV["moe_expert_cache_compress"] == "ROWCACHE_MOE_EXPERT_CACHE_COMPRESS"
+
+
+def test_compress_on_with_the_device_planner_holds_planes() -> None:
+    settings = parse_settings(
+        cfg(moe_expert_cache_size=8, moe_expert_cache_planner="device"),
+        {"ROWCACHE_MOE_EXPERT_CACHE_COMPRESS": " On "},
+    )
+    assert settings.compress == "on" and settings.compress_planes
+    assert settings.describe().endswith("planned on the device, experts held as bf16 planes")
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            {"moe_expert_cache_planner": "host"},
+            "additional_config['rowcache']['moe_expert_cache_compress']: 'on' needs "
+            "moe_expert_cache_planner='device' (the planes are decoded after the device "
+            "planner's gather), and moe_expert_cache_planner is 'host'; allowed values with "
+            "it: auto, off",
+        ),
+        ({}, "and moe_expert_cache_planner is not set; allowed values with it: auto, off"),
+    ],
+)
+def test_compress_on_without_the_device_planner_is_refused(
+    section: dict[str, object], message: str
+) -> None:
+    with pytest.raises(KnobError) as caught:
+        parse_settings(cfg(moe_expert_cache_size=8, moe_expert_cache_compress="on", **section), {})
+    assert message in str(caught.value)
+
+
+def test_compress_takes_auto_on_off_only() -> None:
+    with pytest.raises(KnobError, match="'zstd' is not allowed; allowed values: auto, on, off"):
+        parse_settings(cfg(moe_expert_cache_compress="zstd"), {})

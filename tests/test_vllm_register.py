@@ -1186,3 +1186,37 @@ def test_the_refusals_serve_refusals_looks_for(fake_vllm: Any) -> None:
     with pytest.raises(RuntimeError) as failed:
         _config(fake_vllm, {"moe_expert_cache_size": 32, **HOST}, splitting_ops=[])
     assert cases["host-planner-in-one-full-graph"] in str(failed.value)
+
+
+def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:
+    """What the unquantized method builds with the knob on: a device-planned provider over the
+    layer's host tensors, w13 and w2 as planes (the scales and the rest shared)."""
+    import torch
+
+    from rowcache.device_plan.provider import DevicePlannedProvider
+    from rowcache.vllm._method import build_provider
+    from rowcache.vllm.knob import parse_settings
+
+    def cfg(**section: object) -> dict[str, object]:
+        return {"rowcache": section}
+
+    settings = parse_settings(
+        cfg(
+            moe_expert_cache_size=2,
+            moe_expert_cache_planner="device",
+            moe_expert_cache_compress="on",
+        ),
+        {},
+    )
+    w13 = torch.randn(4, 8, 16).to(torch.bfloat16)
+    w2 = torch.randn(4, 16, 4).to(torch.bfloat16)
+    provider = build_provider(settings, 2, w13, w2)
+    assert isinstance(provider, DevicePlannedProvider)
+    assert set(provider._sources.planes) == {"w13", "w2"}
+    plain = build_provider(
+        parse_settings(cfg(moe_expert_cache_size=2, moe_expert_cache_planner="device"), {}),
+        2,
+        w13,
+        w2,
+    )
+    assert isinstance(plain, DevicePlannedProvider) and plain._sources.planes == {}

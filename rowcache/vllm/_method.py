@@ -198,6 +198,7 @@ def build_provider(
             capacity=capacity,
             device=device,
             share_sources=True,
+            compress=settings.compress_planes,
             planner="device",
         )
     return RowCacheWeightProvider(

@@ -4,7 +4,15 @@ Two sources, in order of precedence:
 
 1. ``--additional-config '{"rowcache": {...}}'`` (vLLM's ``VllmConfig.additional_config``),
 2. the environment: ``ROWCACHE_MOE_EXPERT_CACHE_SIZE``, ``ROWCACHE_MOE_EXPERT_CACHE_PROVIDER``,
-   ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``, ``ROWCACHE_MOE_EXPERT_CACHE_PLANNER``.
+   ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``, ``ROWCACHE_MOE_EXPERT_CACHE_PLANNER``,
+   ``ROWCACHE_MOE_EXPERT_CACHE_COMPRESS``.
+
+``moe_expert_cache_compress`` (``auto``, ``on``, ``off``; default ``auto``) holds bf16 experts
+as lossless bf16 planes in host memory and decodes each miss on the GPU
+(``rowcache.compress``). ``on`` needs ``moe_expert_cache_planner='device'`` (the decode runs
+after the device planner's gather) and bf16 experts; ``auto`` is ``off`` for every
+configuration until a recorded run shows the planes exact and faster for it, as the planner's
+defaults are chosen (``rowcache.vllm.defaults``).
 
 ``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the MoE op runs
 eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``: planned and
@@ -38,6 +46,7 @@ from rowcache.row_provider import Planner
 from rowcache.types import Split
 
 __all__ = [
+    "COMPRESS_VALUES",
     "CONFIG_SECTION",
     "ENV",
     "PLANNERS",
@@ -46,6 +55,7 @@ __all__ = [
     "SPLITS",
     "SPLIT_CHOSEN",
     "CacheSettings",
+    "Compress",
     "KnobError",
     "PlannerSource",
     "ProviderName",
@@ -71,7 +81,8 @@ PROVIDER = "moe_expert_cache_provider"
 SPLIT = "moe_expert_cache_split"
 EAGER = "moe_eager_between_graphs"
 PLANNER = "moe_expert_cache_planner"
-KEYS = (SIZE, PROVIDER, SPLIT, EAGER, PLANNER)
+COMPRESS = "moe_expert_cache_compress"
+KEYS = (SIZE, PROVIDER, SPLIT, EAGER, PLANNER, COMPRESS)
 ENV = {key: "ROWCACHE_" + key.upper() for key in KEYS}
 PLANNER_CHOSEN = "moe_expert_cache_planner_chosen"
 """Written by the plugin, not by users: ``{"planner": ..., "reason": ...}``, the default chosen
@@ -82,6 +93,8 @@ default split chosen for this configuration."""
 PROVIDERS: tuple[ProviderName, ...] = ("row", "cached")
 SPLITS: tuple[Split, ...] = ("token", "expert")
 PLANNERS: tuple[Planner, ...] = ("host", "device")
+Compress: TypeAlias = Literal["auto", "on", "off"]
+COMPRESS_VALUES: tuple[Compress, ...] = ("auto", "on", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -99,6 +112,7 @@ class CacheSettings:
     split: Split = "token"
     eager_between_graphs: bool = False
     planner: Planner = "host"
+    compress: Compress = "auto"
     # Provenance, not part of what the cache is (equal settings serve alike):
     planner_source: PlannerSource = field(default="unset", compare=False)
     planner_reason: str = field(default="", compare=False)
@@ -115,6 +129,12 @@ class CacheSettings:
         return self.size > 0
 
     @property
+    def compress_planes(self) -> bool:
+        """Whether the provider holds bf16 experts as planes: ``on`` (``auto`` is off until a
+        recorded run chooses it for a configuration; none has yet)."""
+        return self.compress == "on"
+
+    @property
     def active(self) -> bool:
         """Whether the plugin changes anything in vLLM (cache on, or the eager MoE baseline)."""
         return self.cache_on or self.eager_between_graphs
@@ -123,7 +143,8 @@ class CacheSettings:
         if not self.cache_on:
             return "expert cache off, MoE op eager between graph pieces"
         if self.planner == "device":
-            return f"{self.size} slots per MoE layer, provider 'row', planned on the device"
+            planes = ", experts held as bf16 planes" if self.compress_planes else ""
+            return f"{self.size} slots per MoE layer, provider 'row', planned on the device{planes}"
         where = ", planned on the host" if self.provider == "row" else ""
         return (
             f"{self.size} slots per MoE layer, provider {self.provider!r}, split "
@@ -237,6 +258,16 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
             f"{_where(PROVIDER, PROVIDER in section)}: 'cached' has no device planner; with "
             f"{PLANNER}='device' allowed values: row"
         )
+    compress_raw = pick(COMPRESS)
+    compress = _choice(*compress_raw, COMPRESS_VALUES) if compress_raw is not None else "auto"
+    compress_where = compress_raw[1] if compress_raw is not None else COMPRESS
+    if compress == "on" and (planner != "device" or planner_raw is None):
+        given = f"'{planner}'" if planner_raw is not None else "not set"
+        raise KnobError(
+            f"{compress_where}: 'on' needs {PLANNER}='device' "
+            f"(the planes are decoded after the device planner's gather), and {PLANNER} is "
+            f"{given}; allowed values with it: auto, off"
+        )
     if planner == "device" and split_raw is not None and split == "token":
         raise KnobError(
             f"{split_raw[1]}: 'token' is not allowed with {PLANNER}='device', which splits a "
@@ -264,6 +295,7 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
         split="expert" if split == "expert" or planner == "device" else "token",
         eager_between_graphs=eager,
         planner="device" if planner == "device" else "host",
+        compress="on" if compress == "on" else "off" if compress == "off" else "auto",
         planner_source=source,
         planner_reason=reason,
         split_source=split_source,
