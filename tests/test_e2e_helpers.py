@@ -473,7 +473,7 @@ def test_background_build_says_each_checkpoint_ready_once_it_is_whole(
 
 @pytest.mark.parametrize("how", ["script", "module"])
 def test_command_line_merges(tmp_path: Path, how: str) -> None:
-    """``python3 tools/vllm/e2e.py`` (as docs/VLLM.md runs it) and ``python -m
+    """``python3 tools/vllm/e2e.py`` (as docs/RUNNING.md runs it) and ``python -m
     tools.vllm.e2e``; neither imports torch or vLLM to get there."""
     data = {"meta": {}, "results": {"story.none": _engine("story.none", [[1]])}}
     (tmp_path / "a.json").write_text(json.dumps(data))

@@ -430,9 +430,10 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     clock[0] = 0.0
     again = orchestrate.Run(out, work, 600.0, False, lambda: True, done=done)
     results = again.phase(phase, phase.engines({}))
-    assert [n for n, _ in given][:3] == [
+    assert [n for n, _ in given][:4] == [
         "steps.plain.none2.full",
         "steps.plain.row32dev.full",
+        "steps.plain.row32planes.full",
         "steps.plain.none.eager",
     ]
     assert results["steps.plain.none.full"] is done["steps.plain.none.full"]
@@ -683,7 +684,7 @@ def test_report_table_and_targets() -> None:
 
 def test_merge_of_records_from_several_calls(tmp_path: Path) -> None:
     """Two calls' records.jsonl (and a results.json), merged on the host from the command
-    line, as docs/VLLM.md runs it."""
+    line, as docs/RUNNING.md runs it."""
     results = _results()
     names = list(results)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(results[n]) + "\n" for n in names[:6]))
@@ -984,3 +985,11 @@ def test_tokens_not_compared_everywhere_are_incomplete_not_met() -> None:
         steps_report.fp8_targets(results, "steps.plain")  # same verdict, the FP8 line's words
     )
     assert "  tokens row32dev.full identical to none.full (b1, b8): MISSED" in fp8  # b8 differs
+
+
+def test_the_compressed_engine_is_the_device_planner_with_planes() -> None:
+    by = {s.name.removeprefix("steps.plain."): s for s in engines.steps()}
+    planes, row = by["row32planes.full"].knob, by["row32dev.full"].knob
+    assert planes is not None and row is not None
+    assert planes.config() == {**row.config(), "moe_expert_cache_compress": "on"}
+    assert "moe_expert_cache_compress" not in row.config()

@@ -1,5 +1,5 @@
 """FP8 experts in the slots, on the CPU: float8_e4m3fn weights with float32 scales, as vLLM
-0.25.0's FP8 MoE methods keep them (docs/VLLM.md, "FP8 experts"):
+0.25.0's FP8 MoE methods keep them (docs/PLUGIN.md, "FP8 experts"):
 
 * ``fp8_block``: a checkpoint with 128 x 128 block scales (``Fp8MoEMethod``): ``w13`` ``[E, 2I,
   H]`` and ``w2`` ``[E, H, I]`` in e4m3, ``w13_weight_scale_inv`` ``[E, 2 ceil(I/128),

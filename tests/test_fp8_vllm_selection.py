@@ -1,7 +1,7 @@
 """What vLLM picks for ``quantization="fp8"`` on the H200, pinned against its source.
 
 The plugin serves the TRITON FP8 MoE backend (``TritonExperts``) only, because that is what
-vLLM 0.25.0 selects on capability 9.0 for both FP8 variants (docs/VLLM.md, "FP8 experts"). These
+vLLM 0.25.0 selects on capability 9.0 for both FP8 variants (docs/PLUGIN.md, "FP8 experts"). These
 checks read the selection code from the wheels (the seams test's download) and fail when it
 changes, naming what moved: then the backend the H200 gets, and so what the plugin must serve,
 may have changed.
@@ -119,7 +119,7 @@ def test_fp8_config_builds_the_two_methods_in_0_25_0() -> None:
 
 
 _FP8_RECORDS = ("run1", "run2", "run3", "run3-control", "run4-default")
-"""The FP8 runs of 2026-12-02 on the H200 (docs/VLLM.md): run 1's engines without the cache
+"""The FP8 runs of 2026-12-02 on the H200 (docs/records/): run 1's engines without the cache
 started (the cached ones failed at the commit run then), run 2's block-scaled ones measured,
 run 3 measured every engine of both checkpoints and online FP8 with and without the cache, its
 control and run 4 (the default planner) some of them again."""

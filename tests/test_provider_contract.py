@@ -151,7 +151,7 @@ def sources(num_experts: int = E) -> dict[str, torch.Tensor]:
 
 
 def fp8_block_sources(num_experts: int = E) -> dict[str, torch.Tensor]:
-    """vLLM's block-scaled FP8 experts (``Fp8MoEMethod``, docs/VLLM.md "FP8 experts"): e4m3
+    """vLLM's block-scaled FP8 experts (``Fp8MoEMethod``, docs/PLUGIN.md "FP8 experts"): e4m3
     ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, float32 128 x 128 block scales
     ``[E, 2 ceil(I/128), ceil(H/128)]`` and ``[E, ceil(H/128), ceil(I/128)]``; H=384, I=128, so
     the w2 scale row is 12 bytes. Random bytes, distinct per expert."""

@@ -1,12 +1,12 @@
 """Every `python -m model_check...` / `python -m rowcache...` command quoted in the docs parses.
 
-The documents are README.md, spec/*.md, spec/*.toml and docs/*.md. A command is quoted in a
-`backtick span` (which may wrap across lines), on a line of a fenced code block, or on an
-indented code line. Each is parsed with the real parser of the module `python -m` would run,
-without running the command: the module's `main(argv)` is called with
-`argparse.ArgumentParser.parse_args` intercepted, so the parser `main` builds parses the
-arguments and the run stops there. Placeholders the prose uses (`MUTANT`, `OUTDIR`) are
-replaced by a value of their kind first.
+The documents are README.md, spec/*.md, spec/*.toml, docs/*.md and the run records
+docs/records/*.md. A command is quoted in a `backtick span` (which may wrap across lines), on a
+line of a fenced code block, or on an indented code line. Each is parsed with the real parser
+of the module `python -m` would run, without running the command: the module's `main(argv)` is
+called with `argparse.ArgumentParser.parse_args` intercepted, so the parser `main` builds
+parses the arguments and the run stops there. Placeholders the prose uses (`MUTANT`, `OUTDIR`)
+are replaced by a value of their kind first.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ DOCUMENTS = (
     + sorted((ROOT / "spec").glob("*.md"))
     + sorted((ROOT / "spec").glob("*.toml"))
     + sorted((ROOT / "docs").glob("*.md"))
+    + sorted((ROOT / "docs" / "records").glob("*.md"))
 )
 CHECKED = ("model_check", "rowcache")
 PLACEHOLDERS = {"MUTANT": MUTANTS[0].name, "OUTDIR": "out"}
@@ -128,6 +129,7 @@ def test_the_documents_quote_the_commands_users_run() -> None:
     ):
         assert expected in shown, sorted(shown)
     assert any(c.module.startswith("rowcache") for c in COMMANDS)
+    assert any(c.where.startswith("docs/records/") for c in COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.where}: {c}")

@@ -1,6 +1,6 @@
 """vLLM's FP8 MoE methods with the expert cache, against a fake vLLM on the CPU.
 
-The fake keeps what the plugin touches, shaped as vLLM 0.25.0's (docs/VLLM.md, "FP8 experts"):
+The fake keeps what the plugin touches, shaped as vLLM 0.25.0's (docs/PLUGIN.md, "FP8 experts"):
 ``RoutedExperts._get_quant_method`` asks the quantization config; ``Fp8Config`` gives
 ``Fp8MoEMethod`` (FP8 checkpoint) or ``Fp8PerTensorOnlineMoEMethod`` (bf16 checkpoint); the
 methods create their tensors, build the kernel's quant config through

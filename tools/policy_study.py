@@ -25,7 +25,7 @@ of:
 * ``bound``: the same choice by the step of next use (the nearest kept), which knows the
   future: no policy of this kind does better.
 
-The byte model of docs/VLLM.md (steps run 6) turns a hit rate into a decode speed against
+The byte model of docs/records/2026-12-02-steps-run6.md turns a hit rate into a decode speed against
 vLLM's UVA offload, which reads 0.75 of the routed experts over PCIe: ``0.75 / (1 - hit)``.
 """
 

@@ -49,9 +49,9 @@ SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
 # (its collection included) times about 1.4, rounded up to 5 s; measured: suite.rest 63,
 # lockstep bf16 51, bf16_scaled 56, fp8_block 67, nvfp4 50, suite.machine 27,
 # sanitizer.machine 46, sanitizer.rest 348, kills-slow 18, kills-host-sync 25, kills 53,
-# fixtures 57 (docs/CONFORMANCE.md). lockstep mxfp4 (not yet measured) is estimated as
-# nvfp4, its nearest geometry in size; lockstep compressed (one layout, not yet measured) as
-# about half of bf16's two. On one GPU: two calls.
+# fixtures 57 (docs/records/2026-12-02-conformance-g.md). lockstep mxfp4 (not yet measured) is
+# estimated as nvfp4, its nearest geometry in size; lockstep compressed (one layout, not yet
+# measured) as about half of bf16's two. On one GPU: two calls.
 PARTS=(
   "suite.rest|90|not $MACHINE and not $LOCKSTEP"
   "suite.lockstep-bf16|75|$LOCKSTEP and bf16 and not bf16_scaled"

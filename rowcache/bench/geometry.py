@@ -89,7 +89,7 @@ FP8_BLOCK = Geometry(
     ),
 )
 """The same expert as vLLM's block-scaled FP8 keeps it (``Fp8MoEMethod``, weight_block_size
-[128, 128]; docs/VLLM.md "FP8 experts"): float8_e4m3fn weights, float32 block scales
+[128, 128]; docs/PLUGIN.md "FP8 experts"): float8_e4m3fn weights, float32 block scales
 ``[2I/128, H/128]`` and ``[H/128, I/128]`` (768 and 384 bytes, both copied in 8-byte words);
 four tensors, 4.72 MB per expert. Not in ``GEOMETRIES`` yet: the benches run every geometry
 there by default, and their recorded defaults are bf16, nvfp4 and bf16_large."""

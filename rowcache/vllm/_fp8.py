@@ -1,4 +1,4 @@
-"""vLLM's FP8 MoE methods with the expert cache (docs/VLLM.md, "FP8 experts").
+"""vLLM's FP8 MoE methods with the expert cache (docs/PLUGIN.md, "FP8 experts").
 
 Imported by ``rowcache.vllm._method.take_over`` when a MoE layer of an engine with the cache on
 gets a method other than the unquantized one; vLLM has imported its FP8 modules by then (it

@@ -6,7 +6,7 @@ for the whole process, shared with every other wrapt user such as OpenTelemetry'
 instrumentation) wraps the package loader's ``exec_module``, so the callback runs right after
 the package's own code has executed, before the importing statement gets the module.
 
-Why wrapt (issue 15; measured, ``docs/VLLM.md``, "Registration"): it fires at the same point
+Why wrapt (issue 15; measured, ``docs/PLUGIN.md``, "Registration"): it fires at the same point
 as the hand-written ``sys.meta_path`` finder this module held before (after the package's
 code, whose ``__init__`` imports submodules midway, has completed; at once when already
 imported), and the fake-package tests pass against it (one change: ``pending`` now lists

@@ -29,15 +29,15 @@ entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no
 It holds five records, all with 32 slots for 128 experts. In full graphs (vLLM's default
 ``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
 and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
-control (docs/VLLM.md, steps run 3). In eager mode, steps run 6: the device planner's tokens
+control (docs/records/, steps run 3). In eager mode, steps run 6: the device planner's tokens
 and the host planner's with its expert split were identical to eager no offload at batch 1, 8
 and 32 and in the first tokens of the 2,048-token prompts, on the plain and the skewed
 checkpoint. In full graphs on a block-scaled FP8 checkpoint, FP8 run 2 of 2026-12-02: the
 device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
-8, a narrower record than the unquantized one (no b32, no long prompt; docs/VLLM.md, "FP8
+8, a narrower record than the unquantized one (no b32, no long prompt; docs/PLUGIN.md, "FP8
 experts"). In piecewise graphs alone (vLLM's ``PIECEWISE``), the piecewise steps run of
 2026-12-02: the device planner's tokens identical to no offload at batch 1, 8 and 32 and in the
-first tokens of 2,048-token prompts, one generation each (docs/VLLM.md). FP8 in piecewise
+first tokens of 2,048-token prompts, one generation each (docs/records/). FP8 in piecewise
 graphs and online FP8 have no record yet.
 Eager mode has no speed record: in run 6 the device planner ran batch 1 at 0.925 times the host
 planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and 1.150 times on the skewed

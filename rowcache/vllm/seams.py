@@ -193,7 +193,7 @@ SEAMS: tuple[Seam, ...] = (
         "quant config",
         "cached forwards fail with an AttributeError",
     ),
-    # FP8 experts (docs/VLLM.md, "FP8 experts"): what vLLM builds for quantization="fp8".
+    # FP8 experts (docs/PLUGIN.md, "FP8 experts"): what vLLM builds for quantization="fp8".
     Seam(
         f"{_MOE}.routed_experts",
         "RoutedExperts._get_quant_method(prefix, quant_config, moe_config)",

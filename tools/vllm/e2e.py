@@ -6,7 +6,7 @@
 
 (or ``python3 -m tools.vllm.e2e ...`` from the repository root). One device call is limited to
 about 9.5 minutes, so the phases run in several calls (each after the bundle's assemble step
-and ``export`` line, see docs/VLLM.md), each under its own deadline and writing its own $OUT:
+and ``export`` line, see docs/RUNNING.md), each under its own deadline and writing its own $OUT:
 
     # call A: tiny model, the multi-process engine, the 24-layer user story
     python3 tools/vllm/e2e.py run --out $OUT --phases tiny,mp,story --deadline $((540 - SECONDS))

@@ -1,7 +1,7 @@
 """Skewed routers for random-weight MoE checkpoints, and what LRU makes of them.
 
 A random router sends every token to nearly uniform experts, so an LRU cache of 32 of 128
-experts hits about 0.5 of the time (``docs/VLLM.md``), far below what public traces of real
+experts hits about 0.5 of the time (``docs/RUNNING.md``), far below what public traces of real
 models report (about 0.9 with 40% of the experts resident). ``skew_router_`` scales each row
 of a router's weight by a Zipf factor: the logit of expert ``e`` becomes ``scale[e] * (w_e . h)``,
 so high-scale experts win the top-k more often. The scales are normalized to a root mean

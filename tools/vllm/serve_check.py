@@ -38,7 +38,7 @@ by the launcher), ``prometheus_fastapi_instrumentator`` (``serve/instrumentator/
 and ``model_hosting_container_standards`` (``serve/sagemaker/api_router.py``, imported by
 ``openai/api_server.py``), which needs ``jmespath`` and ``supervisor``; ``python-multipart``
 serves the form routes of ``fastapi[standard]``. ``click``, ``h11``, ``anyio``, ``uvloop`` and
-``prometheus-client`` are in the image. Seven wheels, 1.0 MiB (docs/VLLM.md, "vllm serve"):
+``prometheus-client`` are in the image. Seven wheels, 1.0 MiB (docs/RUNNING.md, "vllm serve"):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \\

@@ -270,7 +270,7 @@ def deterministic_inductor() -> dict[str, Any]:
     (pointwise and reduction configurations, max-autotune, coordinate descent). Each engine
     compiles its model afresh, and a choice by timing can change a reduction's summation order
     from engine to engine: two no-offload engines of one configuration gave different greedy
-    tokens (docs/VLLM.md, 2026-12-01). ``deterministic``
+    tokens (docs/records/2026-12-01-steps-runs-1-2.md). ``deterministic``
     only where this torch has it (vLLM passes unknown options on, and inductor rejects them).
 
     vLLM turns on inductor's horizontal fusion (``combo_kernels``) and decides each fusion by

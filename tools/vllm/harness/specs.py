@@ -69,6 +69,8 @@ class Knob:
     """``moe_eager_between_graphs``: no cache, the MoE op eager between captured pieces."""
     planner: Planner | None = None
     """``moe_expert_cache_planner``."""
+    compress: str | None = None
+    """``moe_expert_cache_compress`` (``auto``, ``on``, ``off``)."""
 
     @property
     def caches(self) -> bool:
@@ -88,6 +90,8 @@ class Knob:
             out["moe_eager_between_graphs"] = True
         if self.planner is not None:
             out["moe_expert_cache_planner"] = self.planner.value
+        if self.compress is not None:
+            out["moe_expert_cache_compress"] = self.compress
         return out
 
     @classmethod
