@@ -321,3 +321,34 @@ def test_cli_takes_common_options_on_either_side_and_draws_the_table(
     assert not parse_args(["check"]).json
     assert main(["diagram"]) == 0
     assert "prepare(ids)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_the_check_says_whether_it_ran_every_column(
+    complete: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default check runs the searches and the machines and says which columns it left
+    to ``--complete`` (z3); ``--complete`` asks for them. (The columns themselves are the real
+    run's; here the runner is replaced to see what it was asked for.)"""
+    import model_check.cli as cli
+    from model_check.report import Column
+
+    asked: dict[str, object] = {}
+
+    def fake_run_all(table: object, **kwargs: object) -> dict[str, cli.PathRun]:
+        asked.update(kwargs)
+        machine = Column("hypothesis/4e3c", None, 30, 0.0, ["P1_no_overwrite_under_reader"])
+        return {"host": cli.PathRun([], [], machine), "device": cli.PathRun([], [], machine)}
+
+    monkeypatch.setattr(cli, "run_all", fake_run_all)
+    assert cli.main(["--complete"] if complete else []) == 0
+    out = capsys.readouterr().out
+    assert asked["z3"] is complete
+    assert (cli.NOT_COMPLETE in out) is not complete
+    assert out.rstrip().endswith(
+        "all properties hold"
+        if complete
+        else "all properties hold (every search and machine column)"
+    )
+    assert cli.parse_args(["check", "--complete"]).complete
+    assert not cli.parse_args(["check"]).complete
