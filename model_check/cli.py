@@ -351,7 +351,8 @@ def kill_row(
     from model_check.search.run_machines import run_machine
 
     start = time.perf_counter()
-    found_h = run_machine(mutated, MACHINE_BOUNDS, max_examples=examples, steps=steps)
+    # A kill needs a failing example, not a short one (explain shows the shortest trace).
+    found_h = run_machine(mutated, MACHINE_BOUNDS, max_examples=examples, steps=steps, shrink=False)
     row.append(Kill("hypothesis", found_h.prop if found_h else None, time.perf_counter() - start))
     return row
 

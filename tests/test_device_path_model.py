@@ -418,7 +418,7 @@ def test_machine_kills_mutants(name: str) -> None:
     from model_check.search.run_machines import run_machine
 
     table = device_mutant(name).apply(TABLE)
-    assert run_machine(table, Bounds(4, 3), max_examples=200, steps=30) is not None
+    assert run_machine(table, Bounds(4, 3), max_examples=200, steps=30, shrink=False) is not None
 
 
 def test_summary_reports_what_the_explicit_model_meets_on_a_hand_made_bug() -> None:
