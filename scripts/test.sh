@@ -10,4 +10,4 @@ $PY -m mypy
 $PY -m model_check.codegen --check
 $PY -m model_check --complete
 $PY -m model_check mutants
-$PY -m pytest -q -p no:cacheprovider -n auto
+$PY -m pytest -q -p no:cacheprovider -n auto --dist worksteal
