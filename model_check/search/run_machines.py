@@ -1,6 +1,6 @@
 """Running either path's state machine (``machine`` for the host-planned path,
 ``device_machine`` for the device-planned one) under hypothesis, with the settings the model
-check uses; the violation found after shrinking, or None."""
+check uses; the violation found (shrunk, unless only the kill counts), or None."""
 
 from __future__ import annotations
 

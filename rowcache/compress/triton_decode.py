@@ -10,9 +10,9 @@ plane (the rank of an escape in its block is an exclusive prefix sum of the esca
 stores the reassembled 16 bits into the slot. Every store is masked by the block's end and by
 the miss count; a miss entry below 0 (never written below the count) writes nothing.
 
-``decode_into_slots`` is the launch; it takes the planes, the slot buffer and the device
-planner's miss list. Under ``TRITON_INTERPRET=1`` the same kernel runs on the CPU, which is how
-CI checks it against ``bf16_planes.decode_experts``.
+``SlotDecoder`` is the launch, checked once per slot buffer; ``decode_into_slots`` builds one
+and launches it once (tests, the bench). Under ``TRITON_INTERPRET=1`` the same kernel runs on
+the CPU, which is how CI checks it against ``bf16_planes.decode_experts``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 from rowcache.compress.bf16_planes import BLOCK, ESCAPE, Bf16Planes
 from rowcache.errors import InvalidInputError
 
-__all__ = ["decode_gather_kernel", "decode_into_slots"]
+__all__ = ["SlotDecoder", "decode_gather_kernel", "decode_into_slots"]
 
 
 @triton.jit
@@ -85,6 +85,68 @@ def decode_gather_kernel(
             tl.store(dst_ptr + slot * dst_stride + at, bits.to(tl.int16), mask=inside)
 
 
+class SlotDecoder:
+    """The decode of one source's planes into its slot buffer, checked and laid out once (the
+    device planner launches it after every gather, so nothing here is redone per pass).
+
+    ``codebook`` is the planes' codebook where the kernel should read it (on the device, once:
+    the planes may live in host memory); the planes' own by default. ``mutant`` (tests only)
+    selects a seeded bug of the kernel."""
+
+    def __init__(
+        self,
+        planes: Bf16Planes,
+        slots: Tensor,
+        *,
+        grid: int,
+        codebook: Tensor | None = None,
+        mutant: int = 0,
+    ) -> None:
+        n = planes.values_per_expert
+        if slots.dtype.itemsize != 2 or slots.dim() < 1 or slots[0].numel() != n:
+            raise InvalidInputError(
+                f"bf16 planes of {n} values an expert decode into 16-bit [C, ...] slots of as "
+                f"many values, got {slots.dtype} of shape {tuple(slots.shape)}"
+            )
+        if not slots.is_contiguous() or grid < 1:
+            raise InvalidInputError(
+                f"the decode writes contiguous slots with >= 1 program, got strides "
+                f"{slots.stride()} and grid {grid}"
+            )
+        self._planes = planes
+        self._slots = slots.view(slots.shape[0], -1).view(torch.int16)
+        self._codebook = planes.codebook if codebook is None else codebook
+        self._grid = (grid,)
+        self._mutant = mutant
+
+    def __call__(self, miss_experts: Tensor, miss_slots: Tensor, miss_count: Tensor) -> None:
+        """Decode the first ``miss_count`` misses: expert ``miss_experts[i]`` into slot
+        ``miss_slots[i]``."""
+        planes = self._planes
+        n = planes.values_per_expert
+        decode_gather_kernel[self._grid](
+            self._codebook,
+            planes.sign_mantissa,
+            planes.sign_mantissa.stride(0),
+            planes.codes,
+            planes.codes.stride(0),
+            planes.escape_starts,
+            planes.escape_starts.stride(0),
+            planes.escapes,
+            self._slots,
+            n,
+            n,
+            planes.blocks_per_expert,
+            miss_experts,
+            miss_slots,
+            miss_count,
+            miss_experts.numel(),
+            BLOCK=BLOCK,
+            ESCAPE=ESCAPE,
+            MUTANT=self._mutant,
+        )
+
+
 def decode_into_slots(
     planes: Bf16Planes,
     slots: Tensor,
@@ -96,41 +158,9 @@ def decode_into_slots(
     codebook: Tensor | None = None,
     mutant: int = 0,
 ) -> None:
-    """Decode the first ``miss_count`` misses (expert ``miss_experts[i]`` into slot
-    ``miss_slots[i]`` of the bf16 ``[C, ...]`` buffer ``slots``) with ``grid`` programs.
-
-    ``codebook`` is the planes' codebook where the kernel should read it (on the device, once:
-    the planes may live in host memory); the planes' own by default. ``mutant`` (tests only)
-    selects a seeded bug of the kernel."""
-    n = planes.values_per_expert
-    if slots.dtype.itemsize != 2 or slots.dim() < 1 or slots[0].numel() != n:
-        raise InvalidInputError(
-            f"bf16 planes of {n} values an expert decode into 16-bit [C, ...] slots of as many "
-            f"values, got {slots.dtype} of shape {tuple(slots.shape)}"
-        )
-    if not slots.is_contiguous() or grid < 1:
-        raise InvalidInputError(
-            f"the decode writes contiguous slots with >= 1 program, got strides "
-            f"{slots.stride()} and grid {grid}"
-        )
-    decode_gather_kernel[(grid,)](
-        planes.codebook if codebook is None else codebook,
-        planes.sign_mantissa,
-        planes.sign_mantissa.stride(0),
-        planes.codes,
-        planes.codes.stride(0),
-        planes.escape_starts,
-        planes.escape_starts.stride(0),
-        planes.escapes,
-        slots.view(slots.shape[0], -1).view(torch.int16),
-        n,
-        n,
-        planes.blocks_per_expert,
-        miss_experts,
-        miss_slots,
-        miss_count,
-        miss_experts.numel(),
-        BLOCK=BLOCK,
-        ESCAPE=ESCAPE,
-        MUTANT=mutant,
+    """One decode of the first ``miss_count`` misses (expert ``miss_experts[i]`` into slot
+    ``miss_slots[i]`` of the bf16 ``[C, ...]`` buffer ``slots``) with ``grid`` programs: a
+    ``SlotDecoder`` built and launched once."""
+    SlotDecoder(planes, slots, grid=grid, codebook=codebook, mutant=mutant)(
+        miss_experts, miss_slots, miss_count
     )

@@ -47,8 +47,7 @@ class TorchKernels:
             for src, dst in zip(sources.copied(), slots.tensors(), strict=True)
             if src is not None and dst is not None
         ]
-        buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
-        self._decoded = [(planes, buffers[name]) for name, planes in sources.planes.items()]
+        self._decoded = planes_and_slots(sources, slots)
 
     def plan(
         self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
@@ -68,11 +67,21 @@ class TorchKernels:
             for src, dst in self._pairs:
                 dst[slot].copy_(src[expert])
             for planes, buffer in self._decoded:
-                assert buffer is not None
                 buffer[slot].copy_(decode_experts(planes, [expert])[0])
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
         invalidate_expert(state, expert_id)
+
+
+def planes_and_slots(sources: ExpertSources, slots: SlotBuffers) -> list[tuple[Bf16Planes, Tensor]]:
+    """Each source held as bf16 planes with the slot buffer it decodes into."""
+    buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
+    pairs = []
+    for name, planes in sources.planes.items():
+        buffer = buffers[name]
+        assert buffer is not None  # allocate_slot_buffers gives every present source a buffer
+        pairs.append((planes, buffer))
+    return pairs
 
 
 def _block(n: int, least: int = 16) -> int:
@@ -132,12 +141,14 @@ class TritonKernels:
         # Sources held as bf16 planes: decoded into their slots after the copies, by the same
         # miss list; the 16-byte codebook read on the device, the planes through unified
         # addressing like every other source.
-        buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
-        self._decoded: list[tuple[Bf16Planes, Tensor, Tensor]] = []
-        for name, planes in sources.planes.items():
-            buffer = buffers[name]
-            assert buffer is not None
-            self._decoded.append((planes, buffer, planes.codebook.to(device)))
+        from rowcache.compress.triton_decode import SlotDecoder
+
+        self._decoders = [
+            SlotDecoder(
+                planes, buffer, grid=self._gather_grid[0], codebook=planes.codebook.to(device)
+            )
+            for planes, buffer in planes_and_slots(sources, slots)
+        ]
 
     def plan(
         self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
@@ -188,19 +199,8 @@ class TritonKernels:
             MUTANT=self._mutant,
             num_warps=self._gather_warps,
         )
-        if self._decoded:
-            from rowcache.compress.triton_decode import decode_into_slots
-
-            for planes, buffer, codebook in self._decoded:
-                decode_into_slots(
-                    planes,
-                    buffer,
-                    state.miss_experts,
-                    state.miss_slots,
-                    state.miss_count,
-                    grid=self._gather_grid[0],
-                    codebook=codebook,
-                )
+        for decode in self._decoders:
+            decode(state.miss_experts, state.miss_slots, state.miss_count)
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
         from rowcache.device_plan.triton_kernels import invalidate_kernel
