@@ -184,6 +184,16 @@ def test_every_measured_figure_in_the_guides_links_its_record(page: Path) -> Non
     assert not problems, "figures without a link to docs/records/:\n" + "\n".join(problems)
 
 
+@pytest.fixture
+def records(tmp_path: Path) -> Path:
+    """A records folder with one record and its index, beside where a guide page goes."""
+    folder = tmp_path / "records"
+    folder.mkdir()
+    (folder / "2026-01-01-run.md").write_text("# a run\n")
+    (folder / "README.md").write_text("# index\n")
+    return folder
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -200,13 +210,10 @@ def test_every_measured_figure_in_the_guides_links_its_record(page: Path) -> Non
         "It decodes 1.33 x UVA ([raw](vllm/run/records.jsonl)).",
     ],
 )
-def test_a_figure_without_its_record_is_caught(tmp_path: Path, text: str) -> None:
-    (tmp_path / "records").mkdir()
-    (tmp_path / "records" / "2026-01-01-run.md").write_text("# a run\n")
-    (tmp_path / "records" / "README.md").write_text("# index\n")
-    page = tmp_path / "GUIDE.md"
+def test_a_figure_without_its_record_is_caught(records: Path, text: str) -> None:
+    page = records.parent / "GUIDE.md"
     page.write_text(f"# Guide\n\nAn intro.\n\n{text}\n\nThe end.\n")
-    assert len(unsourced_figures(page, tmp_path / "records")) == 1
+    assert len(unsourced_figures(page, records)) == 1
 
 
 @pytest.mark.parametrize(
@@ -222,12 +229,10 @@ def test_a_figure_without_its_record_is_caught(tmp_path: Path, text: str) -> Non
         "The knob `b1 >= 1 x row32host` names a target.",
     ],
 )
-def test_a_cited_figure_or_no_figure_passes(tmp_path: Path, text: str) -> None:
-    (tmp_path / "records").mkdir()
-    (tmp_path / "records" / "2026-01-01-run.md").write_text("# a run\n")
-    page = tmp_path / "GUIDE.md"
+def test_a_cited_figure_or_no_figure_passes(records: Path, text: str) -> None:
+    page = records.parent / "GUIDE.md"
     page.write_text(f"# Guide\n\n{text}\n")
-    assert unsourced_figures(page, tmp_path / "records") == []
+    assert unsourced_figures(page, records) == []
 
 
 def test_the_index_lists_every_record() -> None:
