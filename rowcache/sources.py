@@ -215,7 +215,7 @@ class ExpertSources:
             for name in COMPRESSED:
                 source = given[name]
                 assert source is not None
-                self.planes[name] = _planes_copy(encode(source), pinned=_needs_pinning(target))
+                self.planes[name] = _encoded_on_host(source, target)
                 given[name] = torch.empty(source.shape, dtype=source.dtype, device="meta")
         self._tensors = given
         self.device = target
@@ -296,18 +296,32 @@ class ExpertSources:
         return _storage_bytes(self.copied()) + planes
 
 
-def _planes_copy(planes: Bf16Planes, *, pinned: bool) -> Bf16Planes:
-    """``planes`` with every plane in pinned host memory (``pinned``) or as it is."""
-    if not pinned:
-        return planes
+def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
+    """The planes of host tensor ``source``, in host memory, pinned for a CUDA ``target``.
+
+    For a CUDA target the encode runs there, one tensor at a time, and its planes come back to
+    pinned host memory: the same planes as an encode on the host (every step is exact integer
+    work in a fixed order), at the device's speed rather than a few hundred MB/s of the host's
+    torch ops, so that holding a model's experts compressed does not slow its loading. Its
+    temporaries (a few times the tensor's bytes) are freed on return."""
+    if not _needs_pinning(target):
+        return encode(source)
+    planes = encode(source.to(target))
     return Bf16Planes(
         shape=planes.shape,
-        codebook=planes.codebook.pin_memory(),
-        sign_mantissa=planes.sign_mantissa.pin_memory(),
-        codes=planes.codes.pin_memory(),
-        escape_starts=planes.escape_starts.pin_memory(),
-        escapes=planes.escapes.pin_memory(),
+        codebook=_pinned_host(planes.codebook),
+        sign_mantissa=_pinned_host(planes.sign_mantissa),
+        codes=_pinned_host(planes.codes),
+        escape_starts=_pinned_host(planes.escape_starts),
+        escapes=_pinned_host(planes.escapes),
     )
+
+
+def _pinned_host(t: Tensor) -> Tensor:
+    """A copy of ``t`` (on any device) in pinned host memory."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:

@@ -190,7 +190,7 @@ def build_provider(
         )
     if settings.planner == "device":
         # Planned and copied on the device: the MoE op is captured with the forward.
-        return RowCacheWeightProvider(
+        provider = RowCacheWeightProvider(
             w13,
             w2,
             w13_scale,
@@ -201,6 +201,11 @@ def build_provider(
             compress=settings.compress_planes,
             planner="device",
         )
+        if settings.compress_planes and device.type == "cuda":
+            # The planes were encoded on the GPU; hand the encode's temporaries back to the
+            # driver, or vLLM's start-up profile counts them as memory the model holds.
+            torch.cuda.empty_cache()
+        return provider
     return RowCacheWeightProvider(
         w13,
         w2,

@@ -26,3 +26,27 @@ def test_each_seeded_bug_of_the_kernel_is_caught(mutant: int) -> None:
     for case in checks.cases():
         failures += checks.run_case(case, torch.device("cuda"), mutant)
     assert failures
+
+
+def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> None:
+    # The provider encodes on its CUDA device (rowcache.sources); the planes must be the
+    # host's, plane by plane, on every case, or a slot would decode to other bits.
+    from rowcache.compress import encode
+    from rowcache.sources import ExpertSources
+
+    planes_fields = ("codebook", "sign_mantissa", "codes", "escape_starts", "escapes")
+    for case in checks.cases():
+        host = encode(case.weights)
+        gpu = encode(case.weights.to("cuda"))
+        for field in planes_fields:
+            assert torch.equal(getattr(gpu, field).cpu(), getattr(host, field)), (case.name, field)
+    w13 = next(c.weights for c in checks.cases() if c.name == "3-d experts")
+    w2 = w13.flip(0).transpose(1, 2).contiguous()
+    sources = ExpertSources(w13, w2, device="cuda", compress=True)
+    for name, source in (("w13", w13), ("w2", w2)):
+        held = sources.planes[name]
+        want = encode(source)
+        for field in planes_fields:
+            plane = getattr(held, field)
+            assert plane.device.type == "cpu" and plane.is_pinned(), (name, field)
+            assert torch.equal(plane, getattr(want, field)), (name, field)
