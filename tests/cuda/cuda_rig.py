@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from cuda_support import (
+    DATA_SOURCES,
     SMALL,
     ExpertData,
     Launched,
@@ -80,7 +81,7 @@ class CudaRig:
 
     def take(self) -> list[str]:
         """The calls logged since the last take, in the model's trace format."""
-        lines = render(self.log[self.mark :], self.index)
+        lines = render(self.log[self.mark :], self.index, DATA_SOURCES)
         self.mark = len(self.log)
         return lines
 

@@ -57,8 +57,15 @@ SMALL = Shapes(w13=(8, 64), w2=(64, 4), w13_scale=(4, 2), w2_scale=(2, 2))
 """The hypothesis machine: many short examples."""
 
 
+DATA_SOURCES = ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
+"""The sources ``ExpertData`` holds and its providers copy, in ``SOURCE_NAMES`` order: every
+source but the per-expert biases (MXFP4's), which the lockstep's geometries cover. A miss copies
+exactly these, so a call log's copy groups and a reader's snapshot follow this list."""
+assert tuple(n for n in SOURCE_NAMES if n in DATA_SOURCES) == DATA_SOURCES
+
+
 class ExpertData:
-    """Per-expert sources, all six tensors, every expert's bytes distinct from every other's."""
+    """Per-expert sources (``DATA_SOURCES``), every expert's bytes distinct from every other's."""
 
     def __init__(self, num_experts: int, shapes: Shapes, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -78,6 +85,7 @@ class ExpertData:
             "w13_scale_2": ids * 3 + 0.125,
             "w2_scale_2": ids * 7 + 0.25,
         }
+        assert tuple(host) == DATA_SOURCES
         for name, t in host.items():
             rows = t.reshape(e, -1).view(torch.uint8)
             assert len({bytes(r.numpy().tobytes()) for r in rows}) == e, f"{name}: experts collide"
@@ -122,7 +130,8 @@ class ExpertData:
         if pairs:
             experts = torch.tensor([e for e, _ in pairs], device="cuda")
             slots = torch.tensor([s for _, s in pairs], device="cuda")
-        for name, tensor in zip(SOURCE_NAMES, snapshot, strict=False):
+        # The snapshot's slot tensors come first (a reader's holds its maps after them).
+        for name, tensor in zip(DATA_SOURCES, snapshot[: len(DATA_SOURCES)], strict=True):
             if not pairs:
                 break
             got, want = tensor.index_select(0, slots), self.device[name].index_select(0, experts)

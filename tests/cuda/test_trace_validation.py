@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from cuda_support import (
+    DATA_SOURCES,
     SMALL,
     ExpertData,
     Launched,
@@ -129,7 +130,7 @@ class Run:
                 consumer.append("host_sync all")
             else:
                 raise ValueError(op)
-        return render(self.log[mark:], self.index) + consumer
+        return render(self.log[mark:], self.index, DATA_SOURCES) + consumer
 
 
 def new_run(mutant: str | None = None) -> Run:
