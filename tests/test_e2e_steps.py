@@ -682,6 +682,28 @@ def test_report_table_and_targets() -> None:
     )
 
 
+def test_the_planes_engine_is_held_to_issue_36s_targets() -> None:
+    results = _results()
+    planes = results["steps.plain.row32planes.full"]
+    planes["steps"]["decode"]["1"]["tok_s"] = 170.0
+    planes["steps"]["decode"]["8"]["tokens"][3] = [3, 4, 9]
+    planes["slots"] = {"layers": 8, "slots": 256, "mismatches": ["layer 2: w13[slot 4]"]}
+    text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert "targets (steps.plain, issue 36):" in text
+    assert "  b1 row32planes.full >= 1.7 x uva675.full: 170 / 100 tok/s = 1.700 (met)" in text
+    assert "  b8 row32planes.full >= 1.25 x uva675.full: 800 / 800 tok/s = 1.000 (MISSED)" in text
+    assert "  ttft row32planes.full <= 0.6 x uva675.full: 200 / 250 ms = 0.800 (MISSED)" in text
+    assert "  ttft row32planes.full <= 0.85 x prefetch.full: 200 / 200 ms = 1.000 (MISSED)" in text
+    assert "  b1 row32planes.full >= 1 x row32dev.full: 170 / 100 tok/s = 1.700 (met)" in text
+    assert "  tokens row32planes.full identical to no offload: MISSED" in text
+    assert "(256 slots in 8 layers, 1 differ; first: layer 2: w13[slot 4]): MISSED" in text
+    skew = "\n".join(steps_report.targets(results, "steps.skew"))
+    assert "  b32 row32planes.full >= 2 x uva675.full: 3200 / 3200 tok/s = 1.000 (MISSED)" in skew
+    assert "b1 row32planes.full >= 1.7" not in skew
+    del results["steps.plain.row32planes.full"]
+    assert "issue 36" not in "\n".join(steps_report.targets(results, "steps.plain"))
+
+
 def test_merge_of_records_from_several_calls(tmp_path: Path) -> None:
     """Two calls' records.jsonl (and a results.json), merged on the host from the command
     line, as docs/RUNNING.md runs it."""

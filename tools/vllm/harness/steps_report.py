@@ -20,6 +20,7 @@ PREFETCH = "prefetch.full"
 DEVICE_EAGER = "row32dev.eager"
 HOST_EAGER = "row32host.eager"
 DEVICE_PIECEWISE = "row32dev.piecewise"
+PLANES = "row32planes.full"
 MEASURES = ("b1", "b8", "b32", "ttft")
 
 
@@ -432,7 +433,42 @@ def targets(results: Results, prefix: str) -> list[str]:
         line = exactness_line(results.get(f"{prefix}.{label}"), label)
         if line is not None:
             lines.append(line)
-    return [f"targets ({prefix}, issue 18):", *lines] if lines else []
+    issue_18 = [f"targets ({prefix}, issue 18):", *lines] if lines else []
+    return issue_18 + planes_targets(results, prefix)
+
+
+def planes_targets(results: Results, prefix: str) -> list[str]:
+    """Issue 36's targets for the experts held as bf16 planes (``row32planes.full``), against
+    UVA at the same expert memory: plain b1 >= 1.7 x, b8 >= 1.25 x, b32 >= 1.2 x, the
+    2,048-token prompt in <= 0.6 x UVA's time and <= 0.85 x the prefetch offloader's; skewed
+    b32 >= 2 x. Beside them the planes against the same cache copying raw bytes
+    (``row32dev.full``: no target, the gain of the format alone), the tokens, the slot audit and
+    the in-engine exactness."""
+    if f"{prefix}.{PLANES}" not in results:
+        return []
+    if prefix.endswith("skew"):
+        wanted = [("b32", UVA, 2.0, True)]
+    else:
+        wanted = [
+            ("b1", UVA, 1.7, True),
+            ("b8", UVA, 1.25, True),
+            ("b32", UVA, 1.2, True),
+            ("ttft", UVA, 0.6, False),
+            ("ttft", PREFETCH, 0.85, False),
+        ]
+    lines = [line for w in wanted if (line := _ratio(results, prefix, *w, PLANES)) is not None]
+    gains = [("b1", ROW, 1.0, True), ("b8", ROW, 1.0, True), ("b32", ROW, 1.0, True)]
+    gains.append(("ttft", ROW, 1.0, False))
+    found = [line for w in gains if (line := _ratio(results, prefix, *w, PLANES)) is not None]
+    if found:
+        lines += ["  (against the raw-byte cache: no target)", *found]
+    verdict = _token_verdict(results, f"{prefix}.{PLANES}")
+    if verdict is not None:
+        lines.append(f"  tokens {PLANES} identical to no offload: {verdict}")
+    record = results.get(f"{prefix}.{PLANES}")
+    for line in (slots_line(record, PLANES), exactness_line(record, PLANES)):
+        lines += [line] if line is not None else []
+    return [f"targets ({prefix}, issue 36):", *lines] if lines else []
 
 
 def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
