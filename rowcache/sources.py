@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rowcache.compress import Bf16Planes, decode_experts, encode
+from rowcache.compress import Bf16Planes, decode, decode_experts, encode
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout, pack_offsets, packed_storage, packed_views
 
@@ -279,6 +279,27 @@ class ExpertSources:
         if source is None:
             raise InvalidInputError(f"these sources hold no {name}")
         return source[expert].reshape(-1).contiguous().view(torch.uint8)
+
+    def whole(self, name: str, device: torch.device | str) -> Tensor:
+        """Every expert of source ``name`` as the slots hold them, on ``device`` (planes moved
+        there and decoded): for audits and reference forwards, not for a forward."""
+        target = torch.device(device)
+        if name in self.planes:
+            held = self.planes[name]
+            return decode(
+                Bf16Planes(
+                    shape=held.shape,
+                    codebook=held.codebook.to(target),
+                    sign_mantissa=held.sign_mantissa.to(target),
+                    codes=held.codes.to(target),
+                    escape_starts=held.escape_starts.to(target),
+                    escapes=held.escapes.to(target),
+                )
+            )
+        source = self._tensors[name]
+        if source is None:
+            raise InvalidInputError(f"these sources hold no {name}")
+        return source.to(target)
 
     @property
     def expert_bytes(self) -> int:

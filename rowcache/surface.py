@@ -118,6 +118,20 @@ class SlotSurface:
         return bad
 
     @property
+    def compressed(self) -> tuple[str, ...]:
+        """The sources held as bf16 planes (``compress=True``: w13 and w2), else none."""
+        return tuple(n for n in SOURCE_NAMES if n in self._sources.planes)
+
+    def source_weights(self, name: str, device: torch.device | str) -> Tensor:
+        """Every expert of source ``name`` (``"w13"``, ``"w2"``, ...) as the slots hold them,
+        on ``device``: the host tensors copied there, or their planes decoded there when the
+        provider holds them compressed. For audits and reference forwards (a whole expert set
+        on the device), not for a forward."""
+        if name not in SOURCE_NAMES:
+            raise InvalidInputError(f"unknown source {name!r}; sources: {', '.join(SOURCE_NAMES)}")
+        return self._sources.whole(name, device)
+
+    @property
     def capacity(self) -> int:
         return self._capacity
 

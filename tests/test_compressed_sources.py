@@ -168,3 +168,22 @@ def test_nothing_copies_from_the_stand_ins() -> None:
     assert sources.copied()[:2] == (None, None)
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.empty(2 * INTER, H, dtype=torch.bfloat16).copy_(w13[0])
+
+
+def test_the_whole_expert_set_as_the_slots_hold_it() -> None:
+    """``source_weights``: the planes decoded (every bit of the source), the other sources as
+    they are; ``compressed`` names the sources held as planes."""
+    given = weights(3)
+    p = provider(3)
+    assert p.compressed == ("w13", "w2")
+    for name, want in given.items():
+        got = p.source_weights(name, "cpu")
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    plain = RowCacheWeightProvider(**given, capacity=C, device="cpu", planner="device")
+    assert plain.compressed == ()
+    assert torch.equal(plain.source_weights("w2", "cpu"), given["w2"])
+    with pytest.raises(InvalidInputError, match="unknown source 'w3'; sources: w13, w2"):
+        p.source_weights("w3", "cpu")
+    with pytest.raises(InvalidInputError, match="these sources hold no w13_bias"):
+        p.source_weights("w13_bias", "cpu")

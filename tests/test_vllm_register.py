@@ -188,6 +188,9 @@ FAKE_VLLM = {
                 self.unquantized_backend = self.BACKEND
                 self.moe_kernel = None
 
+            def process_weights_after_loading(self, layer):
+                pass  # vLLM pads and selects its kernel here; nothing the plugin reads
+
             def apply(self, layer, x, topk_weights, topk_ids, shared_experts,
                       shared_experts_input):
                 return self.moe_kernel.apply(
@@ -1186,6 +1189,70 @@ def test_the_refusals_serve_refusals_looks_for(fake_vllm: Any) -> None:
     with pytest.raises(RuntimeError) as failed:
         _config(fake_vllm, {"moe_expert_cache_size": 32, **HOST}, splitting_ops=[])
     assert cases["host-planner-in-one-full-graph"] in str(failed.value)
+
+
+def test_with_planes_the_layers_pinned_weights_are_released(fake_vllm: Any) -> None:
+    """With ``moe_expert_cache_compress='on'`` the planes hold every bit of w13 and w2, so the
+    layer's own copies are freed once the provider is built: the parameters keep their shape
+    and dtype on the meta device, the host tensors are gone, a reload is refused, and the
+    cache still serves every expert exactly (the in-engine exactness probe compares with the
+    planes decoded)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from rowcache.vllm._config import RowcacheError
+    from tools.vllm.harness import probes
+
+    section = {
+        "moe_expert_cache_size": 3,
+        "moe_expert_cache_planner": "device",
+        "moe_expert_cache_compress": "on",
+    }
+    method = _method(fake_vllm, section)
+    weights, _, x, ids, topk_weights = _bf16_layer_and_inputs(8)
+    layer = torch.nn.Module()
+    layer.activation, layer.global_num_experts = "silu", E
+    layer.apply_router_weight_on_input = False
+    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16)
+    layer.w13_weight.data.copy_(weights.w13)
+    layer.w2_weight.data.copy_(weights.w2)
+    assert method._host is not None
+    held = [weakref.ref(t) for t in method._host]
+    method.process_weights_after_loading(layer)
+    gc.collect()
+    assert method._host is None and all(r() is None for r in held)
+    for name, want in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
+        param = getattr(layer, name)
+        assert param.device.type == "meta" and param.shape == want.shape
+        assert param.dtype == torch.bfloat16
+        with pytest.raises(RowcacheError, match="reloading weights into it is not supported"):
+            param.weight_loader(param, want)
+    provider = method.rowcache_provider
+    assert provider.compressed == ("w13", "w2")
+    kernel = TritonKernel(weights)
+    method.moe_kernel = kernel
+    expected = kernel.apply(
+        hidden_states=x,
+        w1=weights.w13,
+        w2=weights.w2,
+        topk_weights=topk_weights,
+        topk_ids=ids,
+        activation="silu",
+        global_num_experts=E,
+        expert_map=None,
+        apply_router_weight_on_input=False,
+        shared_experts=None,
+        shared_experts_input=None,
+    )
+    out = method.apply(layer, x, topk_weights, ids, None, None)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert provider.slot_mismatches(provider.resident_experts()) == []
+    layer.quant_method = method
+    model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
+    found = probes.exactness(model, device="cpu", row_counts=(1, 16))
+    assert found["layers"] == 1 and found["skipped"] == 0 and found["equal"]["16"] == 1
 
 
 def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:

@@ -80,6 +80,7 @@ __all__ = [
     "install",
     "pinned_empty",
     "register_host_parameter",
+    "release_host_weights",
 ]
 
 logger = logging.getLogger("rowcache.vllm")
@@ -125,6 +126,31 @@ def register_host_parameter(layer: Any, name: str, host: Tensor, attrs: dict[str
         attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
     layer.register_parameter(name, param)
     set_weight_attrs(param, attrs)
+
+
+def release_host_weights(layer: Any) -> None:
+    """Free the layer's pinned ``w13_weight`` and ``w2_weight`` once a provider holds them as
+    bf16 planes (every bit of them: decode(encode(x)) == x), which would otherwise take host
+    memory beside the planes. The parameters keep their shapes and dtypes on the meta device,
+    so that anything still reading them fails loudly instead of reading freed memory, and
+    their weight loaders refuse a reload with a line saying why."""
+    for name in ("w13_weight", "w2_weight"):
+        param = getattr(layer, name)
+        # A new parameter: a tensor's data cannot move to the meta device in place.
+        released = torch.nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+        )
+        attrs = {k: v for k, v in vars(param).items() if k != "weight_loader"}
+        layer.register_parameter(name, released)
+        set_weight_attrs(released, {**attrs, "weight_loader": _refuse_reload})
+
+
+def _refuse_reload(*args: Any, **kwargs: Any) -> None:
+    raise RowcacheError(
+        "rowcache: this layer's experts are held as bf16 planes "
+        "(moe_expert_cache_compress='on') and its w13_weight and w2_weight were released; "
+        "reloading weights into it is not supported: start a new engine"
+    )
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -502,6 +528,9 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         assert self._host is not None and self.rowcache_settings is not None
         w13, w2 = self._host
         self.rowcache_provider = build_provider(self.rowcache_settings, self._capacity, w13, w2)
+        if self.rowcache_settings.compress_planes:
+            release_host_weights(layer)
+            self._host = None
 
     def apply(
         self,

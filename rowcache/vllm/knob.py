@@ -10,9 +10,11 @@ Two sources, in order of precedence:
 ``moe_expert_cache_compress`` (``auto``, ``on``, ``off``; default ``auto``) holds bf16 experts
 as lossless bf16 planes in host memory and decodes each miss on the GPU
 (``rowcache.compress``). ``on`` needs ``moe_expert_cache_planner='device'`` (the decode runs
-after the device planner's gather) and bf16 experts; ``auto`` is ``off`` for every
-configuration until a recorded run shows the planes exact and faster for it, as the planner's
-defaults are chosen (``rowcache.vllm.defaults``).
+after the device planner's gather) and bf16 experts; the layer's own pinned w13 and w2 are then
+freed (``rowcache.vllm._method.release_host_weights``). ``auto`` is ``off`` for every
+configuration until a recorded run shows the planes exact and faster for it with medians of
+three, as the planner's defaults are chosen (``rowcache.vllm.defaults``); the one record so far
+(docs/records/2026-12-04-steps-planes.md) measured single generations.
 
 ``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the MoE op runs
 eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``: planned and
@@ -131,7 +133,7 @@ class CacheSettings:
     @property
     def compress_planes(self) -> bool:
         """Whether the provider holds bf16 experts as planes: ``on`` (``auto`` is off until a
-        recorded run chooses it for a configuration; none has yet)."""
+        recorded run with medians of three chooses it for a configuration)."""
         return self.compress == "on"
 
     @property

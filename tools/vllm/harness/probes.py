@@ -227,6 +227,11 @@ def exactness_in(max_batched_tokens: int) -> Callable[[Any], dict[str, Any]]:
     return functools.partial(exactness, row_counts=exactness_rows(max_batched_tokens))
 
 
+def compressed(provider: Any) -> bool:
+    """Whether ``provider`` holds w13 and w2 as bf16 planes (``moe_expert_cache_compress``)."""
+    return bool(getattr(provider, "compressed", ()))
+
+
 def exactness(
     model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
 ) -> dict[str, Any]:
@@ -236,7 +241,8 @@ def exactness(
     configuration), the reference through the layer's kernel over the whole expert set copied
     from the host to the GPU. Independent of how two engines compile (their tokens can differ
     without any cache). Unquantized layers only (``RowcacheMoEMethod``: ``_host`` is its
-    ``(w13, w2)`` in pinned host memory); other layers are counted as skipped.
+    ``(w13, w2)`` in pinned host memory; where the plugin released them for planes, the planes
+    decoded on ``device``); other layers are counted as skipped.
 
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
     largest difference}, "skipped": n}``. ``device`` and ``row_counts``: the CPU tests run it
@@ -254,11 +260,16 @@ def exactness(
         host = getattr(method, "_host", None)
         if method is None or provider is None:
             continue
-        if host is None:
+        if host is not None:
+            # The layer's own weights: independent of what the provider holds.
+            w13, w2 = (t.to(device, non_blocking=False) for t in host)
+        elif compressed(provider):
+            # The plugin released them (planes hold every bit): the planes decoded.
+            w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
+        else:
             skipped += 1
             continue
         layers += 1
-        w13, w2 = (t.to(device, non_blocking=False) for t in host)
         experts_total, hidden = w13.shape[0], w13.shape[2]
         top_k = int(method.moe.experts_per_token)
         for rows in row_counts:
