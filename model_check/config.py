@@ -49,12 +49,22 @@ MUTANT_CHECKS: tuple[Check, ...] = (
     Check("interleavings", B32, 4),
 )
 
+# The kill matrix's `intended` column: one exhaustive search for the property a mutant was
+# seeded against, alone (`only`), in the first of these models that expresses it. On the host
+# path the happens-before summary finds every mutant's in under a second, where the explicit
+# model took up to 105 s (hit_path_ignores_handoff's P1; tests/test_model.py runs that search
+# in both models); only the explicit model expresses P7 (deadlock). On the device-planned path
+# the summary misses three mutants' seeded property at its bounds (each after a whole search of
+# 13 to 105 s), so the explicit model decides there.
+INTENDED_CHECKS: tuple[Check, ...] = (Check("hb", B32, 6), Check("interleavings", B32, 4))
+
 # The device-planned path's operations, at the same bounds.
 DEVICE_CHECKS: tuple[Check, ...] = tuple(replace(c, path="device") for c in CHECKS)
 DEVICE_MUTANT_CHECKS: tuple[Check, ...] = (
     Check("hb", B32, 6, "device"),
     Check("interleavings", B32, 3, "device"),
 )
+DEVICE_INTENDED_CHECKS: tuple[Check, ...] = (Check("interleavings", B32, 3, "device"),)
 
 
 @dataclass(frozen=True)
