@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import z3
+from z3.z3 import Z3_mk_ite, _to_expr_ref
 
 from model_check.table.reference import NO_SLOT, NO_STREAM, Bounds, Effect, HostState
 
@@ -39,13 +40,19 @@ Int = Any
 
 
 def _const(x: Bool) -> bool | None:
-    """The truth value of x when it is known without solving, else None."""
+    """The truth value of x when it is known without solving, else None.
+
+    One call into z3's C API (the literal ``true`` or ``false``, else undefined) rather than
+    ``z3.is_true`` and ``z3.is_false``, which build the term's declaration to compare its kind:
+    the encoders ask this of most terms they build, and that made up a third of their time."""
     if isinstance(x, bool):
         return x
-    if z3.is_true(x):
-        return True
-    if z3.is_false(x):
-        return False
+    if isinstance(x, z3.BoolRef):
+        value = z3.Z3_get_bool_value(x.ctx_ref(), x.as_ast())
+        if value == z3.Z3_L_TRUE:
+            return True
+        if value == z3.Z3_L_FALSE:
+            return False
     return None
 
 
@@ -53,6 +60,14 @@ def ite(c: Bool, a: Any, b: Any) -> Any:
     known = _const(c)
     if known is not None:
         return a if known else b
+    if type(a) is type(b) and isinstance(a, (z3.BoolRef, z3.ArithRef)):
+        # Three terms already: one Z3_mk_ite, where z3.If casts and coerces each argument
+        # first (several calls into the C API a term; half of the encoders' time). Terms of
+        # two sorts (an int and a real) are z3.If's to coerce: z3 refuses them here.
+        try:
+            return _to_expr_ref(Z3_mk_ite(c.ctx.ref(), c.as_ast(), a.as_ast(), b.as_ast()), c.ctx)
+        except z3.Z3Exception:
+            pass
     return z3.If(c, a, b)
 
 
