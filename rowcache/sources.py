@@ -285,17 +285,7 @@ class ExpertSources:
         there and decoded): for audits and reference forwards, not for a forward."""
         target = torch.device(device)
         if name in self.planes:
-            held = self.planes[name]
-            return decode(
-                Bf16Planes(
-                    shape=held.shape,
-                    codebook=held.codebook.to(target),
-                    sign_mantissa=held.sign_mantissa.to(target),
-                    codes=held.codes.to(target),
-                    escape_starts=held.escape_starts.to(target),
-                    escapes=held.escapes.to(target),
-                )
-            )
+            return decode(self.planes[name].map(lambda t: t.to(target)))
         source = self._tensors[name]
         if source is None:
             raise InvalidInputError(f"these sources hold no {name}")
@@ -327,15 +317,7 @@ def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     temporaries (a few times the tensor's bytes) are freed on return."""
     if not _needs_pinning(target):
         return encode(source)
-    planes = encode(source.to(target))
-    return Bf16Planes(
-        shape=planes.shape,
-        codebook=_pinned_host(planes.codebook),
-        sign_mantissa=_pinned_host(planes.sign_mantissa),
-        codes=_pinned_host(planes.codes),
-        escape_starts=_pinned_host(planes.escape_starts),
-        escapes=_pinned_host(planes.escapes),
-    )
+    return encode(source.to(target)).map(_pinned_host)
 
 
 def _pinned_host(t: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ copies three ranges; ``decode_experts`` is the reference the GPU decode is check
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +95,17 @@ class Bf16Planes:
     def ratio(self) -> float:
         """``nbytes / raw_nbytes`` (below 1 where the format saves)."""
         return self.nbytes / max(self.raw_nbytes, 1)
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Bf16Planes:
+        """The same planes with ``fn`` applied to each tensor (to move or pin them)."""
+        return Bf16Planes(
+            shape=self.shape,
+            codebook=fn(self.codebook),
+            sign_mantissa=fn(self.sign_mantissa),
+            codes=fn(self.codes),
+            escape_starts=fn(self.escape_starts),
+            escapes=fn(self.escapes),
+        )
 
     def expert_escapes(self, expert: int) -> Tensor:
         """The escape bytes of one expert (one contiguous range of ``escapes``)."""
