@@ -342,17 +342,11 @@ def kill_row(
     # search above that stopped at a violation of it, else by a search for it alone in the
     # first model that can express it (`config.INTENDED_CHECKS`).
     start = time.perf_counter()
-    intended = DEVICE_INTENDED_CHECKS if isinstance(table, DeviceTable) else INTENDED_CHECKS
-    found_intended: str | None = None
     if any(k.found == m.breaks for k in row):
-        intended, found_intended = (), m.breaks
-    for check in intended:
-        try:
-            result = explore(mutated, check.bounds, check.depth, model=check.model, only=m.breaks)
-        except NotExpressible:
-            continue
-        found_intended = result.violation.prop if result.violation else None
-        break
+        found_intended: str | None = m.breaks
+    else:
+        intended = DEVICE_INTENDED_CHECKS if isinstance(table, DeviceTable) else INTENDED_CHECKS
+        found_intended = intended_search(mutated, m.breaks, intended)
     row.append(Kill("intended", found_intended, time.perf_counter() - start))
     if use_z3:
         row.append(z3_kill(mutated))
@@ -363,6 +357,20 @@ def kill_row(
     found_h = run_machine(mutated, MACHINE_BOUNDS, max_examples=examples, steps=steps, shrink=False)
     row.append(Kill("hypothesis", found_h.prop if found_h else None, time.perf_counter() - start))
     return row
+
+
+def intended_search(
+    mutated: Table | DeviceTable, prop: str, checks: tuple[Check, ...]
+) -> str | None:
+    """The violation of `prop` alone (or None) in the first of `checks` whose model expresses
+    it (`config.INTENDED_CHECKS`)."""
+    for check in checks:
+        try:
+            result = explore(mutated, check.bounds, check.depth, model=check.model, only=prop)
+        except NotExpressible:
+            continue
+        return result.violation.prop if result.violation else None
+    return None
 
 
 def z3_kill(mutated: Table | DeviceTable) -> Kill:

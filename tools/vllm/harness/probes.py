@@ -227,11 +227,6 @@ def exactness_in(max_batched_tokens: int) -> Callable[[Any], dict[str, Any]]:
     return functools.partial(exactness, row_counts=exactness_rows(max_batched_tokens))
 
 
-def compressed(provider: Any) -> bool:
-    """Whether ``provider`` holds w13 and w2 as bf16 planes (``moe_expert_cache_compress``)."""
-    return bool(getattr(provider, "compressed", ()))
-
-
 def exactness(
     model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
 ) -> dict[str, Any]:
@@ -263,7 +258,7 @@ def exactness(
         if host is not None:
             # The layer's own weights: independent of what the provider holds.
             w13, w2 = (t.to(device, non_blocking=False) for t in host)
-        elif compressed(provider):
+        elif getattr(provider, "compressed", ()):
             # The plugin released them (planes hold every bit): the planes decoded.
             w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
         else:

@@ -457,8 +457,7 @@ def planes_targets(results: Results, prefix: str) -> list[str]:
             ("ttft", PREFETCH, 0.85, False),
         ]
     lines = [line for w in wanted if (line := _ratio(results, prefix, *w, PLANES)) is not None]
-    gains = [("b1", ROW, 1.0, True), ("b8", ROW, 1.0, True), ("b32", ROW, 1.0, True)]
-    gains.append(("ttft", ROW, 1.0, False))
+    gains = [(m, ROW, 1.0, m != "ttft") for m in MEASURES]
     found = [line for w in gains if (line := _ratio(results, prefix, *w, PLANES)) is not None]
     if found:
         lines += ["  (against the raw-byte cache: no target)", *found]
