@@ -500,3 +500,20 @@ def test_spec_fields_have_defaults_that_change_nothing() -> None:
     """A new field needs a default, so that the engines of the recorded runs stay as they were."""
     required = [f.name for f in dataclasses.fields(EngineSpec) if f.default is dataclasses.MISSING]
     assert required == ["name", "checkpoint", "prompts", "max_tokens", "mode"]
+
+
+def test_the_pinned_memory_probe_counts_released_layers() -> None:
+    """A layer whose ``w13_weight`` is on the meta device counts as released, one on the CPU
+    does not; the allocator's figures are None where no pinned allocator has run."""
+    from tools.vllm.harness.probes import pinned_host_memory
+
+    released, kept = torch.nn.Module(), torch.nn.Module()
+    released.w13_weight = torch.nn.Parameter(torch.empty(2, 3, device="meta"))
+    kept.w13_weight = torch.nn.Parameter(torch.empty(2, 3))
+    model = torch.nn.ModuleList([released, kept, torch.nn.Linear(2, 2)])
+    found = pinned_host_memory(model)
+    assert found["released_layers"] == 1
+    if not torch.cuda.is_available():
+        assert found["host_pinned_bytes"] in (None, 0)
+    kept.w13_weight = torch.nn.Parameter(torch.empty(2, 3, device="meta"))
+    assert pinned_host_memory(model)["released_layers"] == 2

@@ -93,10 +93,11 @@ def test_steps_engines_and_their_arguments() -> None:
     json.dumps(prefetch)  # recorded as llm_kwargs
     rowcache = {"moe_expert_cache_size": 32, "moe_expert_cache_provider": "row"}
     rowcache["moe_expert_cache_planner"] = "device"
+    raw = rowcache | {"moe_expert_cache_compress": "off"}  # the raw-byte cache, set
     row = child.engine_kwargs(by["row32dev.full"], "/w/qwen8")
-    assert row == common | graphs | {"additional_config": {"rowcache": rowcache}}
+    assert row == common | graphs | {"additional_config": {"rowcache": raw}}
     row_eager = child.engine_kwargs(by["row32dev.eager"], "/w/qwen8")
-    assert row_eager["enforce_eager"] and row_eager["additional_config"]["rowcache"] == rowcache
+    assert row_eager["enforce_eager"] and row_eager["additional_config"]["rowcache"] == raw
     host_eager = child.engine_kwargs(by["row32host.eager"], "/w/qwen8")
     assert host_eager["enforce_eager"]
     assert host_eager["additional_config"]["rowcache"] == rowcache | {
@@ -338,6 +339,7 @@ def test_routes_reads_the_plugin_objects() -> None:
         "routes": {"exact: passes' unreduced entries, one moe_sum per step": 2},
         "planners": {"device": 2},
         "device_passes": 10,
+        "planes_layers": 0,
     }
     # A host-planned layer (any other provider) with the token split.
     host = SimpleNamespace(
@@ -353,6 +355,9 @@ def test_routes_reads_the_plugin_objects() -> None:
     found = probes.routes(model)
     assert found["planners"] == {"device": 1, "host": 1}
     assert found["device_passes"] == 5
+    # A layer whose experts are held as planes (its provider names what it compressed).
+    method.rowcache_provider.compressed = ("w13", "w2")
+    assert probes.routes(model)["planes_layers"] == 1
 
 
 # -- a budgeted phase -----------------------------------------------------------------------
@@ -1014,4 +1019,5 @@ def test_the_compressed_engine_is_the_device_planner_with_planes() -> None:
     planes, row = by["row32planes.full"].knob, by["row32dev.full"].knob
     assert planes is not None and row is not None
     assert planes.config() == {**row.config(), "moe_expert_cache_compress": "on"}
-    assert "moe_expert_cache_compress" not in row.config()
+    # Raw bytes set: auto holds planes in full graphs since the planes' record.
+    assert row.config()["moe_expert_cache_compress"] == "off"

@@ -19,16 +19,22 @@ from rowcache.vllm.defaults import (
     GRAPH_MODES,
     HOST_EXPERT_EXACT,
     NO_HOST_EXPERT,
+    NO_PLANES,
     NO_TOKENS,
     NOT_FASTER,
+    PLANES_FASTER,
+    PLANES_NEED_DEVICE,
     TOKENS_EXACT,
     Evidence,
     GraphMode,
     choose_planner,
+    default_compress,
     default_planner,
     default_split,
 )
 from rowcache.vllm.knob import (
+    COMPRESS,
+    COMPRESS_CHOSEN,
     ENV,
     PLANNER,
     PLANNER_CHOSEN,
@@ -69,8 +75,14 @@ def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> Non
     host planner's expert split's in eager mode, and the device planner's in full graphs on FP8
     checkpoints; their raw output is in the repository. Eager mode (no speed record) stays on
     the host planner, with the expert split; the host planner elsewhere takes the token split.
-    FP8 in piecewise graphs and online FP8 (``fp8_per_tensor``) have no record."""
-    full, eager, host_split, fp8, piecewise = EVIDENCE
+    FP8 in piecewise graphs and online FP8 (``fp8_per_tensor``) have no record. The planes
+    steps of 2026-12-04 turn ``compress: auto`` on for the device planner's bf16 experts in full
+    graphs only."""
+    full, eager, host_split, fp8, piecewise, planes = EVIDENCE
+    assert (planes.claim, planes.modes, planes.quantizations) == (PLANES_FASTER, ("full",), (None,))
+    assert {
+        mode: default_compress(mode, planner="device", dtype="bfloat16")[0] for mode in GRAPH_MODES
+    } == {"full": "on", "piecewise": "off", "eager": "off"}
     assert full.claim == TOKENS_EXACT and full.modes == ("full",)
     assert eager.claim == TOKENS_EXACT and eager.modes == ("eager",)
     assert host_split.claim == HOST_EXPERT_EXACT and host_split.modes == ("eager",)
@@ -115,7 +127,10 @@ def backs_its_claim(evidence: Evidence) -> int:
     planner's expert split) gave the same greedy tokens as that checkpoint's no-offload engine
     of the same mode, sequence by sequence at every batch size measured, and the device
     planner's largest batch took at least two passes a layer step on average. Returns the
-    number of engines checked."""
+    number of engines checked. A ``PLANES_FASTER`` record is checked by
+    :func:`planes_back_their_claim`."""
+    if evidence.claim == PLANES_FASTER:
+        return planes_back_their_claim(evidence)
     engine = {TOKENS_EXACT: "row32dev", HOST_EXPERT_EXACT: "row32host"}[evidence.claim]
     records = _records(evidence.record)
     checked = 0
@@ -137,6 +152,45 @@ def backs_its_claim(evidence: Evidence) -> int:
                 assert passes >= 2 * steps, f"{name}: {passes} passes over {steps} layer steps"
             checked += 1
     assert checked, f"no {engine} engine in {evidence.record} for {evidence.modes}"
+    return checked
+
+
+def planes_back_their_claim(evidence: Evidence) -> int:
+    """Check that a ``PLANES_FASTER`` record shows it: in each of its modes, every
+    ``row32planes`` engine (started with ``moe_expert_cache_compress: on``) gave its
+    checkpoint's no-offload tokens at every batch size and the first tokens of the long
+    prompts, measured every batch size three times, and left every resident slot byte-exact;
+    beside a ``row32dev`` engine of the same run (the raw-byte cache) it was at least as fast
+    at every batch size and took no longer on the prompts. At least one such pair must be
+    there. Returns the number of planes engines checked."""
+    records = _records(evidence.record)
+    checked = compared = 0
+    for mode in evidence.modes:
+        for name, record in records.items():
+            prefix, _, label = name.rpartition(".row32planes.")
+            if not prefix or label != mode:
+                continue
+            reference = records[f"{prefix}.none.{mode}"]["steps"]
+            steps = record["steps"]
+            assert steps["decode"].keys() == reference["decode"].keys(), name
+            for batch, entry in steps["decode"].items():
+                assert entry["tokens"] == reference["decode"][batch]["tokens"], (name, batch)
+                assert entry["repeats_run"] == 3, (name, batch, entry["repeats_run"])
+            assert steps["ttft"]["first_tokens"] == reference["ttft"]["first_tokens"], name
+            knob = record["llm_kwargs"]["additional_config"]["rowcache"]
+            assert knob[COMPRESS] == "on", name
+            slots = record["slots"]
+            assert slots["slots"] > 0 and slots["mismatches"] == [], name
+            raw = records.get(f"{prefix}.row32dev.{mode}")
+            if raw is not None:
+                for batch, entry in steps["decode"].items():
+                    slower = raw["steps"]["decode"][batch]["tok_s"]
+                    assert entry["tok_s"] >= slower, f"{name}: b{batch} {entry['tok_s']} < {slower}"
+                assert steps["ttft"]["ms"] <= raw["steps"]["ttft"]["ms"], f"{name}: prompt"
+                compared += 1
+            checked += 1
+    assert checked, f"no row32planes engine in {evidence.record} for {evidence.modes}"
+    assert compared, f"no row32dev engine beside the planes in {evidence.record}"
     return checked
 
 
@@ -171,6 +225,49 @@ def test_the_claim_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) 
         entry["cache"]["passes"] = 2056
     with pytest.raises(AssertionError, match="2056 passes over 2048 layer steps"):
         backs_its_claim(write(one_pass))
+
+
+def test_the_planes_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) -> None:
+    """The planes' check fails on diverging tokens, on a batch measured fewer than three
+    times, on planes slower than raw bytes, on a slot that differs, and on a run without the
+    raw-byte engine beside the planes."""
+    import json
+
+    planes = next(e for e in EVIDENCE if e.claim == PLANES_FASTER)
+    records = _records(planes.record)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+
+    def write(changed: dict[str, dict[str, Any]]) -> Evidence:
+        text = "".join(json.dumps(r) + "\n" for r in changed.values())
+        (bad / "records.jsonl").write_text(text)
+        return Evidence(**{**vars(planes), "record": str(bad)})
+
+    def changed() -> dict[str, dict[str, Any]]:
+        copy: dict[str, dict[str, Any]] = json.loads(json.dumps(records))
+        return copy
+
+    engine = "steps.skew.row32planes.full"
+    diverging = changed()
+    diverging[engine]["steps"]["decode"]["32"]["tokens"][5][40] += 1
+    with pytest.raises(AssertionError, match=r"skew\.row32planes"):
+        backs_its_claim(write(diverging))
+    once = changed()
+    once[engine]["steps"]["decode"]["8"]["repeats_run"] = 1
+    with pytest.raises(AssertionError, match="'8', 1"):
+        backs_its_claim(write(once))
+    slower = changed()
+    slower["steps.plain.row32planes.full"]["steps"]["decode"]["8"]["tok_s"] = 100.0
+    with pytest.raises(AssertionError, match=r"b8 100\.0 < 139\.3"):
+        backs_its_claim(write(slower))
+    slot = changed()
+    slot[engine]["slots"]["mismatches"] = [[3, 17]]
+    with pytest.raises(AssertionError, match=engine):
+        backs_its_claim(write(slot))
+    alone = changed()
+    del alone["steps.plain.row32dev.full"]
+    with pytest.raises(AssertionError, match="no row32dev engine beside the planes"):
+        backs_its_claim(write(alone))
 
 
 def test_the_fp8_default_ran_on_the_gpu() -> None:
@@ -545,7 +642,12 @@ def test_env_only_configuration_carries_the_choice(
                 "planner": "device",
                 "reason": "default in full graphs: tokens_exact in vLLM 0.25.0 on H200, "
                 "2026-12-01 at 25f83b1",
-            }
+            },
+            # The fake configuration has no dtype: auto stays raw bytes, saying why.
+            COMPRESS_CHOSEN: {
+                "compress": "off",
+                "reason": "default: planes hold bf16 experts and the model's dtype is not known",
+            },
         }
     }
 
@@ -574,3 +676,129 @@ def test_plugin_logger_follows_vllms_handlers(fake_vllm: Any) -> None:  # noqa: 
         ours.propagate = saved[2]
         theirs.removeHandler(handler)
         theirs.setLevel(saved[3])
+
+
+# -- compress: auto -----------------------------------------------------------------------------
+
+PLANES = _evidence(PLANES_FASTER, "full")
+
+
+def test_compress_auto_is_resolved_by_planner_mode_quantization_and_dtype() -> None:
+    """``on`` only for the device planner's bf16 experts in a mode and quantization with a
+    planes record; every other case ``off``, each with its reason."""
+    cite = "planes_faster in vLLM 0.25.0 on H200, 2026-12-02 at abc1234"
+    evidence = (PLANES,)
+    assert default_compress("full", planner="device", dtype="bfloat16", evidence=evidence) == (
+        "on",
+        f"default in full graphs: {cite}",
+    )
+    assert default_compress("full", planner="host", dtype="bfloat16", evidence=evidence) == (
+        "off",
+        f"default: {PLANES_NEED_DEVICE}",
+    )
+    assert default_compress("full", planner="device", dtype="float16", evidence=evidence) == (
+        "off",
+        "default: planes hold bf16 experts and the model's dtype is float16",
+    )
+    assert default_compress("piecewise", planner="device", dtype="bfloat16", evidence=evidence) == (
+        "off",
+        f"default in piecewise graphs: {NO_PLANES}",
+    )
+    assert default_compress(
+        "full", planner="device", quantization="fp8", dtype="bfloat16", evidence=evidence
+    ) == ("off", f"default in full graphs, quantization 'fp8': {NO_PLANES}")
+    assert default_compress("full", planner="device", dtype="bfloat16", evidence=()) == (
+        "off",
+        f"default in full graphs: {NO_PLANES}",
+    )
+
+
+def test_choose_planner_resolves_auto_after_the_planner() -> None:
+    """``auto`` follows the planner chosen (or set) for the engine; ``on`` and ``off`` given
+    stay as given; the resolved value and its reason are what the start-up line says."""
+    base: dict[str, object] = {"moe_expert_cache_size": 16}
+    evidence = (TOKENS_GRAPHS, PLANES)
+    auto = parse_settings({"rowcache": base}, {})
+    assert auto.compress == "auto" and not auto.compress_planes and auto.compress_line() is None
+    full = choose_planner(auto, "full", evidence=evidence, dtype="bfloat16")
+    assert (full.planner, full.compress, full.compress_source) == ("device", "on", "default")
+    assert full.compress_planes and full.describe().endswith("experts held as bf16 planes")
+    assert full.compress_line() == (
+        "rowcache: compress on (default in full graphs: planes_faster in vLLM 0.25.0 on H200, "
+        "2026-12-02 at abc1234)"
+    )
+    eager = choose_planner(auto, "eager", evidence=evidence, dtype="bfloat16")
+    assert (eager.planner, eager.compress, eager.compress_source) == ("host", "off", "default")
+    assert eager.compress_line() == f"rowcache: compress off (default: {PLANES_NEED_DEVICE})"
+    half = choose_planner(auto, "full", evidence=evidence, dtype="float16")
+    assert (half.planner, half.compress) == ("device", "off")
+    for given in ("on", "off"):
+        settings = parse_settings({"rowcache": {**base, PLANNER: "device", COMPRESS: given}}, {})
+        kept = choose_planner(settings, "full", evidence=(PLANES,), dtype="float16")
+        assert (kept.compress, kept.compress_source, kept.compress_line()) == (
+            given,
+            "setting",
+            None,
+        )
+    # Resolved once: later evidence does not change it.
+    assert choose_planner(full, "full", evidence=(), dtype="bfloat16").compress == "on"
+
+
+def test_the_compress_record_is_read_back_and_checked() -> None:
+    record = {"compress": "on", "reason": "default in full graphs: x"}
+    base: dict[str, object] = {"moe_expert_cache_size": 8, PLANNER: "device"}
+    settings = parse_settings({"rowcache": {**base, COMPRESS_CHOSEN: record}}, {})
+    assert (settings.compress, settings.compress_source, settings.compress_reason) == (
+        "on",
+        "default",
+        "default in full graphs: x",
+    )
+    assert settings.compress_planes
+    assert choose_planner(settings, "full", evidence=(), dtype="bfloat16").compress == "on"
+    over = parse_settings({"rowcache": {**base, COMPRESS_CHOSEN: record, COMPRESS: "off"}}, {})
+    assert (over.compress, over.compress_source) == ("off", "setting")
+    for bad in ("on", {"compress": "auto", "reason": "x"}, {"compress": "on"}):
+        with pytest.raises(KnobError, match=COMPRESS_CHOSEN):
+            parse_settings({"rowcache": {**base, COMPRESS_CHOSEN: bad}}, {})
+
+
+def test_hook_holds_bf16_experts_as_planes_in_full_graphs(
+    fake_vllm: Any,  # noqa: F811
+    said: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 model in vLLM's default full graphs with the slot count alone set: the device
+    planner and the planes, both written back and said once; a float16 model keeps raw bytes;
+    the method built in that engine holds its experts as planes."""
+    import torch
+
+    monkeypatch.delenv(PLANNER_ENV, raising=False)
+    monkeypatch.delenv(ENV[COMPRESS], raising=False)
+    plugin.register()
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    configs = [
+        _config(fake_vllm, {"moe_expert_cache_size": 16}, dtype=torch.bfloat16) for _ in range(2)
+    ]
+    for config in configs:
+        assert config.additional_config["rowcache"][COMPRESS_CHOSEN]["compress"] == "on"
+    said_lines = [m for m in caplog.messages if m.startswith("rowcache: compress ")]
+    assert said_lines == [
+        "rowcache: compress on (default in full graphs: planes_faster in vLLM 0.25.0 on H200, "
+        "2026-12-04 at 9d4f84f)"
+    ]
+    described = (
+        "rowcache: 16 slots per MoE layer, provider 'row', planned on the device, experts held "
+        "as bf16 planes"
+    )
+    assert described in caplog.messages
+    from rowcache.vllm._config import settings_of
+
+    fake_vllm.config.VllmConfig.__post_init__(configs[0])
+    assert settings_of(configs[0]).compress_planes
+    half = _config(fake_vllm, {"moe_expert_cache_size": 16}, dtype=torch.float16)
+    assert half.additional_config["rowcache"][COMPRESS_CHOSEN] == {
+        "compress": "off",
+        "reason": "default: planes hold bf16 experts and the model's dtype is float16",
+    }
+    assert not settings_of(half).compress_planes

@@ -175,9 +175,12 @@ def test_describe() -> None:
     assert "off" in CacheSettings(eager_between_graphs=True).describe()
 
 
-def test_compress_defaults_to_auto_which_is_off() -> None:
+def test_compress_defaults_to_auto_unresolved_until_the_planner_is_chosen() -> None:
+    """Parsed alone, ``auto`` holds raw bytes; ``rowcache.vllm.defaults.choose_planner``
+    resolves it (tests/test_vllm_default_planner.py)."""
     settings = parse_settings(cfg(moe_expert_cache_size=8, moe_expert_cache_planner="device"), {})
     assert settings.compress == "auto" and not settings.compress_planes
+    assert settings.compress_source == "unset" and settings.compress_line() is None
     assert "bf16 planes" not in settings.describe()
     assert ENV["moe_expert_cache_compress"] == "ROWCACHE_MOE_EXPERT_CACHE_COMPRESS"
 

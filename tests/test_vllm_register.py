@@ -457,6 +457,8 @@ def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
     )
     model = SimpleNamespace(
         quantization=kw.pop("quantization", None),
+        # vLLM's resolved dtype (a torch.dtype); None: a configuration without one.
+        dtype=kw.pop("dtype", None),
         # The checkpoint's own quantization config (vLLM: None for a bf16 checkpoint).
         model_arch_config=SimpleNamespace(quantization_config=kw.pop("checkpoint_quant", None)),
     )

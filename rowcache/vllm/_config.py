@@ -33,12 +33,14 @@ from vllm.config.vllm import VllmConfig
 
 from rowcache.vllm.defaults import GraphMode, choose_planner
 from rowcache.vllm.knob import (
+    COMPRESS_CHOSEN,
     CONFIG_SECTION,
     PLANNER_CHOSEN,
     SIZE,
     SPLIT_CHOSEN,
     CacheSettings,
     chosen_record,
+    compress_record,
     parse_settings,
     split_record,
 )
@@ -77,7 +79,16 @@ def settings_of(config: Any) -> CacheSettings:
     here from the config's graph mode where it could not be written back)."""
     settings = parse_settings(getattr(config, "additional_config", None), os.environ)
     # Chooses only what is neither set nor already chosen (the planner, the host's split).
-    return choose_planner(settings, graph_mode(config), evidence_quantization(config))
+    return choose_planner(
+        settings, graph_mode(config), evidence_quantization(config), dtype=dtype_name(config)
+    )
+
+
+def dtype_name(config: Any) -> str | None:
+    """The model's dtype as torch names it without ``torch.`` (``bfloat16``), None where the
+    configuration has none yet."""
+    dtype = getattr(getattr(config, "model_config", None), "dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def quantization_of(config: Any) -> str | None:
@@ -110,6 +121,8 @@ def _record_choice(config: Any, settings: CacheSettings) -> None:
         records[PLANNER_CHOSEN] = chosen_record(settings)
     if settings.split_source == "default":
         records[SPLIT_CHOSEN] = split_record(settings)
+    if settings.compress_source == "default":
+        records[COMPRESS_CHOSEN] = compress_record(settings)
     if not records or not (extra is None or isinstance(extra, dict)):
         return
     extra = dict(extra or {})
@@ -235,7 +248,9 @@ def _wrap_post_init(
         original(self)
         if settings.cache_on:
             # The graph mode is vLLM's now; adjust_graphs follows the planner chosen for it.
-            settings = choose_planner(settings, graph_mode(self), evidence_quantization(self))
+            settings = choose_planner(
+                settings, graph_mode(self), evidence_quantization(self), dtype=dtype_name(self)
+            )
             _record_choice(self, settings)
         adjust_graphs(self, settings)
         # vLLM builds its config more than once per engine; say each line once per process.
@@ -244,6 +259,8 @@ def _wrap_post_init(
             _say_once(settings.planner_line())
             if (split := settings.split_line()) is not None:
                 _say_once(split)
+            if (compress := settings.compress_line()) is not None:
+                _say_once(compress)
 
     setattr(__post_init__, _WRAPPED, True)
     __post_init__.__wrapped__ = original  # type: ignore[attr-defined]

@@ -43,6 +43,17 @@ Eager mode has no speed record: in run 6 the device planner ran batch 1 at 0.925
 planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and 1.150 times on the skewed
 one, one generation each; so eager mode stays on the host planner, now with the expert split.
 
+``moe_expert_cache_compress: auto`` is resolved with the planner by ``default_compress``: the
+device planner's experts are held as bf16 planes where a run recorded the planes' tokens
+identical to no offload and the planes at least as fast as the same cache copying raw bytes
+(``PLANES_FASTER``), with medians of three, in that graph mode and quantization, and the model's
+dtype is bf16 (planes hold bf16 only). One record: the planes steps of 2026-12-04 at
+``9d4f84f``, full graphs, unquantized, plain and skewed router: tokens identical at b1, b8, b32
+and three 2,048-token prompts beside a control; against the raw-byte cache 1.249 x at b1,
+1.281 x at b8, 1.302 x at b32 (that engine's b32 one generation), the prompt in 0.796 x the time.
+Piecewise graphs, eager mode and FP8 have no record (FP8 bytes cannot be coded below 0.81 of
+their size: docs/VLLM.md), so they hold raw bytes.
+
 This module imports no vLLM.
 """
 
@@ -53,17 +64,19 @@ from typing import Literal, TypeAlias
 
 from rowcache.row_provider import Planner
 from rowcache.types import Split
-from rowcache.vllm.knob import CacheSettings, with_planner, with_split
+from rowcache.vllm.knob import CacheSettings, Compress, with_compress, with_planner, with_split
 
 __all__ = [
     "EAGER_NOT_SLOWER",
     "EVIDENCE",
     "GRAPH_MODES",
     "HOST_EXPERT_EXACT",
+    "PLANES_FASTER",
     "TOKENS_EXACT",
     "Evidence",
     "GraphMode",
     "choose_planner",
+    "default_compress",
     "default_planner",
     "default_split",
 ]
@@ -74,7 +87,7 @@ GraphMode: TypeAlias = Literal["full", "piecewise", "eager"]
 
 GRAPH_MODES: tuple[GraphMode, ...] = ("full", "piecewise", "eager")
 
-Claim: TypeAlias = Literal["tokens_exact", "eager_not_slower", "host_expert_exact"]
+Claim: TypeAlias = Literal["tokens_exact", "eager_not_slower", "host_expert_exact", "planes_faster"]
 TOKENS_EXACT: Claim = "tokens_exact"
 """The device planner's greedy tokens identical to no offload in the same graph mode, on every
 sequence of the run, with steps that need more than one pass."""
@@ -84,6 +97,10 @@ slots, same checkpoint, one engine at a time)."""
 HOST_EXPERT_EXACT: Claim = "host_expert_exact"
 """The host planner with the expert split: greedy tokens identical to no offload in the same
 graph mode, on every sequence of the run, with steps cut into several expert groups."""
+PLANES_FASTER: Claim = "planes_faster"
+"""The device planner with bf16 experts held as planes: greedy tokens identical to no offload in
+the same graph mode on every sequence, every slot byte-exact, and at least as fast as the same
+cache copying raw bytes at every batch size and on the long prompts, medians of three."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +169,17 @@ EVIDENCE: tuple[Evidence, ...] = (
         gpu="H200",
         record="docs/vllm/2026-12-02-steps/piecewise/",
     ),
+    # The planes steps of 2026-12-04 (medians of three): full graphs, unquantized bf16.
+    Evidence(
+        claim=PLANES_FASTER,
+        modes=("full",),
+        quantizations=(None,),
+        date="2026-12-04",
+        commit="9d4f84f",
+        vllm="vLLM 0.25.0",
+        gpu="H200",
+        record="docs/vllm/2026-12-04-steps-planes-medians/",
+    ),
 )
 """The runs that switch a default (module docstring)."""
 
@@ -160,6 +188,10 @@ NOT_FASTER = (
     "in eager mode the device planner is not yet recorded at least as fast as the host planner"
 )
 NO_HOST_EXPERT = "the host planner's expert split is not yet recorded exact against no offload"
+NO_PLANES = "bf16 planes are not yet recorded exact and faster than raw bytes"
+PLANES_NEED_DEVICE = (
+    "the planes are decoded after the device planner's gather; the host planner copies raw bytes"
+)
 
 
 def _recorded(
@@ -233,15 +265,42 @@ def default_split(
     return "expert", f"default in {where}: {_cite(exact)}"
 
 
+def default_compress(
+    mode: GraphMode,
+    *,
+    planner: Planner,
+    quantization: str | None = None,
+    dtype: str | None = None,
+    evidence: tuple[Evidence, ...] | None = None,
+) -> tuple[Compress, str]:
+    """What ``moe_expert_cache_compress: auto`` means for an engine in ``mode`` whose experts
+    ``planner`` serves, of a model of ``quantization`` and ``dtype`` (torch's name without
+    ``torch.``, e.g. ``bfloat16``; None: unknown), and why (``evidence``: ``EVIDENCE`` when not
+    given)."""
+    evidence = EVIDENCE if evidence is None else evidence
+    where = _where(mode, quantization)
+    if planner != "device":
+        return "off", f"default: {PLANES_NEED_DEVICE}"
+    if quantization is None and dtype != "bfloat16":
+        known = "not known" if dtype is None else dtype
+        return "off", f"default: planes hold bf16 experts and the model's dtype is {known}"
+    planes = _recorded(evidence, PLANES_FASTER, mode, quantization)
+    if planes is None:
+        return "off", f"default in {where}: {NO_PLANES}"
+    return "on", f"default in {where}: {_cite(planes)}"
+
+
 def choose_planner(
     settings: CacheSettings,
     mode: GraphMode,
     quantization: str | None = None,
     evidence: tuple[Evidence, ...] | None = None,
+    dtype: str | None = None,
 ) -> CacheSettings:
     """``settings`` with the planner chosen for ``mode`` and the model's ``quantization``
-    unless it is set or already chosen, then, for the host planner, the split unless it is
-    set or already chosen."""
+    unless it is set or already chosen, then ``compress: auto`` resolved for that planner and
+    the model's ``dtype``, then, for the host planner, the split unless it is set or already
+    chosen."""
     if not settings.cache_on:
         return settings
     if settings.planner_source == "unset":
@@ -253,6 +312,15 @@ def choose_planner(
             evidence=evidence,
         )
         settings = with_planner(settings, planner, reason)
+    if settings.compress == "auto":
+        compress, reason = default_compress(
+            mode,
+            planner=settings.planner,
+            quantization=quantization,
+            dtype=dtype,
+            evidence=evidence,
+        )
+        settings = with_compress(settings, compress, reason)
     if settings.planner != "host" or settings.split_source != "unset":
         return settings
     split, reason = default_split(

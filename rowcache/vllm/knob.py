@@ -11,10 +11,11 @@ Two sources, in order of precedence:
 as lossless bf16 planes in host memory and decodes each miss on the GPU
 (``rowcache.compress``). ``on`` needs ``moe_expert_cache_planner='device'`` (the decode runs
 after the device planner's gather) and bf16 experts; the layer's own pinned w13 and w2 are then
-freed (``rowcache.vllm._method.release_host_weights``). ``auto`` is ``off`` for every
-configuration until a recorded run shows the planes exact and faster for it with medians of
-three, as the planner's defaults are chosen (``rowcache.vllm.defaults``); the one record so far
-(docs/records/2026-12-04-steps-planes.md) measured single generations.
+freed (``rowcache.vllm._method.release_host_weights``). ``auto`` is resolved with the planner,
+from the recorded runs (``rowcache.vllm.defaults.default_compress``): ``on`` where a run with
+medians of three recorded the planes exact and faster than raw bytes for the engine's graph
+mode and quantization, the device planner serves and the model's dtype is bf16; else ``off``.
+The choice is written back under ``moe_expert_cache_compress_chosen``, as the planner's is.
 
 ``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the MoE op runs
 eagerly between captured graph pieces) or ``device`` (``rowcache.device_plan``: planned and
@@ -48,6 +49,7 @@ from rowcache.row_provider import Planner
 from rowcache.types import Split
 
 __all__ = [
+    "COMPRESS_CHOSEN",
     "COMPRESS_VALUES",
     "CONFIG_SECTION",
     "ENV",
@@ -58,13 +60,16 @@ __all__ = [
     "SPLIT_CHOSEN",
     "CacheSettings",
     "Compress",
+    "CompressSource",
     "KnobError",
     "PlannerSource",
     "ProviderName",
     "SplitSource",
     "chosen_record",
+    "compress_record",
     "parse_settings",
     "split_record",
+    "with_compress",
     "with_planner",
     "with_split",
 ]
@@ -76,6 +81,9 @@ config hook chooses), a user's setting, or the default chosen for the engine's g
 SplitSource: TypeAlias = Literal["unset", "setting", "default"]
 """Where ``CacheSettings.split`` comes from, as ``PlannerSource`` (``token`` stands in until
 the config hook chooses; the device planner's ``expert`` needs no choice)."""
+CompressSource: TypeAlias = Literal["unset", "setting", "default"]
+"""Where ``CacheSettings.compress`` comes from, as ``PlannerSource`` (``auto`` until the config
+hook resolves it to ``on`` or ``off``)."""
 
 CONFIG_SECTION = "rowcache"
 SIZE = "moe_expert_cache_size"
@@ -92,6 +100,9 @@ for this configuration (``rowcache.vllm._config``)."""
 SPLIT_CHOSEN = "moe_expert_cache_split_chosen"
 """Written by the plugin, not by users: ``{"split": ..., "reason": ...}``, the host planner's
 default split chosen for this configuration."""
+COMPRESS_CHOSEN = "moe_expert_cache_compress_chosen"
+"""Written by the plugin, not by users: ``{"compress": "on"|"off", "reason": ...}``, what
+``auto`` resolved to for this configuration."""
 PROVIDERS: tuple[ProviderName, ...] = ("row", "cached")
 SPLITS: tuple[Split, ...] = ("token", "expert")
 PLANNERS: tuple[Planner, ...] = ("host", "device")
@@ -120,6 +131,8 @@ class CacheSettings:
     planner_reason: str = field(default="", compare=False)
     split_source: SplitSource = field(default="unset", compare=False)
     split_reason: str = field(default="", compare=False)
+    compress_source: CompressSource = field(default="unset", compare=False)
+    compress_reason: str = field(default="", compare=False)
 
     @property
     def split_set(self) -> bool:
@@ -132,8 +145,8 @@ class CacheSettings:
 
     @property
     def compress_planes(self) -> bool:
-        """Whether the provider holds bf16 experts as planes: ``on`` (``auto`` is off until a
-        recorded run with medians of three chooses it for a configuration)."""
+        """Whether the provider holds bf16 experts as planes: ``on``, set or resolved from
+        ``auto`` (an ``auto`` not yet resolved holds raw bytes)."""
         return self.compress == "on"
 
     @property
@@ -165,6 +178,13 @@ class CacheSettings:
         if self.planner != "host" or self.split_source != "default":
             return None
         return f"rowcache: split {self.split} ({self.split_reason})"
+
+    def compress_line(self) -> str | None:
+        """The start-up line that says whether ``auto`` holds the experts as planes and why
+        (None for a value given, and before ``auto`` is resolved)."""
+        if self.compress_source != "default":
+            return None
+        return f"rowcache: compress {self.compress} ({self.compress_reason})"
 
 
 def _where(key: str, from_config: bool) -> str:
@@ -223,7 +243,8 @@ def _section(additional_config: object) -> Mapping[str, object]:
             f"additional_config[{CONFIG_SECTION!r}]: {section!r} is not an object; allowed: "
             f'{{"{SIZE}": N, "{PROVIDER}": "row"|"cached", "{SPLIT}": "token"|"expert"}}'
         )
-    unknown = sorted(str(k) for k in section if k not in (*KEYS, PLANNER_CHOSEN, SPLIT_CHOSEN))
+    written = (PLANNER_CHOSEN, SPLIT_CHOSEN, COMPRESS_CHOSEN)
+    unknown = sorted(str(k) for k in section if k not in (*KEYS, *written))
     if unknown:
         raise KnobError(
             f"additional_config[{CONFIG_SECTION!r}]: unknown key(s) {', '.join(unknown)}; "
@@ -290,6 +311,13 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     elif (chosen := _chosen(section, SPLIT_CHOSEN, "split", SPLITS)) is not None:
         split, split_reason = chosen
         split_source = "default"
+    compress_source: CompressSource = "unset"
+    compress_reason = ""
+    if compress_raw is not None:
+        compress_source = "setting"
+    elif (chosen := _chosen(section, COMPRESS_CHOSEN, "compress", ("on", "off"))) is not None:
+        compress, compress_reason = chosen
+        compress_source = "default"
     return CacheSettings(
         size=size,
         provider="cached" if provider == "cached" else "row",
@@ -302,6 +330,8 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
         planner_reason=reason,
         split_source=split_source,
         split_reason=split_reason,
+        compress_source=compress_source,
+        compress_reason=compress_reason,
     )
 
 
@@ -337,6 +367,16 @@ def with_planner(settings: CacheSettings, planner: Planner, reason: str) -> Cach
 def with_split(settings: CacheSettings, split: Split, reason: str) -> CacheSettings:
     """``settings`` with the host planner's default split chosen."""
     return replace(settings, split=split, split_source="default", split_reason=reason)
+
+
+def with_compress(settings: CacheSettings, compress: Compress, reason: str) -> CacheSettings:
+    """``settings`` with ``auto`` resolved to ``compress`` (``on`` or ``off``)."""
+    return replace(settings, compress=compress, compress_source="default", compress_reason=reason)
+
+
+def compress_record(settings: CacheSettings) -> dict[str, str]:
+    """What ``COMPRESS_CHOSEN`` holds for a resolved ``auto``."""
+    return {"compress": settings.compress, "reason": settings.compress_reason}
 
 
 def chosen_record(settings: CacheSettings) -> dict[str, str]:

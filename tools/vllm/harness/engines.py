@@ -297,7 +297,9 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
     unknown = sorted(set(only) - set(STEPS_LABELS))
     if unknown:
         raise SystemExit(f"unknown engines {unknown}; known: {', '.join(STEPS_LABELS)}")
-    row32 = Knob(size=32, provider=Provider.ROW, planner=Planner.DEVICE)
+    # Raw bytes set, not left to ``auto`` (which holds planes in full graphs since the planes'
+    # record): row32dev stays the raw-byte cache the planes are measured against.
+    row32 = Knob(size=32, provider=Provider.ROW, planner=Planner.DEVICE, compress="off")
     # The same, with bf16 w13 and w2 held as lossless bf16 planes (rowcache.compress).
     row32planes = replace(row32, compress="on")
     # The host planner's expert split: a step cut by experts copies each routed expert once

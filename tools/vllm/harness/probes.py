@@ -34,6 +34,7 @@ def probe(model: Any) -> dict[str, Any]:
     slot_bytes = sum(int(s["slot_bytes"]) for s in stats)
     host_bytes = sum(int(s["host_bytes"]) for s in stats)
     return {
+        **pinned_host_memory(model),
         "pid": os.getpid(),
         "allocated": torch.cuda.memory_allocated(),
         "max_allocated": torch.cuda.max_memory_allocated(),
@@ -48,6 +49,26 @@ def probe(model: Any) -> dict[str, Any]:
             }
         ),
         "moe_backend": moe_backends(model),
+    }
+
+
+def pinned_host_memory(model: Any) -> dict[str, Any]:
+    """What the process pins, as PyTorch's caching host allocator counts it (where the
+    plugin's and vLLM's pinned tensors come from), and how many MoE layers hold their
+    ``w13_weight`` on the meta device (released: the cache's planes hold the experts)."""
+    import torch
+
+    stats_of = getattr(torch.cuda, "host_memory_stats", None)
+    stats: dict[str, Any] = stats_of() if stats_of is not None else {}
+    released = sum(
+        1
+        for _name, module in model.named_modules()
+        if getattr(getattr(module, "w13_weight", None), "is_meta", False)
+    )
+    return {
+        "host_pinned_bytes": stats.get("allocated_bytes.current"),
+        "host_pinned_active_bytes": stats.get("active_bytes.current"),
+        "released_layers": released,
     }
 
 
@@ -142,9 +163,11 @@ def route_of(device_planned: bool, split: str | None, tap: str | None, inexact: 
 
 
 def routes(model: Any) -> dict[str, Any]:
-    """The route of every cached layer (:func:`route_of`), counted by route, and the planner
+    """The route of every cached layer (:func:`route_of`), counted by route, the planner
     that plans its steps (the provider class's ``planner``: ``device`` for
-    ``DevicePlannedProvider``, ``host`` for the others), counted by planner.
+    ``DevicePlannedProvider``, ``host`` for the others), counted by planner, and how many
+    layers hold their experts as bf16 planes (``provider.compressed`` not empty: the
+    ``moe_expert_cache_compress`` that served, set or resolved from ``auto``).
 
     Read from the plugin's private attributes (``RowcacheMoEMethod._inexact_said``, the
     instance attribute ``moe_sum`` of ``moe_kernel.fused_experts``): the plugin does not
@@ -152,6 +175,7 @@ def routes(model: Any) -> dict[str, Any]:
     counts: dict[str, int] = {}
     planners: dict[str, int] = {}
     passes = 0
+    planes = 0
     for _name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         provider = getattr(method, "rowcache_provider", None)
@@ -171,7 +195,13 @@ def routes(model: Any) -> dict[str, Any]:
         planners[planner] = planners.get(planner, 0) + 1
         if device_planned:
             passes += int(provider.stats().get("passes", 0))
-    return {"routes": counts, "planners": planners, "device_passes": passes}
+        planes += bool(getattr(provider, "compressed", ()))
+    return {
+        "routes": counts,
+        "planners": planners,
+        "device_passes": passes,
+        "planes_layers": planes,
+    }
 
 
 def offloader(model: Any) -> dict[str, Any]:
