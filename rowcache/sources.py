@@ -17,6 +17,7 @@ from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout, pack_offsets, packed_storage, packed_views
 
 __all__ = [
+    "HELD_CODE_BITS",
     "SOURCE_NAMES",
     "ExpertSources",
     "SlotBuffers",
@@ -307,6 +308,13 @@ class ExpertSources:
         return _storage_bytes(self.copied()) + planes
 
 
+HELD_CODE_BITS = 4
+"""The exponent code width the sources hold their planes at: 4 bits, the format of the recorded
+engine runs (docs/records/2026-12-04-steps-planes-medians.md). The encoder's smaller choice
+(3 bits on Gaussian weights: 0.70 of the bytes against 0.75) waits for a GPU record of the
+3-bit decode (``python -m rowcache.bench.decode_gather --code-bits 3``, then the steps)."""
+
+
 def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     """The planes of host tensor ``source``, in host memory, pinned for a CUDA ``target``.
 
@@ -316,8 +324,8 @@ def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     torch ops, so that holding a model's experts compressed does not slow its loading. Its
     temporaries (a few times the tensor's bytes) are freed on return."""
     if not _needs_pinning(target):
-        return encode(source)
-    return encode(source.to(target)).map(_pinned_host)
+        return encode(source, HELD_CODE_BITS)
+    return encode(source.to(target), HELD_CODE_BITS).map(_pinned_host)
 
 
 def _pinned_host(t: Tensor) -> Tensor:

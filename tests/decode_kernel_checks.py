@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ class Case:
     misses: list[tuple[int, int]]  # (expert, slot), the first `count` decoded
     count: int
     grid: int
+    code_bits: int | None = None  # None: the encoder's choice
 
 
 def _bits_tensor(bits: list[int], shape: tuple[int, ...]) -> torch.Tensor:
@@ -60,9 +61,12 @@ def cases() -> Iterator[Case]:
         flat[positions] = _bits_tensor(specials, (len(specials),)).view(torch.int16)
         yield Case(f"gaussian n={n}", weights, 3, [(4, 1), (0, 0), (2, 2)], 2, 3)
         yield Case(f"gaussian n={n} all", weights, 3, [(1, 2), (3, 0), (0, 1)], 3, 1)
+        if n in (3, BLOCK + 1):  # the encoder takes 3 bits here: 4 bits too
+            yield Case(f"gaussian n={n} 4-bit", weights, 3, [(2, 0), (4, 2)], 2, 2, 4)
     every = _bits_tensor(list(range(1 << 16)), (4, 1 << 14))
     yield Case("every pattern", every, 4, [(3, 0), (1, 3), (0, 1), (2, 2)], 4, 7)
     yield Case("every pattern, one miss", every, 4, [(2, 3), (0, 0), (1, 1), (3, 2)], 1, 2)
+    yield Case("every pattern, 4-bit", every, 4, [(1, 0), (3, 2), (0, 3)], 3, 5, 4)
     scale = torch.exp2(torch.randint(-30, 31, (3, 2 * BLOCK + 5), generator=gen) - 10.0)
     spread = (torch.randn(3, 2 * BLOCK + 5, generator=gen) * scale).to(torch.bfloat16)
     yield Case("wide spread", spread, 2, [(2, 1), (1, 0)], 2, 4)
@@ -74,19 +78,12 @@ def run_case(case: Case, device: torch.device, mutant: int, pinned: bool = False
     """What went wrong in this case (nothing: an empty list). ``pinned``: the planes stay in
     pinned host memory and the kernel reads them through unified addressing (the codebook,
     16 bytes, on the device)."""
-    planes = encode(case.weights)
+    planes = encode(case.weights, case.code_bits)
 
     def placed(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if pinned else t.to(device)
 
-    planes = type(planes)(
-        shape=planes.shape,
-        codebook=planes.codebook.to(device),
-        sign_mantissa=placed(planes.sign_mantissa),
-        codes=placed(planes.codes),
-        escape_starts=placed(planes.escape_starts),
-        escapes=placed(planes.escapes),
-    )
+    planes = replace(planes.map(placed), codebook=planes.codebook.to(device))
     n = planes.values_per_expert
     buffer = torch.full((GUARD + case.capacity * n + GUARD,), SENTINEL, dtype=torch.int16)
     buffer = buffer.to(device)
@@ -98,7 +95,7 @@ def run_case(case: Case, device: torch.device, mutant: int, pinned: bool = False
     decode_into_slots(planes, slots, experts, slot_ids, count, grid=case.grid, mutant=mutant)
     found: list[str] = []
     decoded = slots.view(torch.int16).reshape(case.capacity, n).cpu()
-    reference = decode_experts(encode(case.weights), [e for e, _ in case.misses])
+    reference = decode_experts(encode(case.weights, case.code_bits), [e for e, _ in case.misses])
     expected = torch.full((case.capacity, n), SENTINEL, dtype=torch.int16)
     for index, (_, slot) in enumerate(case.misses[: case.count]):
         expected[slot] = reference[index].view(torch.int16).reshape(n)

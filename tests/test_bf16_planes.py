@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rowcache.compress import BLOCK, ESCAPE, Bf16Planes, decode, decode_experts, encode
+from rowcache.compress import BLOCK, Bf16Planes, decode, decode_experts, encode
+from rowcache.compress.bf16_planes import CODE_WIDTHS
 from rowcache.errors import InvalidInputError
 
 
@@ -27,13 +28,24 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def round_trips(x: torch.Tensor) -> Bf16Planes:
+    """Encode ``x`` at every code width and at the encoder's choice, check each decodes to
+    ``x`` bit for bit (whole and expert by expert), and that the choice is the smaller; return
+    the planes of the choice."""
     before = x.clone()
-    planes = encode(x)
-    assert same_bits(decode(planes), x)
+    chosen = encode(x)
+    sizes = {}
+    for bits in CODE_WIDTHS:
+        planes = encode(x, bits)
+        assert planes.code_bits == bits
+        assert same_bits(decode(planes), x)
+        for expert in range(x.shape[0]):
+            assert same_bits(decode_experts(planes, [expert])[0], x[expert])
+        sizes[bits] = planes.nbytes
     assert same_bits(x, before)  # the encoder reads, it does not write
-    for expert in range(x.shape[0]):
-        assert same_bits(decode_experts(planes, [expert])[0], x[expert])
-    return planes
+    assert same_bits(decode(chosen), x)
+    assert chosen.nbytes == min(sizes.values())
+    assert chosen.code_bits == (3 if sizes[3] < sizes[4] else 4)
+    return chosen
 
 
 # Every class of bit pattern: signed zeros, subnormals (exponent 0), the smallest and largest
@@ -67,17 +79,43 @@ def encode_input(experts: int, n: int, seed: int, std: float = 0.02) -> torch.Te
 
 
 def test_every_exponent_at_once_round_trips_and_costs_escapes() -> None:
-    """All 65,536 patterns: 241 of the 256 exponents cannot be coded; they escape, exactly."""
+    """All 65,536 patterns: 249 of the 256 exponents cannot be coded in 3 bits (241 in 4); they
+    escape, exactly."""
     x = from_bits(list(range(1 << 16)), (4, 1 << 14))
     planes = round_trips(x)
-    assert planes.escapes.numel() == (256 - ESCAPE) * 256
+    assert planes.code_bits == 3 and planes.escapes.numel() == (256 - 7) * 256
+    assert encode(x, 4).escapes.numel() == (256 - 15) * 256
     assert planes.ratio > 1.0  # it cannot save here, and says so
 
 
-def test_gaussian_weights_take_about_three_quarters() -> None:
-    planes = round_trips(encode_input(4, 3 * BLOCK + 5, seed=2))
-    assert 0.75 < planes.ratio < 0.76
-    assert planes.escapes.numel() < planes.raw_nbytes // 2 // 1000  # under 0.1% escape
+def test_gaussian_weights_take_about_seven_tenths() -> None:
+    """3 bits a code: about 2% of the values escape (the 7 most common exponents cover the
+    rest), 0.70 of the bytes, where 4 bits take 0.75 with under 0.1% escaping."""
+    x = encode_input(4, 3 * BLOCK + 5, seed=2)
+    planes = round_trips(x)
+    assert planes.code_bits == 3 and 0.69 < planes.ratio < 0.71
+    values = planes.raw_nbytes // 2
+    assert values // 100 < planes.escapes.numel() < values * 3 // 100
+    four = encode(x, 4)
+    assert 0.75 < four.ratio < 0.76 and four.escapes.numel() < values // 1000
+
+
+def test_a_wide_spread_of_exponents_takes_four_bits() -> None:
+    """Where the exponents spread wider than 7 binades carry, 4 bits store fewer bytes."""
+    gen = torch.Generator().manual_seed(6)
+    scale = torch.exp2(torch.randint(-6, 7, (2, 5000), generator=gen).float())
+    planes = round_trips((torch.randn(2, 5000, generator=gen) * scale).to(torch.bfloat16))
+    assert planes.code_bits == 4
+
+
+@pytest.mark.parametrize("bits", [0, 2, 5, 8])
+def test_a_code_width_the_planes_do_not_store_is_refused(bits: int) -> None:
+    x = encode_input(1, 8, seed=7)
+    with pytest.raises(InvalidInputError, match=f"code_bits {bits} is not a width"):
+        encode(x, bits)
+    fields = {name: getattr(encode(x), name) for name in Bf16Planes.__dataclass_fields__}
+    with pytest.raises(InvalidInputError, match="allowed: 3, 4"):
+        Bf16Planes(**{**fields, "code_bits": bits})
 
 
 @settings(max_examples=200, deadline=None)
@@ -125,14 +163,16 @@ def test_shapes_with_odd_counts_and_block_edges(shape: tuple[int, ...]) -> None:
     assert planes.shape == shape and decode(planes).shape == shape
 
 
-def test_an_expert_moves_its_three_ranges() -> None:
+@pytest.mark.parametrize("bits", CODE_WIDTHS)
+def test_an_expert_moves_its_three_ranges(bits: int) -> None:
     x = encode_input(3, 2 * BLOCK + 1, seed=4)
     x[1, 7] = float("inf")  # one escape in expert 1
-    planes = encode(x)
+    planes = encode(x, bits)
     n = 2 * BLOCK + 1
+    code_bytes = (n + 1) // 2 if bits == 4 else 3 * -(-n // 8)
     escaped = [planes.expert_escapes(e).numel() for e in range(3)]
     assert escaped[1] >= 1
-    assert [planes.expert_nbytes(e) for e in range(3)] == [n + (n + 1) // 2 + k for k in escaped]
+    assert [planes.expert_nbytes(e) for e in range(3)] == [n + code_bytes + k for k in escaped]
 
 
 @pytest.mark.parametrize(
@@ -154,20 +194,23 @@ def test_an_expert_outside_the_planes_is_refused() -> None:
         decode_experts(planes, [0, 2])
 
 
-@pytest.mark.parametrize("damage", ["sign", "escape order", "codebook"])
-def test_damaged_planes_are_caught(damage: str) -> None:
+@pytest.mark.parametrize("width", CODE_WIDTHS)
+@pytest.mark.parametrize("damage", ["sign", "escape order", "codebook", "code group"])
+def test_damaged_planes_are_caught(damage: str, width: int) -> None:
     """The round-trip comparison itself: planes with one kind of damage (a flipped sign bit,
     escapes taken in the wrong order, two codebook entries swapped) do not decode to the
     input, and the bit comparison sees it, NaNs and signed zeros included."""
     bits = [b for name in sorted(CLASSES) for b in CLASSES[name]]
     spread = list(range(0, 1 << 16, 97))  # every exponent: many escapes
     x = from_bits(bits + spread, (1, len(bits) + len(spread)))
-    planes = encode(x)
+    planes = encode(x, width)
     assert planes.escapes.numel() > 100
     changed = {
         "sign": {"sign_mantissa": planes.sign_mantissa ^ torch.tensor(0x80, dtype=torch.uint8)},
         "escape order": {"escapes": planes.escapes.flip(0)},
         "codebook": {"codebook": planes.codebook[[1, 0, *range(2, len(planes.codebook))]]},
+        # the first two bytes of the codes plane swapped (one code group read out of order)
+        "code group": {"codes": planes.codes[:, [1, 0, *range(2, planes.codes.shape[1])]]},
     }[damage]
     fields = {name: getattr(planes, name) for name in planes.__dataclass_fields__}
     assert not same_bits(decode(Bf16Planes(**{**fields, **changed})), x)

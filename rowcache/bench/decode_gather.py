@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ import torch
 from torch import Tensor
 
 from rowcache.compress import Bf16Planes, encode
+from rowcache.compress.bf16_planes import CODE_WIDTHS
+from rowcache.sources import HELD_CODE_BITS
 
 __all__ = ["main"]
 
@@ -50,14 +53,8 @@ def _planes_on(planes: Bf16Planes, device: torch.device, pinned: bool) -> Bf16Pl
     def placed(t: Tensor) -> Tensor:
         return t.cpu().pin_memory() if pinned else t.to(device)
 
-    return Bf16Planes(
-        shape=planes.shape,
-        codebook=planes.codebook.to(device),  # 16 bytes the kernel reads on every value
-        sign_mantissa=placed(planes.sign_mantissa),
-        codes=placed(planes.codes),
-        escape_starts=placed(planes.escape_starts),
-        escapes=placed(planes.escapes),
-    )
+    # The codebook, 16 bytes the kernel reads on every value, on the device.
+    return replace(planes.map(placed), codebook=planes.codebook.to(device))
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
@@ -79,10 +76,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return timed
 
 
-def _encode_rate(weights: Tensor) -> dict[str, float]:
+def _encode_rate(weights: Tensor, code_bits: int) -> dict[str, float]:
     """GB/s (bf16 bytes in) of ``encode`` where ``weights`` lives, and of the planes' ratio."""
     began = time.perf_counter()
-    planes = encode(weights)
+    planes = encode(weights, code_bits)
     if weights.device.type == "cuda":
         torch.cuda.synchronize(weights.device)
     seconds = time.perf_counter() - began
@@ -90,7 +87,12 @@ def _encode_rate(weights: Tensor) -> dict[str, float]:
 
 
 def measure(
-    shape: dict[str, int], device: torch.device, *, repeats: int, warmup: int
+    shape: dict[str, int],
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    code_bits: int = HELD_CODE_BITS,
 ) -> dict[str, Any]:
     from rowcache.compress.triton_decode import decode_into_slots
 
@@ -99,9 +101,9 @@ def measure(
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(torch.bfloat16)
     on_gpu = device.type == "cuda"
-    encode_host = _encode_rate(w13)
-    encode_device = _encode_rate(w13.to(device)) if on_gpu else None
-    planes = [_planes_on(encode(w), device, pinned=on_gpu) for w in (w13, w2)]
+    encode_host = _encode_rate(w13, code_bits)
+    encode_device = _encode_rate(w13.to(device), code_bits) if on_gpu else None
+    planes = [_planes_on(encode(w, code_bits), device, pinned=on_gpu) for w in (w13, w2)]
     capacity = max(MISSES) if experts >= max(MISSES) else experts
     slots = [torch.empty((capacity, *w.shape[1:]), dtype=w.dtype, device=device) for w in (w13, w2)]
     expert_bytes = sum(w[0].numel() * w.element_size() for w in (w13, w2))
@@ -167,6 +169,7 @@ def measure(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "code_bits": code_bits,
         "planes_ratio": {"w13": planes[0].ratio, "w2": planes[1].ratio},
         "encode_host": encode_host,
         "encode_device": encode_device,
@@ -196,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--code-bits",
+        type=int,
+        choices=CODE_WIDTHS,
+        default=HELD_CODE_BITS,
+        help=f"bits an exponent code (default {HELD_CODE_BITS}: the width the providers hold)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -207,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         device,
         repeats=3 if quick else args.repeats,
         warmup=1 if quick else 5,
+        code_bits=args.code_bits,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_gather.json").write_text(json.dumps(result, indent=1))

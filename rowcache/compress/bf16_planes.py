@@ -1,22 +1,26 @@
 """A lossless format for bf16 expert weights: sign and mantissa kept as they are, the exponent
-coded in 4 bits against a per-tensor codebook, with an escape for the rare exponents.
+coded in 3 or 4 bits against a per-tensor codebook, with an escape for the rare exponents.
 
 A bf16 value is 1 sign bit, 8 exponent bits and 7 mantissa bits. Trained and Gaussian weights
 use few of the 256 exponents (on the builder's Gaussian weights the exponent field carries
-about 2.5 bits of entropy and its 15 most common values cover 99.98% of the weights), so:
+about 2.5 bits of entropy; its 7 most common values cover about 98% of the weights and its 15
+most common 99.98%), so:
 
 * ``sign_mantissa``: one byte a value, the sign in bit 7 and the mantissa in bits 0-6;
-* ``codes``: one nibble a value, two a byte (the even value in the low nibble): the index
-  of the value's exponent in the tensor's ``codebook`` of the 15 most common exponents, or
-  ``ESCAPE`` (15) for any other;
+* ``codes``: ``code_bits`` bits a value: the index of the value's exponent in the tensor's
+  ``codebook`` of its ``2**code_bits - 1`` most common exponents, or the escape code
+  (``2**code_bits - 1``) for any other. 4 bits: two codes a byte, the even value in the low
+  nibble. 3 bits: eight codes in three bytes, value ``8g + r`` in bits ``3r .. 3r + 2`` of the
+  little-endian 24-bit word of group ``g``;
 * ``escapes``: the exponent byte of every escaped value, in value order, and ``escape_starts``
   where each decode block's escapes begin, so that one block (``BLOCK`` values) decodes alone.
 
-12 bits a value instead of 16 (a ratio of 0.75, plus one byte an escape and the block table:
-about 0.754 on Gaussian weights). Every bit pattern round-trips, whatever its class (signed
-zeros, subnormals, infinities, NaN payloads, the largest and smallest exponents), and so does
-a tensor whose exponents do not fit the codebook at all: it only escapes more (at worst 20
-bits a value). The encoder refuses no bf16 tensor.
+The encoder takes whichever width stores the tensor in fewer bytes: 3 bits on Gaussian weights
+(11 bits a value plus one byte for each of the ~2% escapes: a ratio of about 0.70), 4 bits where
+the exponents spread wider (12 bits a value: 0.75). Every bit pattern round-trips, whatever its
+class (signed zeros, subnormals, infinities, NaN payloads, the largest and smallest exponents),
+and so does a tensor whose exponents do not fit the codebook at all: it only escapes more (at
+worst 19 or 20 bits a value). The encoder refuses no bf16 tensor.
 
 Each plane keeps every expert's bytes in one contiguous range (``expert_ranges``), so a miss
 copies three ranges; ``decode_experts`` is the reference the GPU decode is checked against.
@@ -35,6 +39,7 @@ from rowcache.errors import InvalidInputError
 __all__ = [
     "BLOCK",
     "CODES",
+    "CODE_WIDTHS",
     "ESCAPE",
     "Bf16Planes",
     "decode",
@@ -46,8 +51,12 @@ BLOCK = 4096
 """Values per decode block: one block's escapes are found from ``escape_starts`` alone."""
 
 CODES = 16
+"""Entries of the codebook tensor at any width (a 3-bit codebook uses the first 8)."""
 ESCAPE = CODES - 1
-"""The code of an exponent outside the codebook (its byte is in ``escapes``)."""
+"""The 4-bit code of an exponent outside the codebook (its byte is in ``escapes``); at
+``code_bits`` bits the escape is ``2**code_bits - 1`` (``Bf16Planes.escape_code``)."""
+CODE_WIDTHS = (3, 4)
+"""The code widths the format stores (bits a value)."""
 
 
 @dataclass(frozen=True)
@@ -56,17 +65,33 @@ class Bf16Planes:
 
     shape: tuple[int, ...]
     codebook: Tensor
-    """uint8 ``[CODES]``: the exponent of each code; the entry of ``ESCAPE`` is unused (0)."""
+    """uint8 ``[CODES]``: the exponent of each code; the escape code's entry and those past it
+    are unused (0)."""
     sign_mantissa: Tensor
     """uint8 ``[E, n]`` (``n`` values an expert)."""
     codes: Tensor
-    """uint8 ``[E, ceil(n / 2)]``; a last odd value's high nibble is 0."""
+    """uint8 ``[E, ceil(n / 2)]`` at 4 bits (a last odd value's high nibble is 0), ``[E, 3 *
+    ceil(n / 8)]`` at 3 bits (the codes past ``n`` are 0)."""
     escape_starts: Tensor
     """int64 ``[E, blocks + 1]``: block ``b`` of expert ``e`` has its escapes at
     ``escapes[escape_starts[e, b] : escape_starts[e, b + 1]]``; ``escape_starts[e, blocks]``
     is ``escape_starts[e + 1, 0]``."""
     escapes: Tensor
     """uint8 ``[escaped values]``: their exponent bytes, expert by expert, in value order."""
+    code_bits: int = 4
+    """Bits a code (``CODE_WIDTHS``)."""
+
+    def __post_init__(self) -> None:
+        if self.code_bits not in CODE_WIDTHS:
+            raise InvalidInputError(
+                f"code_bits {self.code_bits!r} is not a width the planes store; allowed: "
+                f"{', '.join(map(str, CODE_WIDTHS))}"
+            )
+
+    @property
+    def escape_code(self) -> int:
+        """The code of an escaped exponent."""
+        return (1 << self.code_bits) - 1
 
     @property
     def num_experts(self) -> int:
@@ -105,6 +130,7 @@ class Bf16Planes:
             codes=fn(self.codes),
             escape_starts=fn(self.escape_starts),
             escapes=fn(self.escapes),
+            code_bits=self.code_bits,
         )
 
     def expert_escapes(self, expert: int) -> Tensor:
@@ -128,12 +154,52 @@ def _check_bf16(x: Tensor) -> None:
         )
 
 
-def encode(x: Tensor) -> Bf16Planes:
+def _pack(codes: Tensor, code_bits: int) -> Tensor:
+    """``[E, n]`` uint8 codes packed into the ``codes`` plane of ``code_bits`` bits."""
+    experts, n = codes.shape
+    per_group, group_bytes = (2, 1) if code_bits == 4 else (8, 3)
+    pad = -n % per_group
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros((experts, pad))], dim=1)
+    groups = codes.view(experts, -1, per_group).to(torch.int32)
+    shifts = torch.arange(per_group, device=codes.device, dtype=torch.int32) * code_bits
+    word = (groups << shifts).sum(dim=2, dtype=torch.int32)  # disjoint bits: a sum is an or
+    if group_bytes == 1:
+        return word.to(torch.uint8).contiguous()
+    parts = [(word >> (8 * k)) & 0xFF for k in range(group_bytes)]
+    return torch.stack(parts, dim=2).reshape(experts, -1).to(torch.uint8).contiguous()
+
+
+def _unpack(packed: Tensor, code_bits: int, n: int) -> Tensor:
+    """The ``[rows, n]`` int32 codes of ``packed`` rows of the ``codes`` plane."""
+    rows = packed.shape[0]
+    per_group, group_bytes = (2, 1) if code_bits == 4 else (8, 3)
+    parts = packed.to(torch.int32).view(rows, -1, group_bytes)
+    word = parts[:, :, 0]
+    for k in range(1, group_bytes):
+        word = word | (parts[:, :, k] << (8 * k))
+    shifts = torch.arange(per_group, device=packed.device, dtype=torch.int32) * code_bits
+    codes = (word.unsqueeze(2) >> shifts) & ((1 << code_bits) - 1)
+    return codes.reshape(rows, -1)[:, :n]
+
+
+def _code_bytes(code_bits: int, experts: int, n: int) -> int:
+    """The ``codes`` plane's bytes at ``code_bits``."""
+    return experts * (-(-n // 2) if code_bits == 4 else 3 * -(-n // 8))
+
+
+def encode(x: Tensor, code_bits: int | None = None) -> Bf16Planes:
     """The planes of a bf16 ``[E, ...]`` tensor (on any device; the planes are on the same).
 
-    The codebook holds the 15 most common exponents of the whole tensor (ties to the smaller
-    exponent); ``x`` is read, not changed."""
+    ``code_bits`` (one of ``CODE_WIDTHS``; None: whichever stores the tensor in fewer bytes,
+    4 on a tie) sets the code width; the codebook holds the ``2**code_bits - 1`` most common
+    exponents of the whole tensor (ties to the smaller exponent); ``x`` is read, not changed."""
     _check_bf16(x)
+    if code_bits is not None and code_bits not in CODE_WIDTHS:
+        raise InvalidInputError(
+            f"code_bits {code_bits!r} is not a width the planes store; allowed: "
+            f"{', '.join(map(str, CODE_WIDTHS))} or None (the smaller)"
+        )
     experts = x.shape[0]
     # int16 throughout: the shifts are arithmetic, so each field is masked after its shift.
     bits = x.detach().contiguous().view(torch.int16).reshape(experts, -1)
@@ -142,13 +208,26 @@ def encode(x: Tensor) -> Bf16Planes:
     sign_mantissa = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
     counts = torch.bincount(exponent.flatten(), minlength=256)
     # Most common first; among equal counts the smaller exponent (a stable sort by -count).
-    order = torch.sort(-counts, stable=True).indices[:ESCAPE]
+    ranked = torch.sort(-counts, stable=True).indices
+    if code_bits is None:
+        # Bytes at each width: the codes plane and one byte an escape (the block table is
+        # the same at both widths).
+        covered = torch.cumsum(counts[ranked], dim=0)
+        total = experts * n
+
+        def size(bits: int) -> int:
+            kept = int(covered[(1 << bits) - 2])
+            return _code_bytes(bits, experts, n) + total - kept
+
+        code_bits = 3 if size(3) < size(4) else 4
+    escape = (1 << code_bits) - 1
+    order = ranked[:escape]
     codebook = torch.zeros(CODES, dtype=torch.uint8, device=x.device)
-    codebook[:ESCAPE] = order.to(torch.uint8)
-    code_of = torch.full((256,), ESCAPE, dtype=torch.uint8, device=x.device)
-    code_of[order] = torch.arange(ESCAPE, dtype=torch.uint8, device=x.device)
+    codebook[:escape] = order.to(torch.uint8)
+    code_of = torch.full((256,), escape, dtype=torch.uint8, device=x.device)
+    code_of[order] = torch.arange(escape, dtype=torch.uint8, device=x.device)
     codes = code_of[exponent.long()]  # a uint8 index would be taken as a mask
-    escaped = codes == ESCAPE
+    escaped = codes == escape
     escapes = exponent[escaped]  # row-major: expert by expert, value order
     blocks = max(1, -(-n // BLOCK))
     where = escaped.nonzero()  # [escapes, 2]: (expert, value), few
@@ -159,17 +238,14 @@ def encode(x: Tensor) -> Bf16Planes:
     torch.cumsum(counts_per_block, dim=0, out=prefix[1:])
     rows = torch.arange(experts, device=x.device).unsqueeze(1) * blocks
     escape_starts = prefix[rows + torch.arange(blocks + 1, device=x.device)]
-    if n % 2:
-        codes = torch.cat([codes, codes.new_zeros((experts, 1))], dim=1)
-    pairs = codes.view(experts, -1, 2)
-    packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
     return Bf16Planes(
         shape=tuple(x.shape),
         codebook=codebook,
         sign_mantissa=sign_mantissa,
-        codes=packed.contiguous(),
+        codes=_pack(codes, code_bits),
         escape_starts=escape_starts,
         escapes=escapes,
+        code_bits=code_bits,
     )
 
 
@@ -182,10 +258,9 @@ def decode_experts(planes: Bf16Planes, experts: Sequence[int]) -> Tensor:
             )
     index = torch.tensor(list(experts), dtype=torch.long, device=planes.codes.device)
     n = planes.values_per_expert
-    packed = planes.codes[index].to(torch.int32)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(len(experts), -1)[:, :n]
+    codes = _unpack(planes.codes[index], planes.code_bits, n)
     exponent = planes.codebook.to(torch.int32)[codes]
-    escaped = codes == ESCAPE
+    escaped = codes == planes.escape_code
     if bool(escaped.any()):
         found = [planes.expert_escapes(e) for e in experts]
         exponent[escaped] = torch.cat(found).to(torch.int32)

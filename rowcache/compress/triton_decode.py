@@ -4,8 +4,9 @@
 programs walks the work items (miss, block of ``BLOCK`` values); the number of items comes
 from the miss count on the device, so with no miss every program returns after one load, and
 the launch is captured in a CUDA graph once. A work item reads the block's sign-mantissa bytes
-and exponent codes (on the host through unified addressing, or on the device), looks each code
-up in the 16-entry codebook, takes the escaped exponents from the block's range of the escape
+and exponent codes (on the host through unified addressing, or on the device; a 4-bit code from
+its byte's nibble, a 3-bit one from the three bytes of its group of eight), looks each code up
+in the 16-entry codebook, takes the escaped exponents from the block's range of the escape
 plane (the rank of an escape in its block is an exclusive prefix sum of the escape flags), and
 stores the reassembled 16 bits into the slot. Every store is masked by the block's end and by
 the miss count; a miss entry below 0 (never written below the count) writes nothing.
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rowcache.compress.bf16_planes import BLOCK, ESCAPE, Bf16Planes
+from rowcache.compress.bf16_planes import BLOCK, Bf16Planes
 from rowcache.errors import InvalidInputError
 
 __all__ = ["SlotDecoder", "decode_gather_kernel", "decode_into_slots"]
@@ -47,7 +48,7 @@ def decode_gather_kernel(
     miss_count_ptr,
     capacity,
     BLOCK: tl.constexpr,
-    ESCAPE: tl.constexpr,
+    CODE_BITS: tl.constexpr,
     MUTANT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
@@ -66,10 +67,20 @@ def decode_gather_kernel(
             at = b * BLOCK + tl.arange(0, BLOCK)
             inside = at < n
             sm = tl.load(sm_ptr + expert * sm_stride + at, mask=inside, other=0).to(tl.int32)
-            pair = tl.load(codes_ptr + expert * codes_stride + at // 2, mask=inside, other=0)
-            code = (pair.to(tl.int32) >> ((at % 2) * 4).to(tl.int32)) & 0xF
+            row = codes_ptr + expert * codes_stride
+            if CODE_BITS == 4:
+                pair = tl.load(row + at // 2, mask=inside, other=0)
+                code = (pair.to(tl.int32) >> ((at % 2) * 4).to(tl.int32)) & 0xF
+            else:  # 3 bits: value 8g + r in bits 3r .. 3r + 2 of group g's 24-bit word
+                group = row + (at // 8) * 3
+                if MUTANT == 5:  # seeded bug: groups taken 2 bytes apart, not 3
+                    group = row + (at // 8) * 2
+                word = tl.load(group, mask=inside, other=0).to(tl.int32)
+                word = word | (tl.load(group + 1, mask=inside, other=0).to(tl.int32) << 8)
+                word = word | (tl.load(group + 2, mask=inside, other=0).to(tl.int32) << 16)
+                code = (word >> ((at % 8) * 3).to(tl.int32)) & 0x7
             exponent = tl.load(codebook_ptr + code).to(tl.int32)
-            escaped = (code == ESCAPE) & inside
+            escaped = (code == (1 << CODE_BITS) - 1) & inside
             flags = escaped.to(tl.int32)
             rank = tl.cumsum(flags, axis=0) - flags  # escapes before this value in its block
             if MUTANT == 1:  # seeded bug: the inclusive prefix sum (one escape late)
@@ -142,7 +153,7 @@ class SlotDecoder:
             miss_count,
             miss_experts.numel(),
             BLOCK=BLOCK,
-            ESCAPE=ESCAPE,
+            CODE_BITS=planes.code_bits,
             MUTANT=self._mutant,
         )
 
