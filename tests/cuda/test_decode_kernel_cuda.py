@@ -20,7 +20,7 @@ def test_the_kernel_decodes_every_case_exactly(where: str) -> None:
 
 
 @pytest.mark.gpu_mutant
-@pytest.mark.parametrize("mutant", [1, 2, 3, 4])
+@pytest.mark.parametrize("mutant", [1, 2, 3, 4, 5])
 def test_each_seeded_bug_of_the_kernel_is_caught(mutant: int) -> None:
     failures = []
     for case in checks.cases():
@@ -32,12 +32,13 @@ def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> Non
     # The provider encodes on its CUDA device (rowcache.sources); the planes must be the
     # host's, plane by plane, on every case, or a slot would decode to other bits.
     from rowcache.compress import encode
-    from rowcache.sources import ExpertSources
+    from rowcache.sources import HELD_CODE_BITS, ExpertSources
 
     planes_fields = ("codebook", "sign_mantissa", "codes", "escape_starts", "escapes")
     for case in checks.cases():
-        host = encode(case.weights)
-        gpu = encode(case.weights.to("cuda"))
+        host = encode(case.weights, case.code_bits)
+        gpu = encode(case.weights.to("cuda"), case.code_bits)
+        assert gpu.code_bits == host.code_bits, case.name  # the same choice of width
         for field in planes_fields:
             assert torch.equal(getattr(gpu, field).cpu(), getattr(host, field)), (case.name, field)
     w13 = next(c.weights for c in checks.cases() if c.name == "3-d experts")
@@ -45,7 +46,8 @@ def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> Non
     sources = ExpertSources(w13, w2, device="cuda", compress=True)
     for name, source in (("w13", w13), ("w2", w2)):
         held = sources.planes[name]
-        want = encode(source)
+        want = encode(source, HELD_CODE_BITS)
+        assert held.code_bits == HELD_CODE_BITS
         for field in planes_fields:
             plane = getattr(held, field)
             assert plane.device.type == "cpu" and plane.is_pinned(), (name, field)
