@@ -321,8 +321,9 @@ def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     For a CUDA target the encode runs there, one tensor at a time, and its planes come back to
     pinned host memory: the same planes as an encode on the host (every step is exact integer
     work in a fixed order), at the device's speed rather than a few hundred MB/s of the host's
-    torch ops, so that holding a model's experts compressed does not slow its loading. Its
-    temporaries (a few times the tensor's bytes) are freed on return."""
+    torch ops, so that holding a model's experts compressed does not slow its loading. On the
+    device it holds the tensor, its planes and the encode's temporaries of one group of experts
+    (``bf16_planes.ENCODE_CHUNK_VALUES``, about 320 MB), all freed on return."""
     if not _needs_pinning(target):
         return encode(source, HELD_CODE_BITS)
     return encode(source.to(target), HELD_CODE_BITS).map(_pinned_host)

@@ -215,3 +215,32 @@ def test_damaged_planes_are_caught(damage: str, width: int) -> None:
     fields = {name: getattr(planes, name) for name in planes.__dataclass_fields__}
     assert not same_bits(decode(Bf16Planes(**{**fields, **changed})), x)
     assert same_bits(decode(planes), x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    experts=st.integers(1, 6),
+    n=st.integers(1, 2 * BLOCK + 9),
+    chunk_values=st.integers(1, 4 * BLOCK),
+    width=st.sampled_from([None, *CODE_WIDTHS]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_planes_do_not_depend_on_the_chunks_encode_works_in(
+    experts: int, n: int, chunk_values: int, width: int | None, seed: int
+) -> None:
+    """Encoding a group of experts at a time (to bound the temporaries) gives the planes of
+    one pass over the whole tensor, plane by plane, escapes in several chunks included."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-5, 6, (experts, n), generator=gen) - 8.0)
+    x = (torch.randn(experts, n, generator=gen) * scale).to(torch.bfloat16)
+    whole = encode(x, width, chunk_values=experts * n)
+    chunked = encode(x, width, chunk_values=chunk_values)
+    for name in Bf16Planes.__dataclass_fields__:
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+    assert same_bits(decode(chunked), x)
+
+
+def test_a_chunk_size_below_one_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="chunk_values must be >= 1, got 0"):
+        encode(encode_input(2, 8, seed=8), chunk_values=0)

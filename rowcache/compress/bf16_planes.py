@@ -40,6 +40,7 @@ __all__ = [
     "BLOCK",
     "CODES",
     "CODE_WIDTHS",
+    "ENCODE_CHUNK_VALUES",
     "ESCAPE",
     "Bf16Planes",
     "decode",
@@ -188,25 +189,44 @@ def _code_bytes(code_bits: int, experts: int, n: int) -> int:
     return experts * (-(-n // 2) if code_bits == 4 else 3 * -(-n // 8))
 
 
-def encode(x: Tensor, code_bits: int | None = None) -> Bf16Planes:
+ENCODE_CHUNK_VALUES = 1 << 24
+"""Values ``encode`` works on at once (whole experts, at least one): its temporaries stay near
+``20 * ENCODE_CHUNK_VALUES`` bytes (about 320 MB) beside the planes it fills, whatever the
+tensor's size, so that encoding a large layer on the GPU fits beside the model."""
+
+
+def _exponent(bits: Tensor) -> Tensor:
+    # int16 bits: the shift is arithmetic, so the field is masked after it.
+    return ((bits >> 7) & 0xFF).to(torch.uint8)
+
+
+def encode(
+    x: Tensor, code_bits: int | None = None, *, chunk_values: int = ENCODE_CHUNK_VALUES
+) -> Bf16Planes:
     """The planes of a bf16 ``[E, ...]`` tensor (on any device; the planes are on the same).
 
     ``code_bits`` (one of ``CODE_WIDTHS``; None: whichever stores the tensor in fewer bytes,
     4 on a tie) sets the code width; the codebook holds the ``2**code_bits - 1`` most common
-    exponents of the whole tensor (ties to the smaller exponent); ``x`` is read, not changed."""
+    exponents of the whole tensor (ties to the smaller exponent); ``x`` is read, not changed.
+    The work goes over groups of whole experts of about ``chunk_values`` values (the planes do
+    not depend on it)."""
     _check_bf16(x)
     if code_bits is not None and code_bits not in CODE_WIDTHS:
         raise InvalidInputError(
             f"code_bits {code_bits!r} is not a width the planes store; allowed: "
             f"{', '.join(map(str, CODE_WIDTHS))} or None (the smaller)"
         )
+    if chunk_values < 1:
+        raise InvalidInputError(f"chunk_values must be >= 1, got {chunk_values}")
     experts = x.shape[0]
-    # int16 throughout: the shifts are arithmetic, so each field is masked after its shift.
+    device = x.device
     bits = x.detach().contiguous().view(torch.int16).reshape(experts, -1)
     n = bits.shape[1]
-    exponent = ((bits >> 7) & 0xFF).to(torch.uint8)
-    sign_mantissa = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
-    counts = torch.bincount(exponent.flatten(), minlength=256)
+    step = max(1, chunk_values // max(n, 1))
+    chunks = [slice(first, min(first + step, experts)) for first in range(0, experts, step)]
+    counts = torch.zeros(256, dtype=torch.int64, device=device)
+    for chunk in chunks:
+        counts += torch.bincount(_exponent(bits[chunk]).flatten(), minlength=256)
     # Most common first; among equal counts the smaller exponent (a stable sort by -count).
     ranked = torch.sort(-counts, stable=True).indices
     if code_bits is None:
@@ -215,36 +235,46 @@ def encode(x: Tensor, code_bits: int | None = None) -> Bf16Planes:
         covered = torch.cumsum(counts[ranked], dim=0)
         total = experts * n
 
-        def size(bits: int) -> int:
-            kept = int(covered[(1 << bits) - 2])
-            return _code_bytes(bits, experts, n) + total - kept
+        def size(width: int) -> int:
+            kept = int(covered[(1 << width) - 2])
+            return _code_bytes(width, experts, n) + total - kept
 
         code_bits = 3 if size(3) < size(4) else 4
     escape = (1 << code_bits) - 1
     order = ranked[:escape]
-    codebook = torch.zeros(CODES, dtype=torch.uint8, device=x.device)
+    codebook = torch.zeros(CODES, dtype=torch.uint8, device=device)
     codebook[:escape] = order.to(torch.uint8)
-    code_of = torch.full((256,), escape, dtype=torch.uint8, device=x.device)
-    code_of[order] = torch.arange(escape, dtype=torch.uint8, device=x.device)
-    codes = code_of[exponent.long()]  # a uint8 index would be taken as a mask
-    escaped = codes == escape
-    escapes = exponent[escaped]  # row-major: expert by expert, value order
+    code_of = torch.full((256,), escape, dtype=torch.uint8, device=device)
+    code_of[order] = torch.arange(escape, dtype=torch.uint8, device=device)
     blocks = max(1, -(-n // BLOCK))
-    where = escaped.nonzero()  # [escapes, 2]: (expert, value), few
-    counts_per_block = torch.bincount(
-        where[:, 0] * blocks + where[:, 1] // BLOCK, minlength=experts * blocks
-    )
-    prefix = torch.zeros(experts * blocks + 1, dtype=torch.int64, device=x.device)
+    sign_mantissa = torch.empty((experts, n), dtype=torch.uint8, device=device)
+    packed = torch.empty((experts, _code_bytes(code_bits, 1, n)), dtype=torch.uint8, device=device)
+    counts_per_block = torch.empty(experts * blocks, dtype=torch.int64, device=device)
+    escapes: list[Tensor] = []
+    for chunk in chunks:
+        part = bits[chunk]
+        exponent = _exponent(part)
+        sign_mantissa[chunk] = (((part >> 8) & 0x80) | (part & 0x7F)).to(torch.uint8)
+        codes = code_of[exponent.int()]  # a uint8 index would be taken as a mask
+        escaped = codes == escape
+        escapes.append(exponent[escaped])  # row-major: expert by expert, value order
+        where = escaped.nonzero()  # [escapes, 2]: (expert in the chunk, value), few
+        rows = chunk.stop - chunk.start
+        counts_per_block[chunk.start * blocks : chunk.stop * blocks] = torch.bincount(
+            where[:, 0] * blocks + where[:, 1] // BLOCK, minlength=rows * blocks
+        )
+        packed[chunk] = _pack(codes, code_bits)
+    prefix = torch.zeros(experts * blocks + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts_per_block, dim=0, out=prefix[1:])
-    rows = torch.arange(experts, device=x.device).unsqueeze(1) * blocks
-    escape_starts = prefix[rows + torch.arange(blocks + 1, device=x.device)]
+    starts = torch.arange(experts, device=device).unsqueeze(1) * blocks
+    escape_starts = prefix[starts + torch.arange(blocks + 1, device=device)]
     return Bf16Planes(
         shape=tuple(x.shape),
         codebook=codebook,
         sign_mantissa=sign_mantissa,
-        codes=_pack(codes, code_bits),
+        codes=packed,
         escape_starts=escape_starts,
-        escapes=escapes,
+        escapes=torch.cat(escapes),
         code_bits=code_bits,
     )
 
