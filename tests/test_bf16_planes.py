@@ -237,7 +237,7 @@ def test_the_planes_do_not_depend_on_the_chunks_encode_works_in(
     chunked = encode(x, width, chunk_values=chunk_values)
     for name in Bf16Planes.__dataclass_fields__:
         a, b = getattr(whole, name), getattr(chunked, name)
-        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
     assert same_bits(decode(chunked), x)
 
 
