@@ -323,7 +323,8 @@ def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     work in a fixed order), at the device's speed rather than a few hundred MB/s of the host's
     torch ops, so that holding a model's experts compressed does not slow its loading. On the
     device it holds the tensor, its planes and the encode's temporaries of one group of experts
-    (``bf16_planes.ENCODE_CHUNK_VALUES``, about 320 MB), all freed on return."""
+    (``bf16_planes.ENCODE_CHUNK_VALUES``: about 320 MB, more where one expert is larger), all
+    freed on return."""
     if not _needs_pinning(target):
         return encode(source, HELD_CODE_BITS)
     return encode(source.to(target), HELD_CODE_BITS).map(_pinned_host)

@@ -61,8 +61,9 @@ def cases() -> Iterator[Case]:
         flat[positions] = _bits_tensor(specials, (len(specials),)).view(torch.int16)
         yield Case(f"gaussian n={n}", weights, 3, [(4, 1), (0, 0), (2, 2)], 2, 3)
         yield Case(f"gaussian n={n} all", weights, 3, [(1, 2), (3, 0), (0, 1)], 3, 1)
-        if n in (3, BLOCK + 1):  # the encoder takes 3 bits here: 4 bits too
-            yield Case(f"gaussian n={n} 4-bit", weights, 3, [(2, 0), (4, 2)], 2, 2, 4)
+        if n in (3, BLOCK + 1):  # the width the encoder does not take here, too
+            other = 7 - encode(weights).code_bits  # n=3: 3 bits, one partial group
+            yield Case(f"gaussian n={n} {other}-bit", weights, 3, [(2, 0), (4, 2)], 2, 2, other)
     every = _bits_tensor(list(range(1 << 16)), (4, 1 << 14))
     yield Case("every pattern", every, 4, [(3, 0), (1, 3), (0, 1), (2, 2)], 4, 7)
     yield Case("every pattern, one miss", every, 4, [(2, 3), (0, 0), (1, 1), (3, 2)], 1, 2)

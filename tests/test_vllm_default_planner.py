@@ -704,9 +704,15 @@ def test_compress_auto_is_resolved_by_planner_mode_quantization_and_dtype() -> N
         "off",
         f"default in piecewise graphs: {NO_PLANES}",
     )
+    quantized = "default: planes hold bf16 experts; quantization 'fp8' does not"
     assert default_compress(
         "full", planner="device", quantization="fp8", dtype="bfloat16", evidence=evidence
-    ) == ("off", f"default in full graphs, quantization 'fp8': {NO_PLANES}")
+    ) == ("off", quantized)
+    # Not even a record naming FP8 turns planes on for it (its experts are not bf16).
+    fp8_planes = _evidence(PLANES_FASTER, "full", quantizations=("fp8",))
+    assert default_compress(
+        "full", planner="device", quantization="fp8", dtype="bfloat16", evidence=(fp8_planes,)
+    ) == ("off", quantized)
     assert default_compress("full", planner="device", dtype="bfloat16", evidence=()) == (
         "off",
         f"default in full graphs: {NO_PLANES}",
@@ -760,6 +766,24 @@ def test_the_compress_record_is_read_back_and_checked() -> None:
     for bad in ("on", {"compress": "auto", "reason": "x"}, {"compress": "on"}):
         with pytest.raises(KnobError, match=COMPRESS_CHOSEN):
             parse_settings({"rowcache": {**base, COMPRESS_CHOSEN: bad}}, {})
+    # A record of "on" where the device planner does not serve (a stale configuration) is
+    # refused, naming what serves; "off" stands anywhere.
+    size: dict[str, object] = {"moe_expert_cache_size": 8}
+    for section, served in (
+        ({**size, PLANNER: "host"}, "moe_expert_cache_planner 'host'"),
+        (size, "moe_expert_cache_planner 'host'"),  # no planner chosen yet
+        ({**size, "moe_expert_cache_provider": "cached"}, "provider 'cached'"),
+    ):
+        with pytest.raises(KnobError, match=f"'on' needs the device planner.*has {served}"):
+            parse_settings({"rowcache": {**section, COMPRESS_CHOSEN: record}}, {})
+        off = {"compress": "off", "reason": "x"}
+        kept = parse_settings({"rowcache": {**section, COMPRESS_CHOSEN: off}}, {})
+        assert not kept.compress_planes
+    chosen_device = {"planner": "device", "reason": "default in full graphs: x"}
+    by_record = parse_settings(
+        {"rowcache": {**size, PLANNER_CHOSEN: chosen_device, COMPRESS_CHOSEN: record}}, {}
+    )
+    assert by_record.compress_planes and by_record.planner == "device"
 
 
 def test_hook_holds_bf16_experts_as_planes_in_full_graphs(
@@ -769,8 +793,9 @@ def test_hook_holds_bf16_experts_as_planes_in_full_graphs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bf16 model in vLLM's default full graphs with the slot count alone set: the device
-    planner and the planes, both written back and said once; a float16 model keeps raw bytes;
-    the method built in that engine holds its experts as planes."""
+    planner and the planes, both written back and said once, and read back by
+    ``settings_of`` (what the method builds its provider from); a float16 model keeps raw
+    bytes."""
     import torch
 
     monkeypatch.delenv(PLANNER_ENV, raising=False)

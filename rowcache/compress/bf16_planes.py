@@ -191,8 +191,9 @@ def _code_bytes(code_bits: int, experts: int, n: int) -> int:
 
 ENCODE_CHUNK_VALUES = 1 << 24
 """Values ``encode`` works on at once (whole experts, at least one): its temporaries stay near
-``20 * ENCODE_CHUNK_VALUES`` bytes (about 320 MB) beside the planes it fills, whatever the
-tensor's size, so that encoding a large layer on the GPU fits beside the model."""
+20 bytes a value of the larger of this and one expert (about 320 MB, or 590 MB for an expert of
+29M values) beside the planes it fills, however many experts the tensor holds, so that encoding
+a large layer on the GPU fits beside the model."""
 
 
 def _exponent(bits: Tensor) -> Tensor:

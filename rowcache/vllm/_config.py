@@ -14,8 +14,10 @@ graphs but runs vLLM's own method gives wrong tokens (see ``rowcache.vllm._metho
 the substitution cannot be installed the knob is ignored and the configuration stays vLLM's.
 
 Without a planner setting the planner is chosen after vLLM's own checks, from the graph mode
-they resolved (``rowcache.vllm.defaults``), and written back into ``additional_config`` so that
-the engine's other processes and later copies of the configuration serve the same one. The
+they resolved (``rowcache.vllm.defaults``), then ``moe_expert_cache_compress: auto`` for that
+planner and the model's dtype and quantization, and the host planner's split; each choice is
+written back into ``additional_config`` so that the engine's other processes and later copies
+of the configuration serve the same one. The
 choice and the settings are logged once per process. The plugin's logger (``rowcache.vllm``)
 writes through the handlers vLLM configures on its own ``vllm`` logger, so its INFO lines reach
 the server's log as vLLM's do.
@@ -78,7 +80,7 @@ def settings_of(config: Any) -> CacheSettings:
     """The knob of ``config``, its planner chosen (written back by the config hook; chosen
     here from the config's graph mode where it could not be written back)."""
     settings = parse_settings(getattr(config, "additional_config", None), os.environ)
-    # Chooses only what is neither set nor already chosen (the planner, the host's split).
+    # Chooses only what is neither set nor already chosen (the planner, compress, the split).
     return choose_planner(
         settings, graph_mode(config), evidence_quantization(config), dtype=dtype_name(config)
     )
@@ -112,9 +114,9 @@ def evidence_quantization(config: Any) -> str | None:
 
 
 def _record_choice(config: Any, settings: CacheSettings) -> None:
-    """Write a default planner and a default split into ``additional_config`` (a new dict:
-    the caller's is not changed); an ``additional_config`` that is not a dict cannot carry
-    them."""
+    """Write a default planner, a default split and a resolved ``compress: auto`` into
+    ``additional_config`` (a new dict: the caller's is not changed); an ``additional_config``
+    that is not a dict cannot carry them."""
     extra = getattr(config, "additional_config", None)
     records = {}
     if settings.planner_source == "default":

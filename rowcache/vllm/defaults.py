@@ -281,10 +281,13 @@ def default_compress(
     where = _where(mode, quantization)
     if planner != "device":
         return "off", f"default: {PLANES_NEED_DEVICE}"
-    if quantization is None and dtype != "bfloat16":
+    if quantization is not None:
+        # The model's dtype is bf16 there too; its experts are not.
+        return "off", f"default: planes hold bf16 experts; quantization {quantization!r} does not"
+    if dtype != "bfloat16":
         known = "not known" if dtype is None else dtype
         return "off", f"default: planes hold bf16 experts and the model's dtype is {known}"
-    planes = _recorded(evidence, PLANES_FASTER, mode, quantization)
+    planes = _recorded(evidence, PLANES_FASTER, mode, None)
     if planes is None:
         return "off", f"default in {where}: {NO_PLANES}"
     return "on", f"default in {where}: {_cite(planes)}"

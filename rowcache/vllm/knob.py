@@ -318,6 +318,13 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     elif (chosen := _chosen(section, COMPRESS_CHOSEN, "compress", ("on", "off"))) is not None:
         compress, compress_reason = chosen
         compress_source = "default"
+        if compress == "on" and (planner != "device" or provider == "cached"):
+            served = f"provider {provider!r}" if provider == "cached" else f"{PLANNER} {planner!r}"
+            raise KnobError(
+                f"additional_config[{CONFIG_SECTION!r}][{COMPRESS_CHOSEN!r}]: 'on' needs the "
+                f"device planner (the planes are decoded after its gather), and this engine "
+                f"has {served}; allowed with it: off"
+            )
     return CacheSettings(
         size=size,
         provider="cached" if provider == "cached" else "row",

@@ -375,7 +375,8 @@ def archs() -> list[EngineSpec]:
             replace(tiny_engine(ref, Mode.DEFAULT, compare_with=(ref,)), checkpoint=checkpoint)
         )
         for size in slots:
-            knob = Knob(size=size, provider=Provider.ROW, planner=Planner.DEVICE)
+            # Raw bytes, as this phase's records were made (auto holds bf16 planes now).
+            knob = Knob(size=size, provider=Provider.ROW, planner=Planner.DEVICE, compress="off")
             spec = tiny_engine(
                 f"{prefix}.row{size}dev.full", Mode.DEFAULT, knob, compare_with=(ref,)
             )
@@ -451,7 +452,8 @@ def curve(checkpoint: Checkpoint = QWEN8) -> list[EngineSpec]:
             )
         elif label.startswith("row"):
             assert isinstance(value, int)
-            knob = Knob(size=value, provider=Provider.ROW, planner=Planner.DEVICE)
+            # Raw bytes, as the curve's records were made (auto holds bf16 planes now).
+            knob = Knob(size=value, provider=Provider.ROW, planner=Planner.DEVICE, compress="off")
         specs.append(
             EngineSpec(
                 name=f"{prefix}.{label}",
