@@ -621,9 +621,10 @@ def test_other_fp8_checkpoints_are_rejected_by_name(
 
 @pytest.mark.parametrize(
     "method_name",
-    # NVFP4, and gpt-oss's MXFP4 (vLLM 0.25.0's quantization/mxfp4.py: GptOssMxfp4MoEMethod for
-    # gpt-oss checkpoints, Mxfp4MoEMethod for others): rejected by name, never served uncached.
-    ["ModelOptNvFp4FusedMoE", "GptOssMxfp4MoEMethod", "Mxfp4MoEMethod"],
+    # NVFP4, and MXFP4 other than gpt-oss's (vLLM 0.25.0's quantization/mxfp4.py:
+    # Mxfp4MoEMethod; gpt-oss's GptOssMxfp4MoEMethod is served, tests/test_vllm_mxfp4.py):
+    # rejected by name, never served uncached.
+    ["ModelOptNvFp4FusedMoE", "Mxfp4MoEMethod"],
 )
 def test_other_quantized_methods_are_rejected_by_name(fake_fp8: Any, method_name: str) -> None:
     plugin.register()

@@ -235,6 +235,7 @@ VLLM_SIDE = (
     "rowcache.vllm._quantized",
     "rowcache.vllm._method",
     "rowcache.vllm._fp8",
+    "rowcache.vllm._mxfp4",
 )
 
 

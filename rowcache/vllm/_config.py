@@ -51,11 +51,12 @@ __all__ = ["MOE_OPS", "QUANTIZATIONS", "RowcacheError", "graph_mode", "install",
 
 logger = logging.getLogger("rowcache.vllm")
 
-QUANTIZATIONS = ("fp8", "fp8_per_tensor")
+QUANTIZATIONS = ("fp8", "fp8_per_tensor", "gpt_oss_mxfp4")
 """Model quantizations whose MoE methods the cache may serve: ``fp8`` (vLLM 0.25.0: FP8
 checkpoints and online per-tensor FP8; 0.33.0: FP8 checkpoints) and ``fp8_per_tensor`` (online
-per-tensor FP8: a shorthand in 0.25.0, the only way in 0.33.0). Which method and backend a
-layer gets is checked when it is built (``rowcache.vllm._fp8.adopt``)."""
+per-tensor FP8: a shorthand in 0.25.0, the only way in 0.33.0), and ``gpt_oss_mxfp4`` (gpt-oss's
+MXFP4 checkpoints). Which method and backend a layer gets is checked when it is built
+(``rowcache.vllm._fp8.adopt``, ``rowcache.vllm._mxfp4.adopt``)."""
 
 MOE_OPS = ("vllm::moe_forward", "vllm::moe_forward_shared")
 """vLLM's MoE custom ops; as splitting ops they run eagerly between captured pieces."""
@@ -191,7 +192,8 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
             f"and quantization {' or '.join(map(repr, QUANTIZATIONS))} with vLLM's "
             "Fp8MoEMethod for FP8 checkpoints with 128 x 128 block scales or "
             "Fp8PerTensorOnlineMoEMethod for online per-tensor FP8, on its TRITON FP8 MoE "
-            "backend (each layer's method and backend are checked when the model is built)."
+            "backend, and gpt-oss's MXFP4 experts on the TRITON_UNFUSED backend (each layer's "
+            "method and backend are checked when the model is built)."
         )
 
 

@@ -51,7 +51,7 @@ from rowcache.vllm._method import (
     build_provider,
     check_layer,
     pinned_empty,
-    register_host_parameter,
+    to_pinned,
 )
 from rowcache.vllm.knob import SIZE, CacheSettings
 
@@ -97,23 +97,6 @@ def _scale_slots(method: Any, layer: Any, provider: ExpertWeightProvider) -> Sca
             f"({w13_name}, {w2_name})"
         )
     return ScaleSlots(layer, {w13_name: w13_scale, w2_name: w2_scale})
-
-
-def _to_pinned(layer: Any, names: tuple[str, ...], keep_values: set[str]) -> dict[str, Tensor]:
-    """Replace the layer's parameters ``names`` with device views of pinned host copies.
-
-    Each keeps the attributes vLLM gave it (``weight_loader`` writing the host tensor); the
-    values are copied for ``keep_values`` only (vLLM's weights start as ``torch.empty``).
-    """
-    hosts: dict[str, Tensor] = {}
-    for name in names:
-        old = getattr(layer, name)
-        host = pinned_empty(tuple(old.shape), old.dtype)
-        if name in keep_values:
-            host.copy_(old.data)
-        register_host_parameter(layer, name, host, vars(old))
-        hosts[name] = host
-    return hosts
 
 
 def _check_backend(method: Any) -> None:
@@ -255,7 +238,7 @@ class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[mis
                 **extra_weight_attrs,
             )
         names = (*WEIGHTS, *_scale_names(self))
-        self._rowcache_hosts = _to_pinned(layer, names, keep_values=set(names[2:]))
+        self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names[2:]))
 
     def process_weights_after_loading(self, layer: Any) -> None:
         assert self.rowcache_settings is not None

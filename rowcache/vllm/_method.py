@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -81,6 +81,7 @@ __all__ = [
     "pinned_empty",
     "register_host_parameter",
     "release_host_weights",
+    "to_pinned",
 ]
 
 logger = logging.getLogger("rowcache.vllm")
@@ -89,7 +90,8 @@ SUPPORTED_METHODS = (
     "UnquantizedFusedMoEMethod (bf16/fp16 experts) on vLLM's Triton MoE backend, and on vLLM's "
     "TRITON FP8 MoE backend (TritonExperts): Fp8MoEMethod with 128 x 128 block scales (an FP8 "
     "checkpoint with weight_block_size [128, 128]) and Fp8PerTensorOnlineMoEMethod (online "
-    "per-tensor FP8 of a bf16 checkpoint)"
+    "per-tensor FP8 of a bf16 checkpoint), and gpt-oss's GptOssMxfp4MoEMethod on vLLM's "
+    "TRITON_UNFUSED MXFP4 MoE backend (UnfusedOAITritonExperts; --moe-backend triton_unfused)"
 )
 """What the expert cache serves, as the guards name it."""
 
@@ -158,8 +160,9 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
 
 
-def check_layer(moe: Any, settings: CacheSettings, method: str) -> int:
-    """The layer's slot count after the guards every cached MoE method shares."""
+def check_layer(moe: Any, settings: CacheSettings, method: str, biases: bool = False) -> int:
+    """The layer's slot count after the guards every cached MoE method shares (``biases``:
+    the method serves per-expert biases from slots)."""
     top_k = int(moe.experts_per_token)
     experts = int(moe.num_local_experts)
     if settings.size < top_k:
@@ -167,7 +170,7 @@ def check_layer(moe: Any, settings: CacheSettings, method: str) -> int:
             f"{SIZE}={settings.size} is smaller than the model's top_k={top_k}: one token "
             f"needs {top_k} experts at once; allowed: 0 (off) or an integer >= {top_k}"
         )
-    if moe.has_bias:
+    if moe.has_bias and not biases:
         raise RowcacheError(
             f"rowcache: MoE layers with expert biases are not supported yet ({method})"
         )
@@ -180,6 +183,23 @@ def check_layer(moe: Any, settings: CacheSettings, method: str) -> int:
             experts,
         )
     return min(settings.size, experts)
+
+
+def to_pinned(layer: Any, names: tuple[str, ...], keep_values: set[str]) -> dict[str, Tensor]:
+    """Replace the layer's parameters ``names`` with device views of pinned host copies.
+
+    Each keeps the attributes vLLM gave it (``weight_loader`` writing the host tensor); the
+    values are copied for ``keep_values`` only (vLLM's weights start as ``torch.empty``).
+    """
+    hosts: dict[str, Tensor] = {}
+    for name in names:
+        old = getattr(layer, name)
+        host = pinned_empty(tuple(old.shape), old.dtype)
+        if name in keep_values:
+            host.copy_(old.data)
+        register_host_parameter(layer, name, host, vars(old))
+        hosts[name] = host
+    return hosts
 
 
 def layer_device() -> torch.device:
@@ -196,6 +216,9 @@ def build_provider(
     w2: Tensor,
     w13_scale: Tensor | None = None,
     w2_scale: Tensor | None = None,
+    *,
+    w13_bias: Tensor | None = None,
+    w2_bias: Tensor | None = None,
 ) -> ExpertWeightProvider:
     """The provider over a layer's pinned host tensors, in the default (separate) slot layout.
 
@@ -213,6 +236,8 @@ def build_provider(
             split=settings.split,
             device=device,
             share_sources=True,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
         )
     if settings.planner == "device":
         # Planned and copied on the device: the MoE op is captured with the forward.
@@ -224,6 +249,8 @@ def build_provider(
             capacity=capacity,
             device=device,
             share_sources=True,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
             compress=settings.compress_planes,
             planner="device",
         )
@@ -241,7 +268,16 @@ def build_provider(
         split=settings.split,
         device=device,
         share_sources=True,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
     )
+
+
+class ReductionTap(Protocol):
+    """A hook on a kernel's reduction: ``unreduced(call)`` runs one kernel call and returns
+    the ``[M, top_k, H]`` entries it would have reduced."""
+
+    def unreduced(self, call: Callable[[], object]) -> Tensor: ...
 
 
 class _MoeSumTap:
@@ -404,11 +440,12 @@ class CachedForward:
             whole = rows == every_row
             if not pinned:
                 pinned.append(full_set_config(kernel, layer, x, topk_ids, weights))
+            w1, w2 = self._kernel_weights(weights)
             with override_config(pinned[0]):
                 result: Tensor = kernel.apply(
                     hidden_states=x if whole else x[rows],
-                    w1=weights.w1,
-                    w2=weights.w2,
+                    w1=w1,
+                    w2=w2,
                     topk_weights=topk_weights if whole else topk_weights[rows],
                     topk_ids=topk_ids if whole else topk_ids[rows],
                     activation=layer.activation,
@@ -422,7 +459,7 @@ class CachedForward:
 
         # A step cut by experts is exact through the unreduced route (module docstring); a
         # token split keeps each row in one call and is exact as it is.
-        tap = _moe_sum_tap(kernel) if device_planned or provider.split == "expert" else None
+        tap = self._reduction_tap(kernel) if device_planned or provider.split == "expert" else None
         if tap is None and (device_planned or provider.split == "expert"):
             self._say_inexact(kernel)
 
@@ -434,7 +471,8 @@ class CachedForward:
             def run_unreduced(weights: ExpertWeightResult, rows: slice, shared: bool) -> Tensor:
                 return taker.unreduced(lambda: run(weights, rows, shared))
 
-            return run_unreduced_with_expert_cache(provider, ids, run_unreduced, taker.reduce)
+            reduce = self._step_reduction(taker, topk_ids)
+            return run_unreduced_with_expert_cache(provider, ids, run_unreduced, reduce)
 
         if device_planned:
             # The router's tensor as it is: the passes are fixed by its shape and planned on
@@ -445,6 +483,23 @@ class CachedForward:
         # validation on the device tensor would each synchronize with the GPU.
         host_ids = topk_ids.cpu()
         return self._stable_output(forward(host_ids))
+
+    def _kernel_weights(self, weights: ExpertWeightResult) -> tuple[Any, Any]:
+        """What the kernel takes as ``w1`` and ``w2``: the provider's slot buffers (a method
+        whose kernel wants them wrapped overrides this)."""
+        return weights.w1, weights.w2
+
+    def _reduction_tap(self, kernel: Any) -> ReductionTap | None:
+        """The hook on the kernel's reduction that the exact route of a cut step takes its
+        unreduced entries from (``unreduced(call)``), or None where there is none."""
+        return _moe_sum_tap(kernel)
+
+    def _step_reduction(
+        self, tap: ReductionTap, topk_ids: Tensor
+    ) -> Callable[[Tensor, Tensor], None]:
+        """The one reduction of a cut step's merged entries (``topk_ids``: the router's)."""
+        assert isinstance(tap, _MoeSumTap)
+        return tap.reduce
 
     def _say_inexact(self, kernel: Any) -> None:
         if self._inexact_said:

@@ -5,7 +5,8 @@ from the model's quantization config (vLLM 0.25.0 and 0.33.0), once vLLM's fused
 has been imported (``rowcache.vllm`` installs it right after ``rowcache.vllm._method``). With
 the cache on, ``take_over`` keeps our unquantized method (ours already, through the
 out-of-tree registry), hands vLLM's FP8 methods to ``rowcache.vllm._fp8.adopt`` (block-scaled
-FP8 checkpoints and online per-tensor FP8 on the TRITON FP8 backend), and rejects any other
+FP8 checkpoints and online per-tensor FP8 on the TRITON FP8 backend) and gpt-oss's MXFP4 method
+to ``rowcache.vllm._mxfp4.adopt`` (on the TRITON_UNFUSED backend), and rejects any other
 method with its name and what is supported (``rowcache.vllm._method.SUPPORTED_METHODS``); with
 the knob off vLLM's method is returned as it is.
 
@@ -40,6 +41,10 @@ def take_over(method: Any) -> Any:
     settings = settings_of(config)
     if not settings.cache_on:
         return method
+    if type(method).__name__ == "GptOssMxfp4MoEMethod":
+        from rowcache.vllm import _mxfp4  # vLLM's MXFP4 modules: imported by now
+
+        return _mxfp4.adopt(method, settings, config)
     from rowcache.vllm._fp8 import adopt  # vLLM's FP8 modules: imported by now
 
     return adopt(method, settings, config)

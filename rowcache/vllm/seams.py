@@ -47,6 +47,9 @@ _TRITON = f"{_MOE}.experts.triton_moe"
 _FP8 = "vllm.model_executor.layers.quantization.fp8"
 _FP8_ONLINE = "vllm.model_executor.layers.quantization.online.fp8"
 _FP8_ORACLE = f"{_MOE}.oracle.fp8"
+_MXFP4 = "vllm.model_executor.layers.quantization.mxfp4"
+_MXFP4_ORACLE = f"{_MOE}.oracle.mxfp4"
+_OAI = f"{_MOE}.experts.gpt_oss_triton_kernels_moe"
 
 SEAMS: tuple[Seam, ...] = (
     Seam(
@@ -346,6 +349,63 @@ SEAMS: tuple[Seam, ...] = (
         "on capability 9.0 it moves TRITON to the front for block FP8 without expert "
         "parallelism: why the H200 picks TritonExperts for block-scaled checkpoints",
         "the H200 may pick another backend, which the cache rejects by name",
+    ),
+    Seam(
+        _MXFP4,
+        "GptOssMxfp4MoEMethod._setup_kernel(layer, w13, w2, w13_scale, w2_scale, w13_bias, "
+        "w2_bias)",
+        "converts a gpt-oss layer's raw tensors (swizzle, float32 biases, precision configs) "
+        "and builds its kernel; the cache runs it once per layer, then copies each expert's "
+        "converted bytes out",
+        "gpt-oss layers with the cache cannot be converted; they fail at load",
+    ),
+    Seam(
+        _MXFP4,
+        "GptOssMxfp4MoEMethod.get_fused_moe_quant_config(layer)",
+        "builds the quant config over the layer's precision configs and biases, which the "
+        "cache points at its slots",
+        "the kernel would read the layer's converted tensors, not the slots",
+    ),
+    Seam(
+        _MXFP4,
+        "GptOssMxfp4MoEMethod.apply(layer, x, topk_weights, topk_ids, shared_experts, "
+        "shared_experts_input)",
+        "overridden to route gpt-oss's forward through the cache",
+        "gpt-oss forwards bypass the cache",
+    ),
+    Seam(
+        _MXFP4_ORACLE,
+        "Mxfp4MoeBackend",
+        "Mxfp4MoeBackend.TRITON_UNFUSED is the MXFP4 backend the cache serves",
+        "the plugin cannot serve gpt-oss; its layers are rejected",
+    ),
+    Seam(
+        _MXFP4_ORACLE,
+        "make_mxfp4_moe_kernel(moe_quant_config, moe_config, experts_cls, mxfp4_backend, "
+        "routing_tables)",
+        "builds gpt-oss's kernel again over the quant config of the slots",
+        "gpt-oss layers with the cache cannot build their kernel",
+    ),
+    Seam(
+        _OAI,
+        "UnfusedOAITritonExperts.apply(output, hidden_states, w1, w2, topk_weights, topk_ids, "
+        "activation, global_num_experts, expert_map)",
+        "the experts class whose apply takes the router's ids and an expert_map over the "
+        "slots and reduces through masked_moe_sum",
+        "the cache cannot run gpt-oss's experts over its slots",
+    ),
+    Seam(
+        _OAI,
+        "masked_moe_sum(intermediate, topk_ids, output)",
+        "the module global UnfusedOAITritonExperts.apply reduces through: tapped for the "
+        "exact route of a step cut by experts",
+        "a step of gpt-oss cut by experts raises instead of reducing once",
+    ),
+    Seam(
+        "vllm.model_executor.utils",
+        "replace_parameter",
+        "gives a gpt-oss layer its bias slots as parameters, which the quant config reads",
+        "the kernel would read the layer's own biases, not the slots",
     ),
     Seam(
         _FP8_ORACLE,

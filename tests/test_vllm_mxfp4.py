@@ -1,0 +1,425 @@
+"""gpt-oss's MXFP4 MoE method with the expert cache (``rowcache.vllm._mxfp4``), against a fake
+of vLLM 0.25.0's classes on the CPU (docs/GPT_OSS.md).
+
+The fake keeps what the plugin touches: ``GptOssMxfp4MoEMethod`` creates the raw tensors
+(packed values ``[E, 2I, H/2]``, e8m0 scales ``[E, 2I, H/32]``, bf16 biases); its
+``_setup_kernel`` converts them as the Triton path does in shape (values and scales transposed
+into ``.mT`` storage wrapped as triton_kernels tensors, the scales moved into precision configs,
+float32 biases) and builds the quant config and kernel; ``UnfusedOAITritonExperts`` maps the
+router's ids through the ``expert_map``, computes each mapped entry from the storage of its
+slot (NaN rows elsewhere, as the real kernel leaves them) and reduces through the module
+global ``masked_moe_sum``. Outputs are compared bit for bit with vLLM's own method (the knob
+off) over the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from test_vllm_fp8 import FAKE_FP8
+from test_vllm_register import (  # noqa: F401 (fixtures)
+    FAKE_VLLM,
+    _engine,
+    fresh_plugin,
+)
+
+import rowcache.vllm as plugin
+
+E, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
+
+FAKE_MXFP4 = {
+    "vllm/model_executor/layers/fused_moe/experts/gpt_oss_triton_kernels_moe.py": """
+        import torch
+        import torch.nn.functional as F
+
+        def masked_moe_sum(intermediate, topk_ids, output):
+            # vLLM's: float32 from 0 in k order; entries with an id below 0 are not read.
+            acc = torch.zeros(output.shape, dtype=torch.float32)
+            for k in range(intermediate.shape[1]):
+                valid = (topk_ids[:, k] >= 0).unsqueeze(1)
+                acc = torch.where(valid, acc + intermediate[:, k].float(), acc)
+            output.copy_(acc.to(output.dtype))
+
+        def dequant(values, scales):
+            # Two 4-bit values a byte (low nibble first), times 2**(scale - 127) a block of 32.
+            v = torch.stack([values & 0xF, values >> 4], dim=-1).flatten(-2).float() - 8.0
+            s = torch.exp2(scales.float() - 127.0).repeat_interleave(32, dim=-1)
+            return v * s
+
+        class UnfusedOAITritonExperts:
+            def __init__(self):
+                self.quant_config = None
+
+        class OAITritonMxfp4ExpertsMonolithic:
+            def __init__(self):
+                self.quant_config = None
+
+        class Mxfp4Kernel:
+            # vLLM's modular kernel around the experts, reduced to the arithmetic.
+            def __init__(self, fused_experts):
+                self.fused_experts = fused_experts
+                self.calls = 0
+
+            def apply(self, **kw):
+                self.calls += 1
+                qc = self.fused_experts.quant_config
+                x, ids = kw["hidden_states"], kw["topk_ids"]
+                weights, expert_map = kw["topk_weights"].float(), kw["expert_map"]
+                w1, w2 = kw["w1"].storage.data, kw["w2"].storage.data  # [slots, ...] raw order
+                s1 = qc.w1_precision.weight_scale.storage.data
+                s2 = qc.w2_precision.weight_scale.storage.data
+                local = ids if expert_map is None else expert_map[ids.long()]
+                rows, top_k = ids.shape
+                cache3 = torch.full((rows, top_k, x.shape[1]), float("nan"), dtype=x.dtype)
+                for t in range(rows):
+                    for j in range(top_k):
+                        s = int(local[t, j])
+                        if s < 0:
+                            continue
+                        h = x[t].float() @ dequant(w1[s], s1[s]).t() + qc.w1_bias[s]
+                        gate, up = h.chunk(2)
+                        a = (F.silu(gate) * up).to(torch.bfloat16).float()
+                        y = (a @ dequant(w2[s], s2[s]).t() + qc.w2_bias[s]) * weights[t, j]
+                        cache3[t, j] = y.to(x.dtype)
+                out = torch.empty_like(x)
+                masked_moe_sum(cache3, local, out)  # the module global, as in vLLM
+                return out
+        """,
+    "vllm/model_executor/layers/fused_moe/oracle/mxfp4.py": """
+        import enum
+        from dataclasses import dataclass, field
+        from types import SimpleNamespace
+        from typing import Any
+
+        import torch
+
+        from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+        class Mxfp4MoeBackend(enum.Enum):
+            TRITON = "TRITON"
+            TRITON_UNFUSED = "TRITON_UNFUSED"
+            MARLIN = "MARLIN"
+
+        @dataclass
+        class Storage:  # triton_kernels.tensor.Storage
+            data: torch.Tensor
+            layout: Any = None
+
+        @dataclass
+        class Tensor:  # triton_kernels.tensor.Tensor
+            storage: Storage
+            dtype: Any = None
+            shape: list = field(default_factory=list)
+            shape_max: list = field(default_factory=list)
+
+        @dataclass
+        class PrecisionConfig:  # triton_kernels.matmul_ogs.PrecisionConfig
+            weight_scale: Any = None
+            out_dtype: Any = None
+
+        HOPPER_LAYOUT = object()
+
+        def swizzled(raw):
+            # The Hopper value layout in shape: transposed, stored as .mT of contiguous data.
+            data = raw.transpose(-2, -1).contiguous().transpose(-2, -1)
+            shape = [raw.shape[0], raw.shape[2], raw.shape[1]]
+            return Tensor(Storage(data, HOPPER_LAYOUT), "FP4", shape, list(shape))
+
+        def make_mxfp4_moe_quant_config(mxfp4_backend, w1_scale, w2_scale, w1_bias=None,
+                                        w2_bias=None, gemm1_alpha=None, gemm1_beta=None,
+                                        swiglu_limit=None, layer=None):
+            return SimpleNamespace(w1_precision=w1_scale, w2_precision=w2_scale,
+                                   w1_bias=w1_bias, w2_bias=w2_bias)
+
+        def make_mxfp4_moe_kernel(moe_quant_config, moe_config, mxfp4_backend, experts_cls,
+                                  routing_tables=None, layer=None):
+            experts = experts_cls()
+            experts.quant_config = moe_quant_config
+            return oai.Mxfp4Kernel(experts)
+        """,
+    "vllm/model_executor/layers/quantization/mxfp4.py": """
+        from abc import ABC
+
+        import torch
+
+        from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+            Mxfp4MoeBackend, PrecisionConfig, make_mxfp4_moe_kernel,
+            make_mxfp4_moe_quant_config, swizzled,
+        )
+        from vllm.model_executor.utils import replace_parameter, set_weight_attrs
+
+        class GptOssMxfp4Config:
+            def __init__(self, backend=Mxfp4MoeBackend.TRITON_UNFUSED):
+                self.backend = backend
+
+            def get_quant_method(self, layer, prefix):
+                return GptOssMxfp4MoEMethod(layer.moe_config, self.backend)
+
+        class FusedMoEMethodBase(ABC):
+            pass
+
+        class GptOssMxfp4MoEMethod(FusedMoEMethodBase):
+            def __init__(self, moe, backend=Mxfp4MoeBackend.TRITON_UNFUSED):
+                self.moe = moe
+                self.mxfp4_backend = backend
+                self.experts_cls = (
+                    oai.UnfusedOAITritonExperts
+                    if backend == Mxfp4MoeBackend.TRITON_UNFUSED
+                    else oai.OAITritonMxfp4ExpertsMonolithic
+                )
+                self.moe_kernel = None
+                self.w13_precision_config = None
+                self.w2_precision_config = None
+
+            def create_weights(self, layer, num_experts, hidden_size,
+                               intermediate_size_per_partition, params_dtype,
+                               **extra_weight_attrs):
+                self.num_experts = num_experts
+                inter = intermediate_size_per_partition
+                shapes = {
+                    "w13_weight": ((num_experts, 2 * inter, hidden_size // 2), torch.uint8),
+                    "w13_weight_scale": ((num_experts, 2 * inter, hidden_size // 32), torch.uint8),
+                    "w2_weight": ((num_experts, hidden_size, inter // 2), torch.uint8),
+                    "w2_weight_scale": ((num_experts, hidden_size, inter // 32), torch.uint8),
+                    "w13_bias": ((num_experts, 2 * inter), torch.bfloat16),
+                    "w2_bias": ((num_experts, hidden_size), torch.bfloat16),
+                }
+                for name, (shape, dtype) in shapes.items():
+                    param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype),
+                                               requires_grad=False)
+                    layer.register_parameter(name, param)
+                    set_weight_attrs(param, extra_weight_attrs)
+
+            def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_bias=None,
+                              w2_bias=None):
+                assert w13.shape[0] == self.num_experts and w13.dtype == torch.uint8
+                # convert_gpt_oss_weight_to_mxfp4_moe_kernel_format on the Triton path: it
+                # deletes the four parameters, then _setup_kernel sets plain attributes.
+                w13_pc = PrecisionConfig(weight_scale=swizzled(w13_scale))
+                w2_pc = PrecisionConfig(weight_scale=swizzled(w2_scale))
+                w13, w2 = swizzled(w13), swizzled(w2)
+                del layer.w13_weight, layer.w2_weight
+                del layer.w13_weight_scale, layer.w2_weight_scale
+                layer.w13_weight, layer.w2_weight = w13, w2
+                self.w13_precision_config, self.w2_precision_config = w13_pc, w2_pc
+                replace_parameter(layer, "w13_bias", w13_bias.float())
+                replace_parameter(layer, "w2_bias", w2_bias.float())
+                self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+                self.moe_kernel = make_mxfp4_moe_kernel(
+                    moe_quant_config=self.moe_quant_config, moe_config=self.moe,
+                    mxfp4_backend=self.mxfp4_backend, experts_cls=self.experts_cls,
+                    routing_tables=layer._expert_routing_tables(), layer=layer,
+                )
+
+            def process_weights_after_loading(self, layer):
+                self._setup_kernel(layer, layer.w13_weight, layer.w2_weight,
+                                   layer.w13_weight_scale, layer.w2_weight_scale,
+                                   layer.w13_bias, layer.w2_bias)
+
+            def get_fused_moe_quant_config(self, layer):
+                return make_mxfp4_moe_quant_config(
+                    mxfp4_backend=self.mxfp4_backend, w1_scale=self.w13_precision_config,
+                    w2_scale=self.w2_precision_config, w1_bias=layer.w13_bias,
+                    w2_bias=layer.w2_bias, gemm1_alpha=1.702, gemm1_beta=1.0,
+                    swiglu_limit=7.0, layer=layer,
+                )
+
+            def apply(self, layer, x, topk_weights, topk_ids, shared_experts,
+                      shared_experts_input):
+                return self.moe_kernel.apply(
+                    hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                    topk_weights=topk_weights, topk_ids=topk_ids, activation=layer.activation,
+                    global_num_experts=layer.global_num_experts, expert_map=None,
+                    apply_router_weight_on_input=False, shared_experts=shared_experts,
+                    shared_experts_input=shared_experts_input,
+                )
+        """,
+}
+
+
+@pytest.fixture
+def fake_mxfp4(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_plugin: None,  # noqa: F811 (the fixture)
+) -> Any:
+    for rel, text in {**FAKE_VLLM, **FAKE_FP8, **FAKE_MXFP4}.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key in ("SIZE", "PROVIDER", "SPLIT", "PLANNER", "COMPRESS", "EAGER_BETWEEN_GRAPHS"):
+        monkeypatch.delenv(f"ROWCACHE_MOE_EXPERT_CACHE_{key}", raising=False)
+        monkeypatch.delenv(f"ROWCACHE_MOE_{key}", raising=False)
+    import vllm.config.vllm as config_module
+
+    assert "site-packages" not in str(config_module.__file__)
+    return SimpleNamespace(config=config_module, root=tmp_path)
+
+
+def _moe() -> SimpleNamespace:
+    return SimpleNamespace(
+        experts_per_token=TOP_K, num_local_experts=E, has_bias=True, is_act_and_mul=True
+    )
+
+
+def _load(param: Any, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+def _checkpoint(seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def uint8(*shape: int, low: int = 0, high: int = 256) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=gen, dtype=torch.uint8)
+
+    return {
+        "w13_weight": uint8(E, 2 * INTER, HIDDEN // 2),
+        "w13_weight_scale": uint8(E, 2 * INTER, HIDDEN // 32, low=118, high=124),
+        "w2_weight": uint8(E, HIDDEN, INTER // 2),
+        "w2_weight_scale": uint8(E, HIDDEN, INTER // 32, low=118, high=124),
+        "w13_bias": (torch.randn(E, 2 * INTER, generator=gen) * 0.1).to(torch.bfloat16),
+        "w2_bias": (torch.randn(E, HIDDEN, generator=gen) * 0.1).to(torch.bfloat16),
+    }
+
+
+def _layer(fake: Any, section: dict[str, object] | None, backend: str = "TRITON_UNFUSED") -> Any:
+    """A gpt-oss MoE layer built as vLLM builds it, its checkpoint loaded and processed."""
+    plugin.register()
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+
+    _engine(fake, section, quantization="gpt_oss_mxfp4")
+    layer = RoutedExperts(_moe(), GptOssMxfp4Config(Mxfp4MoeBackend[backend]))
+    layer.activation = "swigluoai"
+    layer.global_num_experts = E
+    layer.apply_router_weight_on_input = False
+    layer._expert_routing_tables = lambda: None
+    layer.quant_method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=_load)
+    for name, tensor in _checkpoint().items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _inputs(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from moe_reference import make_routing
+
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(5 + seed))
+    ids, topk_weights = make_routing(tokens, E, TOP_K, seed=seed)
+    return x.to(torch.bfloat16), ids, topk_weights
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def test_knob_off_leaves_vllms_method(fake_mxfp4: Any) -> None:
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4MoEMethod
+
+    assert type(_layer(fake_mxfp4, None).quant_method) is GptOssMxfp4MoEMethod
+
+
+def test_the_converted_experts_live_in_host_rows_and_the_slots(fake_mxfp4: Any) -> None:
+    from rowcache.vllm._mxfp4 import RowcacheGptOssMxfp4MoEMethod
+
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3})
+    method = layer.quant_method
+    assert type(method) is RowcacheGptOssMxfp4MoEMethod
+    provider = method.rowcache_provider
+    assert provider.capacity == 3 and method._rowcache_hosts == {}
+    # Each slot buffer holds whole experts' byte ranges of the converted storage.
+    per_expert = 2 * INTER * HIDDEN // 2
+    assert provider.buf_w13.shape == (3, per_expert) and provider.buf_w13.dtype == torch.uint8
+    assert provider.buf_w13_bias.shape == (3, 2 * INTER)
+    assert provider.buf_w13_bias.dtype == torch.float32
+    # The layer, its precision configs and the kernel's quant config read the slots.
+    assert layer.w13_weight.storage.data.data_ptr() == provider.buf_w13.data_ptr()
+    assert layer.w13_weight.shape == [3, HIDDEN // 2, 2 * INTER]
+    assert layer.w13_weight.storage.data.stride() == (per_expert, 1, 2 * INTER)  # .mT
+    scale = method.w2_precision_config.weight_scale
+    assert scale.storage.data.data_ptr() == provider.buf_w2_scale.data_ptr()
+    quant = method.moe_kernel.fused_experts.quant_config
+    assert quant.w1_precision is method.w13_precision_config
+    assert quant.w1_bias.data_ptr() == provider.buf_w13_bias.data_ptr()
+    # A slot filled with an expert holds that expert's raw tensors, as the kernel indexes them.
+    ids = torch.tensor([[5, 2]])
+    result = provider.prepare(ids)
+    raw = _checkpoint()
+    for expert in (5, 2):
+        slot = int(result.expert_map[expert])
+        assert torch.equal(layer.w13_weight.storage.data[slot], raw["w13_weight"][expert])
+        assert torch.equal(scale.storage.data[slot], raw["w2_weight_scale"][expert])
+        want = raw["w2_bias"][expert].float()
+        assert torch.equal(provider.buf_w2_bias[slot], want)
+
+
+@pytest.mark.parametrize(
+    ("section", "cut"),
+    [
+        ({"moe_expert_cache_size": 3}, False),  # the token split: each row in one call
+        ({"moe_expert_cache_size": 3, "moe_expert_cache_split": "expert"}, True),
+        ({"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}, True),
+        ({"moe_expert_cache_size": 8}, False),  # every expert fits
+    ],
+)
+def test_the_forward_is_bit_identical_to_vllms(
+    fake_mxfp4: Any, section: dict[str, object], cut: bool
+) -> None:
+    """Chunks and passes give one call's bits: a step cut by experts takes each pass's
+    entries through the masked-sum tap (NaN rows of unmapped entries never read) and reduces
+    once with the step's ids."""
+    from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+    reference = _layer(fake_mxfp4, None)
+    cached = _layer(fake_mxfp4, section)
+    for seed in range(3):
+        x, ids, topk_weights = _inputs(6, seed)
+        expected = reference.quant_method.apply(reference, x, topk_weights, ids, None, None)
+        assert not torch.isnan(expected).any()
+        kernel = cached.quant_method.moe_kernel
+        kernel.calls = 0
+        out = cached.quant_method.apply(cached, x, topk_weights, ids, None, None)
+        assert torch.equal(_bits(out), _bits(expected)), seed
+        assert (kernel.calls > 1) == (section["moe_expert_cache_size"] < E)
+    assert (type(oai.masked_moe_sum).__name__ == "MaskedSumTap") == cut
+
+
+def test_a_backend_other_than_triton_unfused_is_refused_by_name(fake_mxfp4: Any) -> None:
+    with pytest.raises(RuntimeError) as info:
+        _layer(fake_mxfp4, {"moe_expert_cache_size": 3}, backend="TRITON")
+    message = str(info.value)
+    assert "selected vLLM's MXFP4 MoE backend TRITON (OAITritonMxfp4ExpertsMonolithic)" in message
+    assert "--moe-backend triton_unfused" in message
+
+
+def test_planes_are_refused_for_mxfp4_experts(fake_mxfp4: Any) -> None:
+    section = {
+        "moe_expert_cache_size": 3,
+        "moe_expert_cache_planner": "device",
+        "moe_expert_cache_compress": "on",
+    }
+    with pytest.raises(RuntimeError, match="experts are MXFP4: set it to off or auto"):
+        _layer(fake_mxfp4, section)
+
+
+def test_processing_again_is_refused(fake_mxfp4: Any) -> None:
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3})
+    with pytest.raises(RuntimeError, match="cannot be processed again"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_the_config_guard_lets_gpt_oss_through(fake_mxfp4: Any) -> None:
+    from test_vllm_register import _config
+
+    plugin.register()
+    config = _config(fake_mxfp4, {"moe_expert_cache_size": 8}, quantization="gpt_oss_mxfp4")
+    assert "vllm::moe_forward" in config.compilation_config.splitting_ops
