@@ -274,3 +274,31 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
     # The builder takes those arguments and writes the config the budget was read from.
     built = mk.main([str(tmp_path / "tiny"), "--layers", "2", "--fp8-block", "--sharded"])
     assert built == 0
+
+
+def test_gpt_oss_phases() -> None:
+    """gpt-oss-20b's engines: every one on vLLM's triton_unfused MXFP4 backend (the references
+    too, so the tokens compare like with like), row at 8 and 16 of 32 slots against UVA keeping
+    6 and 12 of 24 layers; the experts' bytes as the cache holds them after the swizzle."""
+    from tools.vllm.harness import child
+
+    budget = engines.GPT_OSS_BUDGET
+    swizzled = 8_294_400 + 4_147_200 + 529_920 + 276_480  # tests/test_gpt_oss_swizzle.py
+    assert swizzled + 4 * (5760 + 2880) == engines.GPT_OSS_EXPERT_BYTES  # float32 biases
+    assert (budget.experts, budget.moe_layers) == (32, 24)
+    names = [s.name for s in engines.models(engines.GPT_OSS)]
+    assert names == [
+        "models.gptoss20b.none.full",
+        "models.gptoss20b.row8dev.full",
+        "models.gptoss20b.uva713.full",
+        "models.gptoss20b.row16dev.full",
+        "models.gptoss20b.uva475.full",
+    ]
+    for spec in engines.models(engines.GPT_OSS) + engines.models(engines.GPT_OSS_SKEW):
+        assert spec.quantized and spec.model_runner_v1
+        assert child.engine_kwargs(spec, "/w/g")["moe_backend"] == "triton_unfused"
+        assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
+    for spec in engines.models(engines.DS2):
+        assert "moe_backend" not in child.engine_kwargs(spec, "/w/d")
+    for phase in phases.select(["gpt_oss", "gpt_oss_skew"]):
+        assert phase.budgeted and phase.one_at_a_time and "gpt-oss-20b" in phase.about

@@ -151,3 +151,22 @@ def test_a_call_that_never_reduces_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="returned without calling masked_moe_sum"):
         tap.unreduced(lambda: None)
     assert not tap._take  # the tap passes through again
+
+
+@pytest.mark.parametrize(
+    ("shape", "stride", "per_expert"),
+    [  # gpt-oss-20b's storages after vLLM's Hopper swizzle (tests/test_gpt_oss_swizzle.py)
+        ((2, 5760, 1440), (8_294_400, 1, 5760), 8_294_400),
+        ((2, 5760, 720), (4_147_200, 1, 5760), 4_147_200),
+        ((2, 2880, 184), (529_920, 1, 2880), 529_920),
+        ((2, 2880, 96), (276_480, 1, 2880), 276_480),
+    ],
+)
+def test_the_hopper_swizzles_storages_are_expert_rows(
+    shape: tuple[int, ...], stride: tuple[int, ...], per_expert: int
+) -> None:
+    t = torch.empty_strided(shape, stride, dtype=torch.uint8, device="meta")
+    assert expert_rows(t).shape == (2, per_expert)
+    slots = torch.empty(5, per_expert, dtype=torch.uint8, device="meta")
+    view = slot_view(slots, t)
+    assert view.shape == (5, *shape[1:]) and view.stride() == stride

@@ -103,6 +103,8 @@ def engine_kwargs(spec: EngineSpec, model: str) -> dict[str, Any]:
         kw["enable_prefix_caching"] = spec.prefix_caching
     if spec.quantization is not None:
         kw["quantization"] = spec.quantization
+    if spec.moe_backend is not None:
+        kw["moe_backend"] = spec.moe_backend
     return kw
 
 

@@ -623,6 +623,10 @@ QWEN48_FP8_SKEW = Checkpoint(
     router_skew=1.0,
     experts_from=QWEN48_FP8.directory,
 )
+GPT_OSS = Checkpoint("gpt-oss-20b", arch="gpt_oss")
+GPT_OSS_SKEW = Checkpoint(
+    "gpt-oss-20b-skew", arch="gpt_oss", router_skew=1.0, experts_from=GPT_OSS.directory
+)
 MODELS_PREFIX = {
     DS2: "models.ds2lite",
     DS2_SKEW: "models.ds2lite-skew",
@@ -630,6 +634,8 @@ MODELS_PREFIX = {
     DS3_SKEW: "models.ds3-skew",
     QWEN48_FP8: "models.qwen48fp8",
     QWEN48_FP8_SKEW: "models.qwen48fp8-skew",
+    GPT_OSS: "models.gptoss20b",
+    GPT_OSS_SKEW: "models.gptoss20b-skew",
 }
 MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64)
 """b1 and b8 decode of 64 greedy tokens (medians of three) and the time to first token of three
@@ -685,6 +691,15 @@ QWEN48_FP8_BUDGET = ModelBudget(
 """Qwen3-30B-A3B at full depth in block FP8: 48 MoE layers x 128 experts of
 ``FP8_EXPERT_BYTES`` (27.0 GiB, 0.563 GiB a layer). A quarter: 32 slots (6.75 GiB) against UVA
 keeping 12 layers (6.75 GiB); a half: 64 slots against 24 layers (13.50 GiB each)."""
+GPT_OSS_EXPERT_BYTES = 13_282_560
+"""A gpt-oss-20b expert as the cache holds it after vLLM's Hopper swizzle: values and scales
+with the swizzle's padding and float32 biases (docs/GPT_OSS.md, section 2)."""
+GPT_OSS_BUDGET = ModelBudget(
+    experts=32, moe_layers=24, expert_gib=24 * 32 * GPT_OSS_EXPERT_BYTES / 2**30
+)
+"""gpt-oss-20b at full depth: 24 MoE layers x 32 MXFP4 experts (9.50 GiB, 0.396 GiB a layer). A
+quarter: 8 slots (2.38 GiB) against UVA keeping 6 layers (2.38 GiB); a half: 16 slots against
+12 layers (4.75 GiB each)."""
 MODEL_BUDGETS = {
     DS2: DS2_BUDGET,
     DS2_SKEW: DS2_BUDGET,
@@ -692,6 +707,8 @@ MODEL_BUDGETS = {
     DS3_SKEW: DS3_BUDGET,
     QWEN48_FP8: QWEN48_FP8_BUDGET,
     QWEN48_FP8_SKEW: QWEN48_FP8_BUDGET,
+    GPT_OSS: GPT_OSS_BUDGET,
+    GPT_OSS_SKEW: GPT_OSS_BUDGET,
 }
 QUARTER, HALF = 0.25, 0.5
 # Estimated seconds (start and everything once, with every repeat), from the DeepSeek-V2-Lite
@@ -722,7 +739,9 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
     against the same checkpoint's no-offload engine. On the skewed checkpoint no offload runs
     after the quarter's pair (its tokens the reference, its speed not a target). Every engine
     on vLLM's V1 model runner (``EngineSpec.model_runner_v1``: the V2 runner, DeepSeek's
-    default in vLLM 0.25.0, ignores ``cpu_offload_gb``)."""
+    default in vLLM 0.25.0, ignores ``cpu_offload_gb``). gpt-oss's engines, the references
+    included, run vLLM's ``triton_unfused`` MXFP4 backend, the one the cache serves (its
+    default on Hopper rounds differently, so the tokens compare like with like)."""
     prefix = MODELS_PREFIX[checkpoint]
     budget = MODEL_BUDGETS[checkpoint]
     work = MODELS_WORKLOAD
@@ -754,6 +773,7 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
                 # Every engine of a model on the runner where UVA offload works (specs), so
                 # that its engines compare like with like.
                 model_runner_v1=True,
+                moe_backend="triton_unfused" if checkpoint.arch == "gpt_oss" else None,
                 # The builder's Qwen3 shapes say 2,048 positions; a 2,048-token prompt and its
                 # tokens need more (the other architectures' configs say more).
                 max_position_embeddings=4096 if checkpoint.arch == "qwen3" else None,

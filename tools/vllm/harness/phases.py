@@ -178,6 +178,23 @@ PHASES = (
         budgeted=True,
     ),
     Phase(
+        "gpt_oss",
+        "gpt-oss-20b at full depth (24 layers, 32 MXFP4 experts, top-4), every engine on "
+        "vLLM's triton_unfused MXFP4 backend: the engines of deepseek (row at 8 and 16 "
+        "slots, UVA keeping 6 and 12 layers)",
+        lambda _results: engines.models(engines.GPT_OSS),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
+        "gpt_oss_skew",
+        "the same on the skewed gpt-oss-20b (--router-skew 1.0; its expert shards hard-linked "
+        "from the plain checkpoint's)",
+        lambda _results: engines.models(engines.GPT_OSS_SKEW),
+        one_at_a_time=True,
+        budgeted=True,
+    ),
+    Phase(
         "archs",
         "random Mixtral and Qwen2-MoE (gated shared expert) in full graphs: no offload, row "
         "with the device planner at a slot count that misses and one that needs two passes",

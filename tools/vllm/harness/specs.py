@@ -316,6 +316,9 @@ class EngineSpec:
     quantization: str | None = None
     """``quantization`` (``"fp8"``: a bf16 checkpoint quantized online while loading); None:
     what the checkpoint's ``quantization_config`` says, if anything."""
+    moe_backend: str | None = None
+    """``moe_backend`` (``"triton_unfused"``: gpt-oss's MXFP4 experts on the backend the cache
+    serves, and its reference engines on the same kernel); None: vLLM's choice."""
     model_runner_v1: bool = False
     """``VLLM_USE_V2_MODEL_RUNNER=0``: vLLM's V1 model runner. vLLM 0.25.0 runs
     ``DeepseekV2ForCausalLM`` (and ``Qwen2MoeForCausalLM``, ``GraniteMoeForCausalLM``) on its
