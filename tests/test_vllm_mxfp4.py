@@ -34,6 +34,8 @@ E, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
 
 FAKE_MXFP4 = {
     "vllm/model_executor/layers/fused_moe/experts/gpt_oss_triton_kernels_moe.py": """
+        from types import SimpleNamespace
+
         import torch
         import torch.nn.functional as F
 
@@ -55,6 +57,21 @@ FAKE_MXFP4 = {
             def __init__(self):
                 self.quant_config = None
 
+            def _make_routing_data(self, topk_ids, topk_weights, num_local_experts):
+                routing = SimpleNamespace(
+                    n_expts_tot=num_local_experts, expected_tokens_per_expt=None
+                )
+                return routing, None, None
+
+        def block_m(routing, m):
+            # opt_flags.py: the row tile from the expected tokens per expert.
+            tokens = routing.expected_tokens_per_expt
+            if tokens is None:
+                tokens = max(1, m // routing.n_expts_tot)
+            return max(16, min(1 << (tokens - 1).bit_length(), 128))
+
+        WORKSPACE = {}  # one buffer a shape, reused by every call, as vLLM's workspace is
+
         class OAITritonMxfp4ExpertsMonolithic:
             def __init__(self):
                 self.quant_config = None
@@ -64,6 +81,7 @@ FAKE_MXFP4 = {
             def __init__(self, fused_experts):
                 self.fused_experts = fused_experts
                 self.calls = 0
+                self.tiles = []
 
             def apply(self, **kw):
                 self.calls += 1
@@ -75,13 +93,20 @@ FAKE_MXFP4 = {
                 s2 = qc.w2_precision.weight_scale.storage.data
                 local = ids if expert_map is None else expert_map[ids.long()]
                 rows, top_k = ids.shape
-                cache3 = torch.full((rows, top_k, x.shape[1]), float("nan"), dtype=x.dtype)
+                routing, _, _ = self.fused_experts._make_routing_data(local, weights, w1.shape[0])
+                tile = block_m(routing, rows * top_k)
+                self.tiles.append(tile)
+                shape = (rows, top_k, x.shape[1])
+                cache3 = WORKSPACE.setdefault(shape, torch.empty(shape, dtype=x.dtype))
+                cache3.fill_(float("nan"))  # entries not computed keep what was there
                 for t in range(rows):
                     for j in range(top_k):
                         s = int(local[t, j])
                         if s < 0:
                             continue
                         h = x[t].float() @ dequant(w1[s], s1[s]).t() + qc.w1_bias[s]
+                        if tile >= 128:  # another tile, another rounding of the first GEMM
+                            h = h.to(torch.bfloat16).float()
                         gate, up = h.chunk(2)
                         a = (F.silu(gate) * up).to(torch.bfloat16).float()
                         y = (a @ dequant(w2[s], s2[s]).t() + qc.w2_bias[s]) * weights[t, j]
@@ -423,3 +448,29 @@ def test_the_config_guard_lets_gpt_oss_through(fake_mxfp4: Any) -> None:
     plugin.register()
     config = _config(fake_mxfp4, {"moe_expert_cache_size": 8}, quantization="gpt_oss_mxfp4")
     assert "vllm::moe_forward" in config.compilation_config.splitting_ops
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"moe_expert_cache_size": 3},
+        {"moe_expert_cache_size": 3, "moe_expert_cache_split": "expert"},
+        {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"},
+    ],
+)
+def test_every_call_takes_the_tiles_of_one_call_over_every_expert(
+    fake_mxfp4: Any, section: dict[str, object]
+) -> None:
+    """200 tokens: one call over the 8 experts sizes its row tile for 400 // 8 = 50 entries an
+    expert (64 rows); a call over 3 slots left alone would size it for 133 (128 rows) and round
+    the fake's first GEMM differently. With the tiles pinned every call takes 64 and the bits
+    are one call's."""
+    reference = _layer(fake_mxfp4, None)
+    cached = _layer(fake_mxfp4, section)
+    x, ids, topk_weights = _inputs(200, 1)
+    expected = reference.quant_method.apply(reference, x, topk_weights, ids, None, None)
+    assert reference.quant_method.moe_kernel.tiles == [64]
+    kernel = cached.quant_method.moe_kernel
+    out = cached.quant_method.apply(cached, x, topk_weights, ids, None, None)
+    assert len(kernel.tiles) > 1 and set(kernel.tiles) == {64}
+    assert torch.equal(_bits(out), _bits(expected))

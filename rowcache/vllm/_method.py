@@ -416,6 +416,7 @@ class CachedForward:
         shared_experts_input: Tensor | None,
     ) -> Tensor:
         """The layer's forward over the provider's slots (module docstring)."""
+        self._forward_starts(layer, topk_ids)
         device_planned = isinstance(provider, DevicePlannedProvider)
         if not device_planned and x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RowcacheError(
@@ -483,6 +484,9 @@ class CachedForward:
         # validation on the device tensor would each synchronize with the GPU.
         host_ids = topk_ids.cpu()
         return self._stable_output(forward(host_ids))
+
+    def _forward_starts(self, layer: Any, topk_ids: Tensor) -> None:
+        """Called once per cached forward, before its kernel calls (nothing by default)."""
 
     def _kernel_weights(self, weights: ExpertWeightResult) -> tuple[Any, Any]:
         """What the kernel takes as ``w1`` and ``w2``: the provider's slot buffers (a method

@@ -17,9 +17,10 @@ wrapped as vLLM wrapped it, with ``C`` experts (``slot_view``, ``rewrapped``), t
 precision configs, the biases as the layer's parameters; vLLM's quant config and kernel are
 then built over those, once, as ``_setup_kernel`` builds them.
 
-Not yet run on a GPU: the CPU tests drive it through a fake of vLLM's classes
-(tests/test_vllm_mxfp4.py). Whether the kernel's tiles over ``C`` local experts give the rows
-of a call over all of them bit for bit is the first GPU run's question (docs/GPT_OSS.md).
+Every kernel call of a cached forward is told the tiles of one call over every expert
+(``_pin_tiles``). Not yet run on a GPU: the CPU tests drive it through a fake of vLLM's classes
+(tests/test_vllm_mxfp4.py); whether the pinned tiles give that call's bits is the first GPU
+run's question (docs/GPT_OSS.md).
 """
 
 from __future__ import annotations
@@ -106,6 +107,27 @@ def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
     return adopted
 
 
+def _pin_tiles(experts: Any, method: RowcacheGptOssMxfp4MoEMethod) -> None:
+    """Make the kernel choose the tiles of one call over every expert.
+
+    ``matmul_ogs`` sizes its row tiles from the expected tokens per expert, by default the
+    call's (row, k) entries over its local experts (``opt_flags.py``: ``m // n_expts_tot``):
+    over ``C`` slots that is up to ``E / C`` times what one call over the ``E`` experts sees,
+    and another tile may round differently. The routing data of every call of a cached forward
+    therefore says what the call over every expert would (``expected_tokens_per_expt``), from
+    the forward's entries and the layer's expert count (``_forward_starts``)."""
+    original = experts._make_routing_data
+
+    def make_routing_data(topk_ids: Tensor, topk_weights: Tensor, num_local_experts: int) -> Any:
+        routing, gather, scatter = original(topk_ids, topk_weights, num_local_experts)
+        if method._forward_entries:
+            expected = max(1, method._forward_entries // method._global_experts)
+            routing.expected_tokens_per_expt = expected
+        return routing, gather, scatter
+
+    experts._make_routing_data = make_routing_data
+
+
 def _pinned_copy(t: Tensor) -> Tensor:
     host = pinned_empty(tuple(t.shape), t.dtype)
     host.copy_(t)
@@ -119,6 +141,8 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
     _rowcache_capacity: int
     _rowcache_hosts: dict[str, Tensor]
     _kernel_w: tuple[Any, Any] | None
+    _forward_entries: int = 0
+    _global_experts: int = 1
     w13_precision_config: Any
     w2_precision_config: Any
 
@@ -195,8 +219,9 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
         )
         self.rowcache_provider = provider
         self._serve_from_slots(layer, provider, kernel_tensors)
+        del kernel_tensors, w13, w2, w13_pc, w2_pc  # the layer's converted experts
         if device.type == "cuda":
-            torch.cuda.empty_cache()  # the layer's converted experts, dropped above
+            torch.cuda.empty_cache()
 
     def _serve_from_slots(
         self, layer: Any, provider: ExpertWeightProvider, kernel_tensors: dict[str, Any]
@@ -234,6 +259,15 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
             routing_tables=layer._expert_routing_tables(),
             **extra,
         )
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if experts is not None:
+            _pin_tiles(experts, self)
+
+    def _forward_starts(self, layer: Any, topk_ids: Tensor) -> None:
+        # What a kernel call over every expert would see: this forward's (row, k) entries
+        # over the layer's experts (``_pin_tiles``).
+        self._forward_entries = int(topk_ids.numel())
+        self._global_experts = int(layer.global_num_experts)
 
     def apply(
         self,

@@ -402,6 +402,64 @@ SEAMS: tuple[Seam, ...] = (
         "a step of gpt-oss cut by experts raises instead of reducing once",
     ),
     Seam(
+        _MXFP4,
+        "GptOssMxfp4MoEMethod.mxfp4_backend",
+        "the backend vLLM chose for the layer: the cache serves TRITON_UNFUSED only",
+        "gpt-oss layers are refused whatever their backend",
+    ),
+    Seam(
+        _MXFP4,
+        "GptOssMxfp4MoEMethod.experts_cls",
+        "the experts class of that backend, UnfusedOAITritonExperts",
+        "gpt-oss layers are refused whatever their backend",
+    ),
+    Seam(
+        _MXFP4,
+        "GptOssMxfp4MoEMethod.w13_precision_config",
+        "where the Triton backends keep the swizzled scales; the cache replaces them with "
+        "precision configs over its scale slots",
+        "the kernel would read every expert's scales from the converted tensors",
+    ),
+    Seam(
+        f"{_MOE}.routed_experts",
+        "RoutedExperts._expert_routing_tables",
+        "what vLLM's _setup_kernel hands make_mxfp4_moe_kernel; the cache builds the kernel "
+        "again the same way",
+        "gpt-oss layers with the cache cannot build their kernel",
+    ),
+    Seam(
+        _OAI,
+        "BaseOAITritonExperts._make_routing_data(topk_ids, topk_weights, num_local_experts)",
+        "wrapped on each cached layer's experts to pin the row tiles to those of one call "
+        "over every expert (expected_tokens_per_expt)",
+        "calls over the slots may choose other tiles and round differently",
+    ),
+    Seam(
+        "vllm.third_party.triton_kernels.routing",
+        "RoutingData.expected_tokens_per_expt",
+        "the field matmul_ogs's tile choice reads before the tokens over the local experts",
+        "the tiles are not pinned: calls over the slots may round differently",
+    ),
+    Seam(
+        "vllm.third_party.triton_kernels.matmul_ogs",
+        "PrecisionConfig.weight_scale",
+        "the dataclass field the cache replaces with its scale slots",
+        "the kernel would read the converted scales",
+    ),
+    Seam(
+        "vllm.third_party.triton_kernels.tensor",
+        "Tensor.shape_max",
+        "a field of the wrapper the cache rebuilds over its slots (with the slot count)",
+        "the wrappers over the slots cannot be built",
+    ),
+    Seam(
+        "vllm.third_party.triton_kernels.tensor",
+        "Storage.data",
+        "the torch tensor of a wrapper: the converted bytes the cache copies, and the slot "
+        "view it puts in their place",
+        "the wrappers over the slots cannot be built",
+    ),
+    Seam(
         "vllm.model_executor.utils",
         "replace_parameter",
         "gives a gpt-oss layer its bias slots as parameters, which the quant config reads",
