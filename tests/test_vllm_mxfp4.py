@@ -474,3 +474,34 @@ def test_every_call_takes_the_tiles_of_one_call_over_every_expert(
     out = cached.quant_method.apply(cached, x, topk_weights, ids, None, None)
     assert len(kernel.tiles) > 1 and set(kernel.tiles) == {64}
     assert torch.equal(_bits(out), _bits(expected))
+
+
+def test_the_config_hook_picks_triton_unfused_for_gpt_oss(
+    fake_mxfp4: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the cache on, a gpt-oss engine left at vLLM's automatic choice gets
+    triton_unfused, said once; the same given stays; another given is refused, naming it, and
+    nothing changes with the cache off or for another quantization."""
+    import logging
+
+    from test_vllm_register import _config
+
+    plugin.register()
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    on = {"moe_expert_cache_size": 8}
+    config = _config(fake_mxfp4, on, quantization="gpt_oss_mxfp4")
+    assert config.kernel_config.moe_backend == "triton_unfused"
+    said = [m for m in caplog.messages if m.startswith("rowcache: moe_backend")]
+    assert said == [
+        "rowcache: moe_backend triton_unfused for gpt-oss's MXFP4 experts (was auto: the "
+        "expert cache serves that backend only)"
+    ]
+    given = _config(fake_mxfp4, on, quantization="gpt_oss_mxfp4", moe_backend="triton_unfused")
+    assert given.kernel_config.moe_backend == "triton_unfused"
+    with pytest.raises(RuntimeError) as info:
+        _config(fake_mxfp4, on, quantization="gpt_oss_mxfp4", moe_backend="marlin")
+    assert "moe_backend is 'marlin'; allowed: auto" in str(info.value)
+    off = _config(fake_mxfp4, None, quantization="gpt_oss_mxfp4")
+    assert off.kernel_config.moe_backend == "auto"
+    fp8 = _config(fake_mxfp4, on, quantization="fp8")
+    assert fp8.kernel_config.moe_backend == "auto"

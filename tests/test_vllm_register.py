@@ -44,12 +44,14 @@ FAKE_VLLM = {
 
         class VllmConfig:
             def __init__(self, additional_config=None, compilation_config=None,
-                         parallel_config=None, lora_config=None, model_config=None):
+                         parallel_config=None, lora_config=None, model_config=None,
+                         kernel_config=None):
                 self.additional_config = additional_config or {}
                 self.compilation_config = compilation_config
                 self.parallel_config = parallel_config
                 self.lora_config = lora_config
                 self.model_config = model_config
+                self.kernel_config = kernel_config
                 self.__post_init__()
 
             def __post_init__(self):
@@ -469,6 +471,7 @@ def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
         parallel_config=parallel,
         lora_config=kw.pop("lora", None),
         model_config=model,
+        kernel_config=SimpleNamespace(moe_backend=kw.pop("moe_backend", "auto")),
     )
 
 

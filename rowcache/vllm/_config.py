@@ -197,6 +197,35 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
         )
 
 
+GPT_OSS_QUANTIZATION = "gpt_oss_mxfp4"
+GPT_OSS_BACKEND = "triton_unfused"
+"""vLLM's MXFP4 MoE backend the cache serves gpt-oss on (``rowcache.vllm._mxfp4``): on Hopper
+vLLM's own choice, ``triton``, routes inside the kernel from the router logits."""
+
+
+def choose_gpt_oss_backend(config: Any, settings: CacheSettings) -> str | None:
+    """For a gpt-oss engine with the cache on, vLLM's ``moe_backend`` set to the one the cache
+    serves where it was ``auto``, saying so (the line returned); another value given is refused,
+    naming it. None: nothing to do."""
+    if not settings.cache_on or quantization_of(config) != GPT_OSS_QUANTIZATION:
+        return None
+    kernel: Any = getattr(config, "kernel_config", None)
+    current = getattr(kernel, "moe_backend", None)
+    if current == GPT_OSS_BACKEND:
+        return None
+    if current != "auto":
+        raise RowcacheError(
+            f"rowcache: {SIZE}={settings.size} serves gpt-oss's MXFP4 experts on vLLM's "
+            f"{GPT_OSS_BACKEND!r} MoE backend only, and moe_backend is {current!r}; allowed: "
+            f"auto (the plugin sets {GPT_OSS_BACKEND!r}) or {GPT_OSS_BACKEND!r}"
+        )
+    kernel.moe_backend = GPT_OSS_BACKEND
+    return (
+        f"rowcache: moe_backend {GPT_OSS_BACKEND} for gpt-oss's MXFP4 experts (was auto: the "
+        "expert cache serves that backend only)"
+    )
+
+
 def adjust_graphs(config: Any, settings: CacheSettings) -> None:
     """Make the MoE op run eagerly between captured pieces, lowering full graphs; nothing for
     the device planner, whose MoE op is captured with the rest of the forward."""
@@ -249,6 +278,7 @@ def _wrap_post_init(
             original(self)
             return
         check_guards(self, settings)
+        backend_line = choose_gpt_oss_backend(self, settings)
         original(self)
         if settings.cache_on:
             # The graph mode is vLLM's now; adjust_graphs follows the planner chosen for it.
@@ -259,6 +289,8 @@ def _wrap_post_init(
         adjust_graphs(self, settings)
         # vLLM builds its config more than once per engine; say each line once per process.
         _say_once(f"rowcache: {settings.describe()}")
+        if backend_line is not None:
+            _say_once(backend_line)
         if settings.cache_on:
             _say_once(settings.planner_line())
             if (split := settings.split_line()) is not None:

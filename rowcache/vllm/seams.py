@@ -460,6 +460,19 @@ SEAMS: tuple[Seam, ...] = (
         "the wrappers over the slots cannot be built",
     ),
     Seam(
+        "vllm.config.vllm",
+        "VllmConfig.kernel_config",
+        "holds moe_backend, which the config hook sets to triton_unfused for gpt-oss with the "
+        "cache on",
+        "gpt-oss engines with the cache are refused unless started with triton_unfused",
+    ),
+    Seam(
+        "vllm.config.kernel",
+        "KernelConfig.moe_backend",
+        "the MoE backend setting vLLM's MXFP4 method selects its kernel by",
+        "gpt-oss engines with the cache are refused unless started with triton_unfused",
+    ),
+    Seam(
         "vllm.model_executor.utils",
         "replace_parameter",
         "gives a gpt-oss layer its bias slots as parameters, which the quant config reads",
