@@ -192,26 +192,6 @@ class _CachedFp8Forward(CachedForward):
             return base.get_fused_moe_quant_config(layer)
         return base.get_fused_moe_quant_config(_scale_slots(self, layer, provider))
 
-    def apply(
-        self,
-        layer: Any,
-        x: Tensor,
-        topk_weights: Tensor,
-        topk_ids: Tensor,
-        shared_experts: Any,
-        shared_experts_input: Tensor | None,
-    ) -> Tensor:
-        provider = self.rowcache_provider
-        if provider is None:
-            base: Any = super()
-            out: Tensor = base.apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return out
-        return self._cached_apply(
-            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-        )
-
 
 class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[misc]
     """vLLM's ``Fp8MoEMethod`` (block scales [128, 128], TRITON) with the expert cache; only

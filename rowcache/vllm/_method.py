@@ -70,6 +70,7 @@ from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 from rowcache.vllm._config import MOE_OPS, RowcacheError, settings_of
 from rowcache.vllm.knob import SIZE, CacheSettings, KnobError
+from rowcache.vllm.reduction_tap import UnreducedTap
 
 __all__ = [
     "SUPPORTED_METHODS",
@@ -280,7 +281,7 @@ class ReductionTap(Protocol):
     def unreduced(self, call: Callable[[], object]) -> Tensor: ...
 
 
-class _MoeSumTap:
+class _MoeSumTap(UnreducedTap):
     """Stands in for ``moe_sum`` on one ``TritonExperts`` instance.
 
     An instance attribute: ``self.moe_sum(...)`` in ``TritonExperts.apply`` finds it before the
@@ -289,34 +290,16 @@ class _MoeSumTap:
     call goes to vLLM's ``moe_sum`` with its arguments unchanged.
     """
 
+    reduction = "vLLM's TritonExperts.moe_sum"
+
     def __init__(self, experts: Any) -> None:
+        super().__init__()
         self.moe_sum: Callable[..., None] = experts.moe_sum
-        self._take = False
-        self._taken: Tensor | None = None
         experts.moe_sum = self
 
     def __call__(self, input: Tensor, output: Tensor, *args: Any, **kwargs: Any) -> None:
-        if self._take:
-            # The unreduced [M, top_k, H] entries: the library reads them before the next
-            # kernel call (stream order), which reuses the workspace they live in.
-            self._taken = input
-            return
-        self.moe_sum(input, output, *args, **kwargs)
-
-    def unreduced(self, call: Callable[[], object]) -> Tensor:
-        """Run ``call`` (one kernel call) and return what it handed to ``moe_sum``."""
-        self._take, self._taken = True, None
-        try:
-            call()
-        finally:
-            self._take = False
-        taken, self._taken = self._taken, None
-        if taken is None:
-            raise RowcacheError(
-                "rowcache: vLLM's TritonExperts.apply returned without calling moe_sum; the "
-                "exact route of a step cut by experts needs its unreduced output"
-            )
-        return taken
+        if not self._took(input):
+            self.moe_sum(input, output, *args, **kwargs)
 
     def reduce(self, unreduced: Tensor, output: Tensor) -> None:
         """vLLM's ``moe_sum`` over a step's merged entries (every entry of the buffer counts:
@@ -404,6 +387,28 @@ class CachedForward:
         view = stable[:rows]
         view.copy_(out)
         return view
+
+    def apply(
+        self,
+        layer: Any,
+        x: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        shared_experts: Any,
+        shared_experts_input: Tensor | None,
+    ) -> Tensor:
+        """The forward through the cache once its provider is built; vLLM's own before (a
+        method that needs more overrides this)."""
+        provider = self.rowcache_provider
+        if provider is None:
+            base: Any = super()
+            out: Tensor = base.apply(
+                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+            )
+            return out
+        return self._cached_apply(
+            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        )
 
     def _cached_apply(
         self,

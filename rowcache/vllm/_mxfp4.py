@@ -269,26 +269,6 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
         self._forward_entries = int(topk_ids.numel())
         self._global_experts = int(layer.global_num_experts)
 
-    def apply(
-        self,
-        layer: Any,
-        x: Tensor,
-        topk_weights: Tensor,
-        topk_ids: Tensor,
-        shared_experts: Any,
-        shared_experts_input: Tensor | None,
-    ) -> Tensor:
-        provider = self.rowcache_provider
-        if provider is None:
-            base: Any = super()
-            out: Tensor = base.apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return out
-        return self._cached_apply(
-            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-        )
-
     def _kernel_weights(self, weights: ExpertWeightResult) -> tuple[Any, Any]:
         assert self._kernel_w is not None
         return self._kernel_w

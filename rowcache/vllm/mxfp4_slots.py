@@ -27,6 +27,7 @@ from typing import Any
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
+from rowcache.vllm.reduction_tap import UnreducedTap
 
 __all__ = ["MaskedSumTap", "expert_rows", "rewrapped", "slot_view"]
 
@@ -90,37 +91,19 @@ def rewrapped(wrapper: Any, data: Tensor) -> Any:
     )
 
 
-class MaskedSumTap:
+class MaskedSumTap(UnreducedTap):
     """Stands in for ``masked_moe_sum`` in the module that calls it (a module global, so one
     tap serves every layer); outside ``unreduced`` every call goes to the original."""
 
+    reduction = "masked_moe_sum"
+
     def __init__(self, original: Callable[[Tensor, Tensor, Tensor], None]) -> None:
+        super().__init__()
         self.original = original
-        self._take = False
-        self._taken: Tensor | None = None
 
     def __call__(self, intermediate: Tensor, topk_ids: Tensor, output: Tensor) -> None:
-        if self._take:
-            # The unreduced [M, top_k, K] entries; they live in the kernel's workspace, which
-            # the next call reuses after the caller has merged them (stream order).
-            self._taken = intermediate
-            return
-        self.original(intermediate, topk_ids, output)
-
-    def unreduced(self, call: Callable[[], object]) -> Tensor:
-        """Run ``call`` (one kernel call) and return what it handed to ``masked_moe_sum``."""
-        self._take, self._taken = True, None
-        try:
-            call()
-        finally:
-            self._take = False
-        taken, self._taken = self._taken, None
-        if taken is None:
-            raise RuntimeError(
-                "rowcache: the MXFP4 experts returned without calling masked_moe_sum; the "
-                "exact route of a step cut by experts needs their unreduced output"
-            )
-        return taken
+        if not self._took(intermediate):
+            self.original(intermediate, topk_ids, output)
 
     def reduce(self, unreduced: Tensor, output: Tensor, topk_ids: Tensor) -> None:
         """The original reduction over a step's merged entries with the step's ids."""

@@ -163,7 +163,7 @@ SEAMS: tuple[Seam, ...] = (
         "TritonExperts.apply -> moe_sum",
         "apply reduces through self.moe_sum (in 0.33.0 via self._finalize_expert_output), so "
         "the tap sees every call's unreduced output",
-        "a cut step fails (RowcacheError: apply returned without calling moe_sum)",
+        "a cut step fails (RuntimeError: the MoE kernel returned without calling moe_sum)",
     ),
     # The kernel configuration of a cached forward: the one vLLM picks with every expert
     # resident (rowcache.vllm._method.full_set_config).
