@@ -321,20 +321,13 @@ def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     For a CUDA target the encode runs there, one tensor at a time, and its planes come back to
     pinned host memory: the same planes as an encode on the host (every step is exact integer
     work in a fixed order), at the device's speed rather than a few hundred MB/s of the host's
-    torch ops, so that holding a model's experts compressed does not slow its loading. On the
-    device it holds the tensor, its planes and the encode's temporaries of one group of experts
-    (``bf16_planes.ENCODE_CHUNK_VALUES``: about 320 MB, more where one expert is larger), all
-    freed on return."""
+    torch ops, so that holding a model's experts compressed does not slow its loading. The
+    device holds one group of experts and the encode's temporaries at a time
+    (``bf16_planes.ENCODE_CHUNK_VALUES``: about 320 MB, more where one expert is larger); the
+    planes are written straight into pinned host memory."""
     if not _needs_pinning(target):
         return encode(source, HELD_CODE_BITS)
-    return encode(source.to(target), HELD_CODE_BITS).map(_pinned_host)
-
-
-def _pinned_host(t: Tensor) -> Tensor:
-    """A copy of ``t`` (on any device) in pinned host memory."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)
-    return host
+    return encode(source, HELD_CODE_BITS, work_device=target, pin_memory=True)
 
 
 def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:

@@ -202,15 +202,22 @@ def _exponent(bits: Tensor) -> Tensor:
 
 
 def encode(
-    x: Tensor, code_bits: int | None = None, *, chunk_values: int = ENCODE_CHUNK_VALUES
+    x: Tensor,
+    code_bits: int | None = None,
+    *,
+    chunk_values: int = ENCODE_CHUNK_VALUES,
+    work_device: torch.device | str | None = None,
+    pin_memory: bool = False,
 ) -> Bf16Planes:
     """The planes of a bf16 ``[E, ...]`` tensor (on any device; the planes are on the same).
 
     ``code_bits`` (one of ``CODE_WIDTHS``; None: whichever stores the tensor in fewer bytes,
     4 on a tie) sets the code width; the codebook holds the ``2**code_bits - 1`` most common
     exponents of the whole tensor (ties to the smaller exponent); ``x`` is read, not changed.
-    The work goes over groups of whole experts of about ``chunk_values`` values (the planes do
-    not depend on it)."""
+    The work goes over groups of whole experts of about ``chunk_values`` values, each moved to
+    ``work_device`` (default: ``x``'s) and its planes back, so a host tensor is encoded on a
+    GPU holding one group at a time; ``pin_memory``: the planes of a host tensor are allocated
+    pinned. The planes depend on neither."""
     _check_bf16(x)
     if code_bits is not None and code_bits not in CODE_WIDTHS:
         raise InvalidInputError(
@@ -221,13 +228,18 @@ def encode(
         raise InvalidInputError(f"chunk_values must be >= 1, got {chunk_values}")
     experts = x.shape[0]
     device = x.device
+    work = device if work_device is None else torch.device(work_device)
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
     bits = x.detach().contiguous().view(torch.int16).reshape(experts, -1)
     n = bits.shape[1]
     step = max(1, chunk_values // max(n, 1))
     chunks = [slice(first, min(first + step, experts)) for first in range(0, experts, step)]
-    counts = torch.zeros(256, dtype=torch.int64, device=device)
+    counts = torch.zeros(256, dtype=torch.int64, device=work)
     for chunk in chunks:
-        counts += torch.bincount(_exponent(bits[chunk]).flatten(), minlength=256)
+        counts += torch.bincount(_exponent(bits[chunk].to(work)).flatten(), minlength=256)
     # Most common first; among equal counts the smaller exponent (a stable sort by -count).
     ranked = torch.sort(-counts, stable=True).indices
     if code_bits is None:
@@ -243,22 +255,23 @@ def encode(
         code_bits = 3 if size(3) < size(4) else 4
     escape = (1 << code_bits) - 1
     order = ranked[:escape]
-    codebook = torch.zeros(CODES, dtype=torch.uint8, device=device)
-    codebook[:escape] = order.to(torch.uint8)
-    code_of = torch.full((256,), escape, dtype=torch.uint8, device=device)
-    code_of[order] = torch.arange(escape, dtype=torch.uint8, device=device)
+    codebook = empty((CODES,), torch.uint8)
+    codebook.zero_()
+    codebook[:escape] = order.to(torch.uint8).to(device)
+    code_of = torch.full((256,), escape, dtype=torch.uint8, device=work)
+    code_of[order] = torch.arange(escape, dtype=torch.uint8, device=work)
     blocks = max(1, -(-n // BLOCK))
-    sign_mantissa = torch.empty((experts, n), dtype=torch.uint8, device=device)
-    packed = torch.empty((experts, _code_bytes(code_bits, 1, n)), dtype=torch.uint8, device=device)
+    sign_mantissa = empty((experts, n), torch.uint8)
+    packed = empty((experts, _code_bytes(code_bits, 1, n)), torch.uint8)
     counts_per_block = torch.empty(experts * blocks, dtype=torch.int64, device=device)
     escapes: list[Tensor] = []
     for chunk in chunks:
-        part = bits[chunk]
+        part = bits[chunk].to(work)
         exponent = _exponent(part)
         sign_mantissa[chunk] = (((part >> 8) & 0x80) | (part & 0x7F)).to(torch.uint8)
         codes = code_of[exponent.int()]  # a uint8 index would be taken as a mask
         escaped = codes == escape
-        escapes.append(exponent[escaped])  # row-major: expert by expert, value order
+        escapes.append(exponent[escaped].to(device))  # row-major: expert by expert, value order
         where = escaped.nonzero()  # [escapes, 2]: (expert in the chunk, value), few
         rows = chunk.stop - chunk.start
         counts_per_block[chunk.start * blocks : chunk.stop * blocks] = torch.bincount(
@@ -268,14 +281,17 @@ def encode(
     prefix = torch.zeros(experts * blocks + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts_per_block, dim=0, out=prefix[1:])
     starts = torch.arange(experts, device=device).unsqueeze(1) * blocks
-    escape_starts = prefix[starts + torch.arange(blocks + 1, device=device)]
+    escape_starts = empty((experts, blocks + 1), torch.int64)
+    escape_starts.copy_(prefix[starts + torch.arange(blocks + 1, device=device)])
+    escaped_bytes = empty((sum(e.numel() for e in escapes),), torch.uint8)
+    torch.cat(escapes, out=escaped_bytes)
     return Bf16Planes(
         shape=tuple(x.shape),
         codebook=codebook,
         sign_mantissa=sign_mantissa,
         codes=packed,
         escape_starts=escape_starts,
-        escapes=torch.cat(escapes),
+        escapes=escaped_bytes,
         code_bits=code_bits,
     )
 

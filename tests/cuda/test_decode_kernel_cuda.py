@@ -39,6 +39,14 @@ def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> Non
         host = encode(case.weights, case.code_bits)
         gpu = encode(case.weights.to("cuda"), case.code_bits)
         assert gpu.code_bits == host.code_bits, case.name  # the same choice of width
+        # A host tensor encoded on the GPU a group of experts at a time, into pinned planes.
+        staged = encode(
+            case.weights, case.code_bits, chunk_values=4096, work_device="cuda", pin_memory=True
+        )
+        assert staged.code_bits == host.code_bits, case.name
+        for field in planes_fields:
+            plane = getattr(staged, field)
+            assert plane.is_pinned() and torch.equal(plane, getattr(host, field)), (case.name, field)
         for field in planes_fields:
             assert torch.equal(getattr(gpu, field).cpu(), getattr(host, field)), (case.name, field)
     w13 = next(c.weights for c in checks.cases() if c.name == "3-d experts")
