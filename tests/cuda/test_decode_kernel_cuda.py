@@ -46,7 +46,8 @@ def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> Non
         assert staged.code_bits == host.code_bits, case.name
         for field in planes_fields:
             plane = getattr(staged, field)
-            assert plane.is_pinned() and torch.equal(plane, getattr(host, field)), (case.name, field)
+            assert plane.is_pinned(), (case.name, field)
+            assert torch.equal(plane, getattr(host, field)), (case.name, field)
         for field in planes_fields:
             assert torch.equal(getattr(gpu, field).cpu(), getattr(host, field)), (case.name, field)
     w13 = next(c.weights for c in checks.cases() if c.name == "3-d experts")
