@@ -693,7 +693,16 @@ def test_the_planes_engine_is_held_to_issue_36s_targets() -> None:
     planes["steps"]["decode"]["1"]["tok_s"] = 170.0
     planes["steps"]["decode"]["8"]["tokens"][3] = [3, 4, 9]
     planes["slots"] = {"layers": 8, "slots": 256, "mismatches": ["layer 2: w13[slot 4]"]}
+    planes["probe"] = {
+        "expert_host_bytes": 7_257_943_901,
+        "host_pinned_bytes": 8_100_000_000,
+        "released_layers": 8,
+    }
     text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert (
+        "  host memory of row32planes.full: experts 7.26 GB, pinned in all 8.10 GB, layers "
+        "released 8 (no target)"
+    ) in text
     assert "targets (steps.plain, issue 36):" in text
     assert "  b1 row32planes.full >= 1.7 x uva675.full: 170 / 100 tok/s = 1.700 (met)" in text
     assert "  b8 row32planes.full >= 1.25 x uva675.full: 800 / 800 tok/s = 1.000 (MISSED)" in text

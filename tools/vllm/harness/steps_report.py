@@ -467,7 +467,26 @@ def planes_targets(results: Results, prefix: str) -> list[str]:
     record = results.get(f"{prefix}.{PLANES}")
     for line in (slots_line(record, PLANES), exactness_line(record, PLANES)):
         lines += [line] if line is not None else []
+    lines += host_memory_lines(results, prefix)
     return [f"targets ({prefix}, issue 36):", *lines] if lines else []
+
+
+def host_memory_lines(results: Results, prefix: str) -> list[str]:
+    """What the cache engines pin (no target): the providers' host bytes, and where the probe
+    recorded them, the caching host allocator's pinned bytes and the layers whose w13/w2 were
+    released (``probes.pinned_host_memory``)."""
+    out = []
+    for label in (ROW, PLANES):
+        probe = (results.get(f"{prefix}.{label}") or {}).get("probe") or {}
+        if "expert_host_bytes" not in probe:
+            continue
+        line = f"  host memory of {label}: experts {probe['expert_host_bytes'] / 1e9:.2f} GB"
+        if probe.get("host_pinned_bytes") is not None:
+            line += f", pinned in all {probe['host_pinned_bytes'] / 1e9:.2f} GB"
+        if "released_layers" in probe:
+            line += f", layers released {probe['released_layers']}"
+        out.append(line + " (no target)")
+    return out
 
 
 def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
