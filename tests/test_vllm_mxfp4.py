@@ -505,3 +505,20 @@ def test_the_config_hook_picks_triton_unfused_for_gpt_oss(
     assert off.kernel_config.moe_backend == "auto"
     fp8 = _config(fake_mxfp4, on, quantization="fp8")
     assert fp8.kernel_config.moe_backend == "auto"
+
+
+def test_a_vllm_without_the_backend_setting_is_left_to_the_layers_check(
+    fake_mxfp4: Any,
+) -> None:
+    """Where the configuration has no ``moe_backend`` the hook sets nothing and refuses
+    nothing: each layer's backend is checked when its method is built."""
+    from test_vllm_register import _config
+
+    from rowcache.vllm._config import choose_gpt_oss_backend
+    from rowcache.vllm.knob import parse_settings
+
+    plugin.register()
+    config = _config(fake_mxfp4, None, quantization="gpt_oss_mxfp4")
+    config.kernel_config = None
+    settings = parse_settings({"rowcache": {"moe_expert_cache_size": 8}}, {})
+    assert choose_gpt_oss_backend(config, settings) is None

@@ -28,6 +28,7 @@ copies three ranges; ``decode_experts`` is the reference the GPU decode is check
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -230,16 +231,23 @@ def encode(
     device = x.device
     work = device if work_device is None else torch.device(work_device)
 
-    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    pin = pin_memory and device.type == "cpu"  # only host memory is pinned
 
-    bits = x.detach().contiguous().view(torch.int16).reshape(experts, -1)
-    n = bits.shape[1]
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+
+    def group(chunk: slice) -> Tensor:
+        """A group of experts' bits as int16 ``[experts, n]`` on the work device (the shifts
+        are arithmetic there, so each field is masked after its shift)."""
+        part = x.detach()[chunk].to(work).contiguous()
+        return part.view(torch.int16).reshape(chunk.stop - chunk.start, -1)
+
+    n = math.prod(x.shape[1:])
     step = max(1, chunk_values // max(n, 1))
     chunks = [slice(first, min(first + step, experts)) for first in range(0, experts, step)]
     counts = torch.zeros(256, dtype=torch.int64, device=work)
     for chunk in chunks:
-        counts += torch.bincount(_exponent(bits[chunk].to(work)).flatten(), minlength=256)
+        counts += torch.bincount(_exponent(group(chunk)).flatten(), minlength=256)
     # Most common first; among equal counts the smaller exponent (a stable sort by -count).
     ranked = torch.sort(-counts, stable=True).indices
     if code_bits is None:
@@ -266,7 +274,7 @@ def encode(
     counts_per_block = torch.empty(experts * blocks, dtype=torch.int64, device=device)
     escapes: list[Tensor] = []
     for chunk in chunks:
-        part = bits[chunk].to(work)
+        part = group(chunk)
         exponent = _exponent(part)
         sign_mantissa[chunk] = (((part >> 8) & 0x80) | (part & 0x7F)).to(torch.uint8)
         codes = code_of[exponent.int()]  # a uint8 index would be taken as a mask

@@ -211,7 +211,9 @@ def choose_gpt_oss_backend(config: Any, settings: CacheSettings) -> str | None:
         return None
     kernel: Any = getattr(config, "kernel_config", None)
     current = getattr(kernel, "moe_backend", None)
-    if current == GPT_OSS_BACKEND:
+    if current is None or current == GPT_OSS_BACKEND:
+        # Nothing to set (a vLLM without the setting: each layer's backend is checked when
+        # its method is built, rowcache.vllm._mxfp4.adopt).
         return None
     if current != "auto":
         raise RowcacheError(

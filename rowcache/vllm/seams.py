@@ -154,7 +154,7 @@ SEAMS: tuple[Seam, ...] = (
         "overridden per instance (an attribute): during a cut step's kernel calls it hands "
         "the unreduced entries to the library instead of reducing; the library reduces the "
         "merged step buffer once with the original",
-        "renamed: the tap is never called and a cut step fails (RowcacheError); a new "
+        "renamed: the tap is never called and a cut step fails (RuntimeError); a new "
         "signature: the tap forwards extra arguments outside cut steps, but the final "
         "reduction passes input and output only",
     ),
@@ -163,7 +163,8 @@ SEAMS: tuple[Seam, ...] = (
         "TritonExperts.apply -> moe_sum",
         "apply reduces through self.moe_sum (in 0.33.0 via self._finalize_expert_output), so "
         "the tap sees every call's unreduced output",
-        "a cut step fails (RuntimeError: the MoE kernel returned without calling moe_sum)",
+        "a cut step fails (RuntimeError: the MoE kernel returned without calling vLLM's "
+        "TritonExperts.moe_sum)",
     ),
     # The kernel configuration of a cached forward: the one vLLM picks with every expert
     # resident (rowcache.vllm._method.full_set_config).
