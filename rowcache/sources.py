@@ -308,11 +308,12 @@ class ExpertSources:
         return _storage_bytes(self.copied()) + planes
 
 
-HELD_CODE_BITS = 4
-"""The exponent code width the sources hold their planes at: 4 bits, the format of the recorded
-engine runs (docs/records/2026-12-04-steps-planes-medians.md). The encoder's smaller choice
-(3 bits on Gaussian weights: 0.70 of the bytes against 0.75) waits for a GPU record of the
-3-bit decode (``python -m rowcache.bench.decode_gather --code-bits 3``, then the steps)."""
+HELD_CODE_BITS: int | None = None
+"""The exponent code width the sources hold their planes at: None, the encoder's choice per
+tensor (whichever width stores it in fewer bytes: 3 bits on Gaussian weights, 0.70 of the bytes
+against 0.75 at 4). The 3-bit decode was recorded exact and faster than the 4-bit one at every
+miss count on the H200 (docs/records/2026-12-04-bench-decode-gather-bits.md); each tensor's
+planes carry their width, and the decode reads it from them."""
 
 
 def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:

@@ -47,7 +47,7 @@ def steps(p: DevicePlannedProvider, routes: list[list[int]]) -> None:
             p.prepare(ids, pass_index=index, passes=total)
 
 
-def test_slots_hold_every_bit_and_the_host_holds_three_quarters() -> None:
+def test_slots_hold_every_bit_and_the_host_holds_less_than_three_quarters() -> None:
     w = weights()
     p = provider()
     plain = RowCacheWeightProvider(**w, capacity=C, device="cpu", planner="device")
@@ -63,7 +63,10 @@ def test_slots_hold_every_bit_and_the_host_holds_three_quarters() -> None:
     assert plain.stats()["host_bytes"] == raw
     weights_bytes = raw - sum(w[n].numel() * 4 for n in ("w13_scale", "w2_scale"))
     saved = raw - p.stats()["host_bytes"]
-    assert 0.24 * weights_bytes < saved < 0.25 * weights_bytes
+    # The encoder's width (3 bits on these Gaussian weights: 0.70 of the bytes, plus the
+    # codebook and the escapes' starts) saves about 0.30 of the weights' bytes.
+    assert {p._sources.planes[n].code_bits for n in ("w13", "w2")} == {3}
+    assert 0.29 * weights_bytes < saved < 0.31 * weights_bytes
     assert p.stats()["slot_bytes"] == plain.stats()["slot_bytes"]
     for name in ("misses", "hits", "evictions", "last_copy_bytes"):
         assert p.stats()[name] == plain.stats()[name], name

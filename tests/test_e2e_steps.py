@@ -1030,3 +1030,18 @@ def test_the_compressed_engine_is_the_device_planner_with_planes() -> None:
     assert planes.config() == {**row.config(), "moe_expert_cache_compress": "on"}
     # Raw bytes set: auto holds planes in full graphs since the planes' record.
     assert row.config()["moe_expert_cache_compress"] == "off"
+
+
+def test_the_probe_finds_the_torch_tensor_behind_a_triton_kernels_tensor() -> None:
+    # vLLM's MXFP4 methods replace w13_weight with a triton_kernels Tensor (no is_cuda): the
+    # probe counts the bytes of its storage's torch tensor, and of nothing that is neither.
+    import types
+
+    import torch
+
+    data = torch.zeros(4, dtype=torch.uint8)
+    wrapped = types.SimpleNamespace(storage=types.SimpleNamespace(data=data))
+    assert probes.torch_tensor(data) is data
+    assert probes.torch_tensor(wrapped) is data
+    assert probes.torch_tensor(types.SimpleNamespace(storage=None)) is None
+    assert probes.torch_tensor(None) is None

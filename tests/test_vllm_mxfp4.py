@@ -416,6 +416,12 @@ def test_the_forward_is_bit_identical_to_vllms(
         assert torch.equal(_bits(out), _bits(expected)), seed
         assert (kernel.calls > 1) == (section["moe_expert_cache_size"] < E)
     assert (type(oai.masked_moe_sum).__name__ == "MaskedSumTap") == cut
+    if cut:  # the engine probe names the route the steps took (tools/vllm/harness/probes.py)
+        from tools.vllm.harness import probes
+
+        layers = torch.nn.ModuleList([cached])
+        exact = "exact: passes' unreduced entries, one masked_moe_sum per step"
+        assert probes.routes(layers)["routes"] == {exact: 1}
 
 
 def test_a_backend_other_than_triton_unfused_is_refused_by_name(fake_mxfp4: Any) -> None:

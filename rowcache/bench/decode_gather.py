@@ -76,7 +76,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return timed
 
 
-def _encode_rate(weights: Tensor, code_bits: int) -> dict[str, float]:
+def _encode_rate(weights: Tensor, code_bits: int | None) -> dict[str, float]:
     """GB/s (bf16 bytes in) of ``encode`` where ``weights`` lives, and of the planes' ratio."""
     began = time.perf_counter()
     planes = encode(weights, code_bits)
@@ -92,7 +92,7 @@ def measure(
     *,
     repeats: int,
     warmup: int,
-    code_bits: int = HELD_CODE_BITS,
+    code_bits: int | None = HELD_CODE_BITS,
 ) -> dict[str, Any]:
     from rowcache.compress.triton_decode import decode_into_slots
 
@@ -170,6 +170,7 @@ def measure(
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "code_bits": code_bits,
+        "held_code_bits": {"w13": planes[0].code_bits, "w2": planes[1].code_bits},
         "planes_ratio": {"w13": planes[0].ratio, "w2": planes[1].ratio},
         "encode_host": encode_host,
         "encode_device": encode_device,
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         choices=CODE_WIDTHS,
         default=HELD_CODE_BITS,
-        help=f"bits an exponent code (default {HELD_CODE_BITS}: the width the providers hold)",
+        help="bits an exponent code (default: the width the providers hold, the encoder's "
+        "choice per tensor)",
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)

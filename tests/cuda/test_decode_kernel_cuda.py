@@ -46,7 +46,9 @@ def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> Non
         assert staged.code_bits == host.code_bits, case.name
         for field in planes_fields:
             plane = getattr(staged, field)
-            assert plane.is_pinned(), (case.name, field)
+            # An empty plane (no escapes) owns no memory, and torch reports no memory as not
+            # pinned; nothing ever reads it.
+            assert plane.numel() == 0 or plane.is_pinned(), (case.name, field)
             assert torch.equal(plane, getattr(host, field)), (case.name, field)
         for field in planes_fields:
             assert torch.equal(getattr(gpu, field).cpu(), getattr(host, field)), (case.name, field)
@@ -56,8 +58,9 @@ def test_an_encode_on_the_gpu_gives_the_planes_of_an_encode_on_the_host() -> Non
     for name, source in (("w13", w13), ("w2", w2)):
         held = sources.planes[name]
         want = encode(source, HELD_CODE_BITS)
-        assert held.code_bits == HELD_CODE_BITS
+        assert held.code_bits == want.code_bits
         for field in planes_fields:
             plane = getattr(held, field)
-            assert plane.device.type == "cpu" and plane.is_pinned(), (name, field)
+            assert plane.device.type == "cpu", (name, field)
+            assert plane.numel() == 0 or plane.is_pinned(), (name, field)
             assert torch.equal(plane, getattr(want, field)), (name, field)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ def probe(model: Any) -> dict[str, Any]:
         if getattr(method, "rowcache_provider", None) is not None:
             continue  # host-backed (device views of pinned memory): no GPU memory
         for pname in ("w13_weight", "w2_weight"):
-            p = getattr(module, pname, None)
+            p = torch_tensor(getattr(module, pname, None))
             if p is not None and p.is_cuda:
                 expert_param_bytes += p.numel() * p.element_size()
     stats = expert_cache_stats(model)
@@ -50,6 +51,18 @@ def probe(model: Any) -> dict[str, Any]:
         ),
         "moe_backend": moe_backends(model),
     }
+
+
+def torch_tensor(value: Any) -> Any:
+    """The torch tensor behind a layer's weight: the weight itself, or the storage of a
+    ``triton_kernels`` tensor (vLLM's MXFP4 methods replace ``w13_weight`` with one, which has
+    no ``is_cuda``); ``None`` for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    data = getattr(getattr(value, "storage", None), "data", None)
+    return data if isinstance(data, torch.Tensor) else None
 
 
 def pinned_host_memory(model: Any) -> dict[str, Any]:
@@ -157,6 +170,8 @@ def route_of(device_planned: bool, split: str | None, tap: str | None, inexact: 
         return "exact: token split (each row in one kernel call)"
     if tap == "_MoeSumTap":
         return "exact: passes' unreduced entries, one moe_sum per step"
+    if tap == "MaskedSumTap":
+        return "exact: passes' unreduced entries, one masked_moe_sum per step"
     if inexact:
         return "INEXACT: float32 sum of the passes' outputs"
     return "unknown: no cut step has run"
@@ -183,6 +198,12 @@ def routes(model: Any) -> dict[str, Any]:
             continue
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         tap = vars(experts).get("moe_sum") if hasattr(experts, "__dict__") else None
+        if tap is None and experts is not None:
+            # vLLM's OpenAI-Triton experts reduce through a module global, which the MXFP4
+            # path taps once for every layer (rowcache.vllm._mxfp4.masked_sum_tap).
+            module = sys.modules.get(type(experts).__module__)
+            tap = getattr(module, "masked_moe_sum", None)
+            tap = tap if type(tap).__name__ == "MaskedSumTap" else None
         device_planned = getattr(provider, "planner", None) == "device"  # the class's own
         route = route_of(
             device_planned,
