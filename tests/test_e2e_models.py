@@ -277,28 +277,72 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
 
 
 def test_gpt_oss_phases() -> None:
-    """gpt-oss-20b's engines: every one on vLLM's triton_unfused MXFP4 backend (the references
-    too, so the tokens compare like with like), row at 8 and 16 of 32 slots against UVA keeping
-    6 and 12 of 24 layers; the experts' bytes as the cache holds them after the swizzle."""
+    """gpt-oss-20b's engines: the cache and its reference on vLLM's triton_unfused MXFP4 backend
+    (the one the cache serves), row at 8 and 16 of 32 slots; UVA on Marlin (where vLLM
+    offloads MXFP4 experts: on triton_unfused the swizzle's new GPU tensors stay on the GPU)
+    keeping 6 and 12 of 24 layers of Marlin's padded experts, its tokens against Marlin's own
+    no-offload engine; the experts' bytes as the cache holds them after the swizzle."""
     from tools.vllm.harness import child
 
     budget = engines.GPT_OSS_BUDGET
     swizzled = 8_294_400 + 4_147_200 + 529_920 + 276_480  # tests/test_gpt_oss_swizzle.py
     assert swizzled + 4 * (5760 + 2880) == engines.GPT_OSS_EXPERT_BYTES  # float32 biases
     assert (budget.experts, budget.moe_layers) == (32, 24)
-    names = [s.name for s in engines.models(engines.GPT_OSS)]
+    # Marlin rounds hidden 2,880 up to 3,072 and intermediate 2,880 up to 2,944.
+    assert engines.GPT_OSS_MARLIN_EXPERT_BYTES == 14_431_744
+    assert budget.baseline is not None and budget.baseline.backend == "marlin"
+    specs = engines.models(engines.GPT_OSS)
+    names = [s.name.split(".", 2)[2] for s in specs]
     assert names == [
-        "models.gptoss20b.none.full",
-        "models.gptoss20b.row8dev.full",
-        "models.gptoss20b.uva713.full",
-        "models.gptoss20b.row16dev.full",
-        "models.gptoss20b.uva475.full",
+        "none.full",
+        "nonemarlin.full",
+        "row8dev.full",
+        "uva774marlin.full",
+        "row16dev.full",
+        "uva516marlin.full",
     ]
-    for spec in engines.models(engines.GPT_OSS) + engines.models(engines.GPT_OSS_SKEW):
+    for spec in specs + engines.models(engines.GPT_OSS_SKEW):
         assert spec.quantized and spec.model_runner_v1
-        assert child.engine_kwargs(spec, "/w/g")["moe_backend"] == "triton_unfused"
+        prefix = engines.MODELS_PREFIX[spec.checkpoint]
+        marlin = spec.offload is not None or spec.name.endswith("nonemarlin.full")
+        want = "marlin" if marlin else "triton_unfused"
+        assert child.engine_kwargs(spec, "/w/g")["moe_backend"] == want
+        reference = "nonemarlin.full" if marlin else "none.full"
+        assert spec.compare_with == (f"{prefix}.{reference}",)
+        # At least the slots' expert memory stays on the GPU in every offloading engine.
         assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
+    uva = next(s for s in specs if s.offload is not None)
+    assert uva.offload is not None
+    assert uva.offload.cpu_offload_gb * 2**30 == 18 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    assert budget.gpu_gib(uva) * 2**30 == 6 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    skew = [s.name.split(".", 2)[2] for s in engines.models(engines.GPT_OSS_SKEW)]
+    assert skew[:4] == ["row8dev.full", "uva774marlin.full", "none.full", "nonemarlin.full"]
     for spec in engines.models(engines.DS2):
         assert "moe_backend" not in child.engine_kwargs(spec, "/w/d")
+    for label in ("nonemarlin.full", "uva774marlin.full", "uva516marlin.full"):
+        assert label in engines.BUDGETED_LABELS
     for phase in phases.select(["gpt_oss", "gpt_oss_skew"]):
         assert phase.budgeted and phase.one_at_a_time and "gpt-oss-20b" in phase.about
+
+
+def test_a_uva_engine_that_kept_its_experts_on_the_gpu_is_named() -> None:
+    """The H200 run of 2026-12-04: gpt-oss's UVA engine on triton_unfused asked for 7.13 GiB
+    offloaded and kept all 8.90 GiB of experts on the GPU; the summary says so beside its
+    ratios. An engine within its budget gets no such line."""
+    specs = {s.name: s for s in engines.models(engines.GPT_OSS)}
+    tokens = [[i, i + 1, i + 2] for i in range(8)]
+    results: dict[str, Any] = {}
+    for name, spec in specs.items():
+        results[name] = _record(spec, 40.0, 100.0, tokens)
+        results[name]["slots"] = None
+    uva = "models.gptoss20b.uva774marlin.full"
+    kept_within = (32 * 24 * engines.GPT_OSS_MARLIN_EXPERT_BYTES) - int(
+        specs[uva].offload.cpu_offload_gb * 2**30  # type: ignore[union-attr]
+    )
+    results[uva]["probe"] = {"expert_gpu_bytes": kept_within}
+    lines = "\n".join(steps_report.report(results))
+    assert "UVA on vLLM's marlin MoE backend" in lines
+    assert "did not offload" not in lines
+    results[uva]["probe"] = {"expert_gpu_bytes": int(8.9 * 2**30)}
+    lines = "\n".join(steps_report.report(results))
+    assert "uva774marlin.full kept 8.90 GiB of experts on the GPU against the 2.58 GiB" in lines

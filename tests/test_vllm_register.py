@@ -899,7 +899,7 @@ def test_weight_loader_writes_the_host_tensor(fake_vllm: Any) -> None:
     import torch
 
     plugin.register()
-    from rowcache.vllm._method import _host_loader
+    from rowcache.vllm._method import HostLoad
 
     host = torch.zeros(4, 3)
     param = torch.nn.Parameter(torch.full((4, 3), -1.0), requires_grad=False)
@@ -910,7 +910,7 @@ def test_weight_loader_writes_the_host_tensor(fake_vllm: Any) -> None:
         seen.append(param.data.data_ptr())
         param.data[expert_id].copy_(loaded_weight)
 
-    load = _host_loader(vllm_loader, param, host)
+    load = HostLoad(vllm_loader, param, host)
     load(param=param, loaded_weight=torch.ones(3), expert_id=2)
     assert seen == [host.data_ptr()]
     assert host[2].tolist() == [1.0, 1.0, 1.0] and host[0].tolist() == [0.0, 0.0, 0.0]
@@ -921,7 +921,7 @@ def test_weight_loader_writes_the_host_tensor(fake_vllm: Any) -> None:
         raise ValueError("bad shard")
 
     with pytest.raises(ValueError, match="bad shard"):
-        _host_loader(failing, param, host)(param=param)
+        HostLoad(failing, param, host)(param=param)
     assert param.data.data_ptr() == view.data_ptr()
 
 
@@ -1221,14 +1221,26 @@ def test_with_planes_the_layers_pinned_weights_are_released(fake_vllm: Any) -> N
     layer = torch.nn.Module()
     layer.activation, layer.global_num_experts = "silu", E
     layer.apply_router_weight_on_input = False
-    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16)
-    layer.w13_weight.data.copy_(weights.w13)
-    layer.w2_weight.data.copy_(weights.w2)
+
+    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:  # vLLM's loader, in short
+        param.data.copy_(loaded)
+
+    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
+    layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
+    layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
     assert method._host is not None
+    assert torch.equal(method._host[0], weights.w13)  # the loader wrote the host tensor
     held = [weakref.ref(t) for t in method._host]
+    # vLLM keeps a copy of every parameter's attributes, its weight loader among them, for as
+    # long as the model lives (its layerwise reload metadata, recorded after create_weights):
+    # the loaders must not keep the host tensors pinned.
+    reload_metadata = {n: dict(vars(getattr(layer, n))) for n in ("w13_weight", "w2_weight")}
     method.process_weights_after_loading(layer)
     gc.collect()
     assert method._host is None and all(r() is None for r in held)
+    for name, attrs in reload_metadata.items():
+        with pytest.raises(RowcacheError, match="reloading weights into this engine"):
+            attrs["weight_loader"](getattr(layer, name), weights.w13)
     for name, want in (("w13_weight", weights.w13), ("w2_weight", weights.w2)):
         param = getattr(layer, name)
         assert param.device.type == "meta" and param.shape == want.shape

@@ -45,7 +45,7 @@ one warning of the float32 fallback); ``RowcacheMoEMethod`` and the FP8 methods 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -75,12 +75,15 @@ from rowcache.vllm.reduction_tap import UnreducedTap
 __all__ = [
     "SUPPORTED_METHODS",
     "CachedForward",
+    "HostLoad",
     "RowcacheMoEMethod",
     "build_provider",
     "check_layer",
+    "forget_host_loaders",
     "install",
     "pinned_empty",
     "register_host_parameter",
+    "release_host_cache",
     "release_host_weights",
     "to_pinned",
 ]
@@ -100,33 +103,63 @@ SUPPORTED_METHODS = (
 # -- the MoE method ---------------------------------------------------------------------------
 
 
-def _host_loader(loader: Callable[..., Any], param: Tensor, host: Tensor) -> Callable[..., Any]:
-    """Run vLLM's weight loader against the pinned host tensor instead of the device view.
+class HostLoad:
+    """vLLM's weight loader, run against a pinned host tensor instead of the device view.
 
     The parameter's data is a device view of pinned host memory (so that vLLM's loading code,
     which moves CPU parameters to the GPU for processing, leaves it alone); the checkpoint is
     copied host to host, without going through the device view.
+
+    vLLM keeps a copy of every parameter's attributes, this loader among them, for as long as
+    the model lives (its layerwise reload metadata, recorded right after ``create_weights``):
+    a loader that held the tensor for good would keep it pinned after the cache has released
+    it (measured: 12.9 GB of a 9.7 GB model's raw experts still pinned beside their planes).
+    ``forget`` drops the tensor and the parameter once the cache no longer needs them; a load
+    after that is refused.
     """
 
-    def load(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, loader: Callable[..., Any], param: Tensor, host: Tensor) -> None:
+        self._loader = loader
+        self._param: Tensor | None = param
+        self._host: Tensor | None = host
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        param, host = self._param, self._host
+        if param is None or host is None:
+            raise RowcacheError(
+                "rowcache: this layer's pinned checkpoint tensors were released once the "
+                "expert cache held its experts in its own form (bf16 planes, or MXFP4 rows "
+                "as vLLM's kernel reads them); reloading weights into this engine is not "
+                "supported: start a new engine"
+            )
         view = param.data
         param.data = host
         try:
-            return loader(*args, **kwargs)
+            return self._loader(*args, **kwargs)
         finally:
             param.data = view
 
-    return load
+    def forget(self) -> None:
+        """Drop the host tensor and its parameter (the cache holds the experts otherwise)."""
+        self._param = self._host = None
+
+
+def forget_host_loaders(params: Iterable[Any]) -> None:
+    """``HostLoad.forget`` on the loaders of ``params`` (any other loader left alone)."""
+    for param in params:
+        loader = getattr(param, "weight_loader", None)
+        if isinstance(loader, HostLoad):
+            loader.forget()
 
 
 def register_host_parameter(layer: Any, name: str, host: Tensor, attrs: dict[str, Any]) -> None:
     """Register ``name`` on ``layer`` as a device view of the pinned ``host`` tensor, with
     vLLM's parameter attributes ``attrs`` (its ``weight_loader``, if any, writing ``host``:
-    ``_host_loader``)."""
+    ``HostLoad``)."""
     param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
     attrs = dict(attrs)
     if "weight_loader" in attrs:
-        attrs["weight_loader"] = _host_loader(attrs["weight_loader"], param, host)
+        attrs["weight_loader"] = HostLoad(attrs["weight_loader"], param, host)
     layer.register_parameter(name, param)
     set_weight_attrs(param, attrs)
 
@@ -139,6 +172,7 @@ def release_host_weights(layer: Any) -> None:
     their weight loaders refuse a reload with a line saying why."""
     for name in ("w13_weight", "w2_weight"):
         param = getattr(layer, name)
+        forget_host_loaders([param])
         # A new parameter: a tensor's data cannot move to the meta device in place.
         released = torch.nn.Parameter(
             torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
@@ -146,6 +180,21 @@ def release_host_weights(layer: Any) -> None:
         attrs = {k: v for k, v in vars(param).items() if k != "weight_loader"}
         layer.register_parameter(name, released)
         set_weight_attrs(released, {**attrs, "weight_loader": _refuse_reload})
+
+
+def release_host_cache() -> None:
+    """Give the pinned blocks nothing holds any longer back to the driver. torch's caching host
+    allocator keeps a freed block for reuse by a later request of its size class, so the
+    process would stay pinned at its peak (``torch.cuda.host_memory_stats``' allocated
+    bytes) after the cache released a layer's checkpoint tensors."""
+    if not torch.cuda.is_available():
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is not None:
+        empty()
 
 
 def _refuse_reload(*args: Any, **kwargs: Any) -> None:
@@ -595,6 +644,7 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         if self.rowcache_settings.compress_planes:
             release_host_weights(layer)
             self._host = None
+            release_host_cache()
 
     def apply(
         self,

@@ -51,8 +51,10 @@ from rowcache.vllm._method import (
     ReductionTap,
     build_provider,
     check_layer,
+    forget_host_loaders,
     layer_device,
     pinned_empty,
+    release_host_cache,
     to_pinned,
 )
 from rowcache.vllm.knob import CacheSettings
@@ -103,6 +105,7 @@ def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
     adopted._init_cache_state(settings, config)
     adopted._rowcache_capacity = capacity
     adopted._rowcache_hosts = {}
+    adopted._rowcache_raw_params = []
     adopted._kernel_w = None
     return adopted
 
@@ -140,6 +143,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
 
     _rowcache_capacity: int
     _rowcache_hosts: dict[str, Tensor]
+    _rowcache_raw_params: list[Tensor]
     _kernel_w: tuple[Any, Any] | None
     _forward_entries: int = 0
     _global_experts: int = 1
@@ -168,6 +172,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
             )
         names = tuple(n for n in RAW if getattr(layer, n, None) is not None)
         self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names))
+        self._rowcache_raw_params = [getattr(layer, n) for n in names]
 
     def process_weights_after_loading(self, layer: Any) -> None:
         if self.rowcache_provider is not None:
@@ -189,7 +194,12 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
             raw.get("w2_bias"),
         )
         del raw
-        self._rowcache_hosts = {}  # the raw pinned tensors: no longer needed
+        # The raw pinned tensors: no longer needed, and their loaders (which vLLM keeps for as
+        # long as the model lives) must not keep them pinned.
+        self._rowcache_hosts = {}
+        forget_host_loaders(self._rowcache_raw_params)
+        self._rowcache_raw_params = []
+        release_host_cache()
         w13, w2 = layer.w13_weight, layer.w2_weight
         w13_pc, w2_pc = self.w13_precision_config, self.w2_precision_config
         kernel_tensors = {

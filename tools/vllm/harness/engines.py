@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from tools.vllm.harness.specs import (
     Checkpoint,
@@ -645,6 +645,25 @@ room for the other engines in one call."""
 
 
 @dataclass(frozen=True)
+class Baseline:
+    """vLLM's own offload of a model whose experts it cannot offload on the backend the cache
+    serves: another MoE backend, with no offload and with UVA offload, measured beside the cache.
+    gpt-oss: on ``triton_unfused`` (and vLLM's default Hopper backend) UVA offload does nothing,
+    because the MXFP4 swizzle makes new GPU tensors that are no parameters, so nothing offloads
+    them again (measured: all 8.9 GiB of experts stayed on the GPU, docs/GPT_OSS.md); on
+    ``marlin`` the repacked weights replace the parameters, which vLLM offloads again
+    (``model_loader/utils.py``, ``device_loading_context``)."""
+
+    backend: str
+    """vLLM's ``moe_backend`` for the baseline's engines."""
+    layer_bytes: int
+    """Bytes of one MoE layer's experts as that backend creates them (the UVA offloader counts
+    these against ``cpu_offload_gb``)."""
+    suffix: str
+    """Appended to the baseline engines' labels (``nonemarlin.full``, ``uva774marlin.full``)."""
+
+
+@dataclass(frozen=True)
 class ModelBudget:
     """One model's routed experts and the two budgets its engines compare at: ``row`` at a
     quarter and a half of the experts in slots, UVA offloading whole MoE layers' experts so
@@ -654,25 +673,33 @@ class ModelBudget:
     moe_layers: int
     expert_gib: float
     """GiB of routed experts in the checkpoint (all MoE layers)."""
+    baseline: Baseline | None = None
+    """Where UVA runs on another backend than the cache (gpt-oss); None: the same one."""
 
     def slots(self, fraction: float) -> int:
         return round(self.experts * fraction)
+
+    @property
+    def uva_layer_gib(self) -> float:
+        """GiB of one MoE layer's experts as the UVA engines' backend creates them."""
+        if self.baseline is not None:
+            return self.baseline.layer_bytes / 2**30
+        return self.expert_gib / self.moe_layers
 
     def uva_offloaded_gib(self, fraction: float) -> float:
         """``cpu_offload_gb`` that offloads the experts of whole MoE layers, leaving at least
         ``fraction`` of the expert memory on the GPU: vLLM's UVA offloader takes parameters in
         module order while its total is below the limit, so a limit of exactly ``n`` layers'
         experts stops after the ``n``-th layer (``vllm/model_executor/offloader/uva.py``)."""
-        per_layer = self.expert_gib / self.moe_layers
         layers_on_gpu = math.ceil(self.moe_layers * fraction - 1e-9)
-        return (self.moe_layers - layers_on_gpu) * per_layer
+        return (self.moe_layers - layers_on_gpu) * self.uva_layer_gib
 
     def gpu_gib(self, spec: EngineSpec) -> float:
         """GiB of routed experts an engine keeps on the GPU."""
         if spec.knob is not None and spec.knob.size:
             return self.expert_gib * spec.knob.size / self.experts
         if spec.offload is not None and spec.offload.backend is OffloadBackend.UVA:
-            return self.expert_gib - spec.offload.cpu_offload_gb
+            return self.uva_layer_gib * self.moe_layers - spec.offload.cpu_offload_gb
         return self.expert_gib
 
 
@@ -694,12 +721,25 @@ keeping 12 layers (6.75 GiB); a half: 64 slots against 24 layers (13.50 GiB each
 GPT_OSS_EXPERT_BYTES = 13_282_560
 """A gpt-oss-20b expert as the cache holds it after vLLM's Hopper swizzle: values and scales
 with the swizzle's padding and float32 biases (docs/GPT_OSS.md, section 2)."""
+GPT_OSS_MARLIN_EXPERT_BYTES = (
+    2 * 2944 * 3072 // 2
+    + 2 * 2944 * 3072 // 32
+    + 2 * 2944 * 2
+    + (3072 * 2944 // 2 + 3072 * 2944 // 32 + 3072 * 2)
+)
+"""A gpt-oss-20b expert as vLLM 0.25.0's Marlin MXFP4 backend creates it: hidden 2,880 rounded
+up to 3,072 and intermediate 2,880 to 2,944 (``oracle/mxfp4.py``,
+``mxfp4_round_up_hidden_size_and_intermediate_size``), packed values (two a byte), e8m0 scales
+(one a block of 32) and bf16 biases of w13 and w2: 14,431,744 bytes."""
 GPT_OSS_BUDGET = ModelBudget(
-    experts=32, moe_layers=24, expert_gib=24 * 32 * GPT_OSS_EXPERT_BYTES / 2**30
+    experts=32,
+    moe_layers=24,
+    expert_gib=24 * 32 * GPT_OSS_EXPERT_BYTES / 2**30,
+    baseline=Baseline("marlin", 32 * GPT_OSS_MARLIN_EXPERT_BYTES, "marlin"),
 )
 """gpt-oss-20b at full depth: 24 MoE layers x 32 MXFP4 experts (9.50 GiB, 0.396 GiB a layer). A
-quarter: 8 slots (2.38 GiB) against UVA keeping 6 layers (2.38 GiB); a half: 16 slots against
-12 layers (4.75 GiB each)."""
+quarter: 8 slots (2.38 GiB) against UVA on Marlin keeping 6 layers (2.58 GiB of Marlin's padded
+experts); a half: 16 slots (4.75 GiB) against 12 layers (5.16 GiB)."""
 MODEL_BUDGETS = {
     DS2: DS2_BUDGET,
     DS2_SKEW: DS2_BUDGET,
@@ -719,16 +759,63 @@ QUARTER, HALF = 0.25, 0.5
 _MODELS_TIMES = {"none": (130, 150), "row": (210, 250), "uva": (250, 330)}
 
 
-def models_labels(budget: ModelBudget) -> list[tuple[str, Knob | None, Offload | None]]:
+class ModelEngine(NamedTuple):
+    """One engine of a model's phase: its label, the cache's knob or vLLM's offload (or
+    neither), the MoE backend (None: vLLM's choice) and the label of the no-offload engine its
+    tokens are compared with (None: it is that reference)."""
+
+    label: str
+    knob: Knob | None
+    offload: Offload | None
+    backend: str | None
+    reference: str | None
+
+
+class ModelRoles(NamedTuple):
+    """The labels issue 34's targets compare: ``row`` and UVA at a quarter and at a half."""
+
+    row_quarter: str
+    uva_quarter: str
+    row_half: str
+    uva_half: str
+
+
+def model_roles(budget: ModelBudget) -> ModelRoles:
+    labels = {}
+    suffix = budget.baseline.suffix if budget.baseline is not None else ""
+    for name, fraction in (("quarter", QUARTER), ("half", HALF)):
+        labels[f"row_{name}"] = row_label(budget.slots(fraction))
+        uva = uva_label(budget.uva_offloaded_gib(fraction))
+        labels[f"uva_{name}"] = uva.replace(".full", f"{suffix}.full")
+    return ModelRoles(**labels)
+
+
+def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list[ModelEngine]:
     """The engines of one model, in run order: no offload, then ``row`` and UVA at a quarter,
-    then at a half."""
-    out: list[tuple[str, Knob | None, Offload | None]] = [("none.full", None, None)]
-    for fraction in (QUARTER, HALF):
-        slots = budget.slots(fraction)
-        gib = budget.uva_offloaded_gib(fraction)
-        knob = Knob(size=slots, provider=Provider.ROW, planner=Planner.DEVICE)
-        uva = Offload(OffloadBackend.UVA, cpu_offload_gb=gib, cpu_offload_params=("experts",))
-        out += [(row_label(slots), knob, None), (uva_label(gib), None, uva)]
+    then at a half; where UVA runs on another backend (``budget.baseline``) that backend's own
+    no-offload engine comes second, the reference of its UVA engines' tokens."""
+    roles = model_roles(budget)
+    reference = "none.full"
+    out = [ModelEngine(reference, None, None, cache_backend, None)]
+    uva_backend, uva_reference = cache_backend, reference
+    if budget.baseline is not None:
+        uva_backend = budget.baseline.backend
+        uva_reference = f"none{budget.baseline.suffix}.full"
+        out.append(ModelEngine(uva_reference, None, None, uva_backend, None))
+    for fraction, row, uva in (
+        (QUARTER, roles.row_quarter, roles.uva_quarter),
+        (HALF, roles.row_half, roles.uva_half),
+    ):
+        knob = Knob(size=budget.slots(fraction), provider=Provider.ROW, planner=Planner.DEVICE)
+        offload = Offload(
+            OffloadBackend.UVA,
+            cpu_offload_gb=budget.uva_offloaded_gib(fraction),
+            cpu_offload_params=("experts",),
+        )
+        out += [
+            ModelEngine(row, knob, None, cache_backend, reference),
+            ModelEngine(uva, None, offload, uva_backend, uva_reference),
+        ]
     return out
 
 
@@ -736,44 +823,49 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
     """One model's engines (issue 34), in vLLM's default full graphs, each measuring
     ``MODELS_WORKLOAD``: no offload; ``row`` with the device planner and vLLM's UVA offload at
     about a quarter and about half of the routed experts on the GPU (``ModelBudget``); tokens
-    against the same checkpoint's no-offload engine. On the skewed checkpoint no offload runs
-    after the quarter's pair (its tokens the reference, its speed not a target). Every engine
-    on vLLM's V1 model runner (``EngineSpec.model_runner_v1``: the V2 runner, DeepSeek's
-    default in vLLM 0.25.0, ignores ``cpu_offload_gb``). gpt-oss's engines, the references
-    included, run vLLM's ``triton_unfused`` MXFP4 backend, the one the cache serves (its
-    default on Hopper rounds differently, so the tokens compare like with like)."""
+    against the same checkpoint's no-offload engine on the same backend. On the skewed
+    checkpoint the no-offload engines run after the quarter's pair (their tokens the
+    references, their speed not a target). Every engine on vLLM's V1 model runner
+    (``EngineSpec.model_runner_v1``: the V2 runner, DeepSeek's default in vLLM 0.25.0, ignores
+    ``cpu_offload_gb``). gpt-oss's cache engines and their reference run vLLM's
+    ``triton_unfused`` MXFP4 backend, the one the cache serves (its default on Hopper rounds
+    differently); its UVA engines and theirs run Marlin (``Baseline``), where UVA offloads."""
     prefix = MODELS_PREFIX[checkpoint]
     budget = MODEL_BUDGETS[checkpoint]
     work = MODELS_WORKLOAD
-    labels = models_labels(budget)
+    cache_backend = "triton_unfused" if checkpoint.arch == "gpt_oss" else None
+    labels = models_labels(budget, cache_backend)
     if checkpoint.router_skew:
-        labels = labels[1:3] + labels[:1] + labels[3:]
+        references = [e for e in labels if e.reference is None]
+        rest = [e for e in labels if e.reference is not None]
+        labels = rest[:2] + references + rest[2:]
     specs = []
-    for label, knob, offload in labels:
-        kind = "row" if knob is not None else "uva" if offload is not None else "none"
+    for engine in labels:
+        kind = "row" if engine.knob is not None else "uva" if engine.offload is not None else "none"
         once, full = _MODELS_TIMES[kind]
+        reference = engine.reference or engine.label
         specs.append(
             EngineSpec(
-                name=f"{prefix}.{label}",
+                name=f"{prefix}.{engine.label}",
                 checkpoint=checkpoint,
                 prompts=(QWEN_PROMPT,),
                 max_tokens=work.decode_tokens,
                 mode=Mode.DEFAULT,
-                knob=knob,
+                knob=engine.knob,
                 repeats=work.repeats,
                 max_model_len=work.prefill_tokens + 256,
                 max_num_seqs=max(work.batches),
                 max_num_batched_tokens=work.prefill_tokens,
                 capture_sizes=(1, 2, 4, 8),
                 kv_bytes=2 << 30,
-                compare_with=(f"{prefix}.none.full",),
-                offload=offload,
+                compare_with=(f"{prefix}.{reference}",),
+                offload=engine.offload,
                 workload=work,
                 prefix_caching=False,
                 # Every engine of a model on the runner where UVA offload works (specs), so
                 # that its engines compare like with like.
                 model_runner_v1=True,
-                moe_backend="triton_unfused" if checkpoint.arch == "gpt_oss" else None,
+                moe_backend=engine.backend,
                 # The builder's Qwen3 shapes say 2,048 positions; a 2,048-token prompt and its
                 # tokens need more (the other architectures' configs say more).
                 max_position_embeddings=4096 if checkpoint.arch == "qwen3" else None,
@@ -785,9 +877,7 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
 
 
 def models_labels_all() -> tuple[str, ...]:
-    return tuple(
-        dict.fromkeys(label for b in MODEL_BUDGETS.values() for label, _, _ in models_labels(b))
-    )
+    return tuple(dict.fromkeys(e.label for b in MODEL_BUDGETS.values() for e in models_labels(b)))
 
 
 BUDGETED_LABELS = tuple(

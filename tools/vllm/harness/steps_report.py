@@ -373,9 +373,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     slots exact."""
     checkpoint = next(c for c, p in engines.MODELS_PREFIX.items() if p == prefix)
     budget = engines.MODEL_BUDGETS[checkpoint]
-    (_, _, _), (row_q, _, _), (uva_q, _, _), (row_h, _, _), (uva_h, _, _) = engines.models_labels(
-        budget
-    )
+    row_q, uva_q, row_h, uva_h = engines.model_roles(budget)
     factor = 3.0 if checkpoint.router_skew else 1.3
     wanted = [
         ("b1", uva_q, factor, True, row_q),
@@ -388,6 +386,18 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     lines = [line for w in wanted if (line := _ratio(results, prefix, *w)) is not None]
     if lines:
         lines.insert(0, "  (the quarter's b1 and TTFT are issue 34's targets; the rest parity)")
+    baseline = budget.baseline
+    if baseline is not None and any(
+        name.startswith(prefix + ".")
+        and (record.get("spec") or {}).get("moe_backend") == baseline.backend
+        for name, record in results.items()
+    ):
+        lines.insert(
+            0,
+            f"  (UVA on vLLM's {baseline.backend} MoE backend, where it offloads this "
+            "model's experts; the cache and its reference on the backend it serves)",
+        )
+    lines += offloaded_lines(results, prefix)
     for label in (row_q, uva_q, row_h, uva_h):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
@@ -396,6 +406,35 @@ def models_targets(results: Results, prefix: str) -> list[str]:
         for line in (slots_line(record, label), exactness_line(record, label)):
             lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
+
+
+def offloaded_lines(results: Results, prefix: str) -> list[str]:
+    """A line for every UVA engine of ``prefix`` that kept more of the experts on the GPU than
+    its ``cpu_offload_gb`` leaves (vLLM offloaded less than asked, or nothing: on gpt-oss's
+    triton_unfused backend the swizzled experts are new GPU tensors that nothing offloads
+    again): its ratios compare with an engine that holds the experts on the GPU."""
+    checkpoint = next(c for c, p in engines.MODELS_PREFIX.items() if p == prefix)
+    budget = engines.MODEL_BUDGETS[checkpoint]
+    lines = []
+    for name, record in results.items():
+        if not name.startswith(prefix + "."):
+            continue
+        kept = (record.get("probe") or {}).get("expert_gpu_bytes")
+        spec = record.get("spec") or {}
+        offload = spec.get("offload") or {}
+        if kept is None or offload.get("backend") != "uva":
+            continue
+        baseline = budget.baseline
+        on_baseline = baseline is not None and spec.get("moe_backend") == baseline.backend
+        total = budget.uva_layer_gib * budget.moe_layers if on_baseline else budget.expert_gib
+        allowed = (total - float(offload["cpu_offload_gb"])) * 2**30
+        if kept > allowed * 1.01:
+            lines.append(
+                f"  {name[len(prefix) + 1 :]} kept {kept / 2**30:.2f} GiB of experts on the GPU "
+                f"against the {allowed / 2**30:.2f} GiB its offload leaves: vLLM did not "
+                "offload them, and its ratios compare with an engine that holds them on the GPU"
+            )
+    return lines
 
 
 def targets(results: Results, prefix: str) -> list[str]:
