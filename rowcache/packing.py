@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
+from rowcache.pinned import pinned_empty_exact
 
 __all__ = ["LAYOUTS", "PACK_ALIGN", "Layout", "check_layout", "pack_offsets", "packed_views"]
 
@@ -90,5 +91,8 @@ def packed_views(
 def packed_storage(
     num_rows: int, size: int, *, device: torch.device, pin_memory: bool = False
 ) -> Tensor:
-    """A uint8 buffer ``[num_rows, size]`` (pinned host memory when ``pin_memory``)."""
-    return torch.empty((num_rows, size), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    """A uint8 buffer ``[num_rows, size]`` (pinned host memory when ``pin_memory``: the
+    arena's exact bytes, since the packed sources live as long as their provider)."""
+    if pin_memory:
+        return pinned_empty_exact((num_rows, size), torch.uint8)
+    return torch.empty((num_rows, size), dtype=torch.uint8, device=device)

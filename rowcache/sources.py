@@ -15,6 +15,7 @@ from torch import Tensor
 from rowcache.compress import Bf16Planes, decode, decode_experts, encode
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout, pack_offsets, packed_storage, packed_views
+from rowcache.pinned import pinned_empty_exact
 
 __all__ = [
     "HELD_CODE_BITS",
@@ -357,10 +358,9 @@ def _host_copy(t: Tensor) -> Tensor:
 
 
 def _pinned_copy(t: Tensor) -> Tensor:
-    """A copy of ``t`` in pinned host memory, one allocation whether ``t`` is pinned or not."""
-    if not t.is_pinned():
-        return t.pin_memory()  # a pinned copy
-    copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    """A copy of ``t`` in pinned host memory (the arena's exact bytes: the sources live as long
+    as their provider), one allocation whether ``t`` is pinned or not."""
+    copy = pinned_empty_exact(tuple(t.shape), t.dtype)
     copy.copy_(t)
     return copy
 

@@ -47,6 +47,8 @@ __all__ = [
     "SANITIZER_ERRORS",
     "SANITIZER_KERNEL_LAUNCH",
     "SEAMS",
+    "STORAGE_CDATA",
+    "STORAGE_USE_COUNT",
     "TorchSeam",
     "check_installed",
     "check_seam",
@@ -106,9 +108,26 @@ HOST_EMPTY_CACHE = TorchSeam(
     "next (the caching host allocator keeps freed pinned memory; the large layout pins tens of "
     "GiB)",
     "none: the bench skips it and the freed pinned blocks stay cached, so a host with little "
-    "memory may not fit the next layout",
-    ("rowcache/bench/device_path.py",),
+    "memory may not fit the next layout; the vLLM plugin skips it and the checkpoint tensors it "
+    "released stay pinned in torch's cache",
+    ("rowcache/bench/device_path.py", "rowcache/vllm/_method.py"),
     cuda_only=True,
+)
+STORAGE_USE_COUNT = TorchSeam(
+    "torch._C",
+    "_storage_Use_Count",
+    "the arena of pinned slabs (rowcache.pinned) lets go of a slab once no tensor views it any "
+    "longer: torch's count of the tensors sharing a storage (what torch.multiprocessing reads)",
+    "none: the arena keeps every slab it made for the life of the process (a model's pinned "
+    "memory outlives the model in a process that builds another)",
+    ("rowcache/pinned.py",),
+)
+STORAGE_CDATA = TorchSeam(
+    "torch",
+    "UntypedStorage._cdata",
+    "the handle of a storage that _storage_Use_Count takes",
+    "as for _storage_Use_Count",
+    ("rowcache/pinned.py",),
 )
 SANITIZER_ENABLED = TorchSeam(
     SANITIZER,
@@ -152,6 +171,8 @@ def _handler(method: str, uses: tuple[str, ...] = (_ORACLE, _COPY_TEST)) -> Torc
 SEAMS: tuple[TorchSeam, ...] = (
     RAW_CURRENT_STREAM,
     HOST_EMPTY_CACHE,
+    STORAGE_USE_COUNT,
+    STORAGE_CDATA,
     SANITIZER_ENABLED,
     SANITIZER_KERNEL_LAUNCH,
     SANITIZER_ERRORS,

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from rowcache.errors import InvalidInputError
+from rowcache.pinned import pinned_empty_exact
 
 __all__ = [
     "BLOCK",
@@ -234,7 +235,9 @@ def encode(
     pin = pin_memory and device.type == "cpu"  # only host memory is pinned
 
     def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        if pin:  # the planes live as long as their holder: the arena's exact bytes
+            return pinned_empty_exact(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def group(chunk: slice) -> Tensor:
         """A group of experts' bits as int16 ``[experts, n]`` on the work device (the shifts

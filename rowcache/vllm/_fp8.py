@@ -218,7 +218,7 @@ class RowcacheFp8MoEMethod(_CachedFp8Forward, Fp8MoEMethod):  # type: ignore[mis
                 **extra_weight_attrs,
             )
         names = (*WEIGHTS, *_scale_names(self))
-        self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names[2:]))
+        self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names[2:]), lasting=True)
 
     def process_weights_after_loading(self, layer: Any) -> None:
         assert self.rowcache_settings is not None
@@ -260,7 +260,7 @@ class RowcacheFp8OnlineMoEMethod(_CachedFp8Forward, Fp8PerTensorOnlineMoEMethod)
         hosts: dict[str, Tensor] = {}
         for name in (*WEIGHTS, w13_name, w2_name):
             quantized = getattr(layer, name).data
-            host = pinned_empty(tuple(quantized.shape), quantized.dtype)
+            host = pinned_empty(tuple(quantized.shape), quantized.dtype, lasting=True)
             host.copy_(quantized)
             hosts[name] = host
         self._rowcache_hosts = hosts

@@ -66,7 +66,9 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 from rowcache.cached import CachedWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.forward import run_unreduced_with_expert_cache, run_with_expert_cache
+from rowcache.pinned import pinned_empty_exact
 from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 from rowcache.vllm._config import MOE_OPS, RowcacheError, settings_of
 from rowcache.vllm.knob import SIZE, CacheSettings, KnobError
@@ -189,10 +191,7 @@ def release_host_cache() -> None:
     bytes) after the cache released a layer's checkpoint tensors."""
     if not torch.cuda.is_available():
         return
-    accelerator = getattr(torch, "accelerator", None)
-    empty = getattr(accelerator, "empty_host_cache", None) or getattr(
-        torch._C, "_host_emptyCache", None
-    )
+    empty = lookup(HOST_EMPTY_CACHE)
     if empty is not None:
         empty()
 
@@ -205,9 +204,18 @@ def _refuse_reload(*args: Any, **kwargs: Any) -> None:
     )
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Host memory for expert tensors: pinned where there is a GPU (CPU tests: plain)."""
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, lasting: bool) -> Tensor:
+    """Host memory for expert tensors: pinned where there is a GPU (CPU tests: plain).
+    ``lasting``: it lives as long as the model, and is carved from the process's arena of
+    pinned slabs (``rowcache.pinned``: the bytes asked, where torch's own pinned allocator
+    rounds every request up to a power of two); else a block of its own, which is freed when
+    the tensor is (a layer's checkpoint tensors that the cache releases once it holds the
+    experts in its own form)."""
+    if not torch.cuda.is_available():
+        return torch.empty(shape, dtype=dtype, device="cpu")
+    if lasting:
+        return pinned_empty_exact(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
 
 def check_layer(moe: Any, settings: CacheSettings, method: str, biases: bool = False) -> int:
@@ -235,7 +243,9 @@ def check_layer(moe: Any, settings: CacheSettings, method: str, biases: bool = F
     return min(settings.size, experts)
 
 
-def to_pinned(layer: Any, names: tuple[str, ...], keep_values: set[str]) -> dict[str, Tensor]:
+def to_pinned(
+    layer: Any, names: tuple[str, ...], keep_values: set[str], *, lasting: bool
+) -> dict[str, Tensor]:
     """Replace the layer's parameters ``names`` with device views of pinned host copies.
 
     Each keeps the attributes vLLM gave it (``weight_loader`` writing the host tensor); the
@@ -244,7 +254,7 @@ def to_pinned(layer: Any, names: tuple[str, ...], keep_values: set[str]) -> dict
     hosts: dict[str, Tensor] = {}
     for name in names:
         old = getattr(layer, name)
-        host = pinned_empty(tuple(old.shape), old.dtype)
+        host = pinned_empty(tuple(old.shape), old.dtype, lasting=lasting)
         if name in keep_values:
             host.copy_(old.data)
         register_host_parameter(layer, name, host, vars(old))
@@ -602,6 +612,11 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
     def _cache_on(self) -> bool:
         return self.rowcache_settings is not None and self.rowcache_settings.cache_on
 
+    def _planes_planned(self) -> bool:
+        """Whether the provider will hold w13 and w2 as planes (then the layer's own pinned
+        copies are released after the provider is built)."""
+        return self.rowcache_settings is not None and self.rowcache_settings.compress_planes
+
     def create_weights(
         self,
         layer: Any,
@@ -629,7 +644,8 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         hosts: list[Tensor] = []
         for name, shape in shapes.items():
             # Pinned host memory from the start: the full expert set never touches the GPU.
-            host = pinned_empty(shape, params_dtype)
+            # Lasting unless the planes will hold the experts (then these are released).
+            host = pinned_empty(shape, params_dtype, lasting=not self._planes_planned())
             register_host_parameter(layer, name, host, extra_weight_attrs)
             hosts.append(host)
         self._host = (hosts[0], hosts[1])

@@ -132,7 +132,7 @@ def _pin_tiles(experts: Any, method: RowcacheGptOssMxfp4MoEMethod) -> None:
 
 
 def _pinned_copy(t: Tensor) -> Tensor:
-    host = pinned_empty(tuple(t.shape), t.dtype)
+    host = pinned_empty(tuple(t.shape), t.dtype, lasting=True)
     host.copy_(t)
     return host
 
@@ -171,7 +171,8 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
                 **extra_weight_attrs,
             )
         names = tuple(n for n in RAW if getattr(layer, n, None) is not None)
-        self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names))
+        # Freed once converted: blocks of their own, not the arena's.
+        self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names), lasting=False)
         self._rowcache_raw_params = [getattr(layer, n) for n in names]
 
     def process_weights_after_loading(self, layer: Any) -> None:

@@ -1,0 +1,132 @@
+"""Pinned host memory of (almost) exactly the bytes asked, for tensors that live as long as the
+cache that holds them.
+
+torch's caching host allocator rounds every pinned request up to a power of two (so that freed
+blocks can be reused by size class): a layer's 805 MB ``w13`` takes 1 GiB and its 907 MB of
+planes, held as five tensors, 1.21 GB. Measured on the H200 (2026-12-04, 8 layers of
+Qwen3-30B-A3B shapes held as planes) the rounding alone pinned 2.4 GB beyond the 7.26 GB of
+planes. An arena asks torch for power-of-two slabs, which it does not round, and hands out
+aligned views of them one after another; only the unused tail of a slab is lost.
+
+A view keeps its slab alive. The arena lets go of a slab once nothing else views it (checked at
+each request), so a model's slabs are freed after the model by the next request at the latest;
+until then a slab's free tail serves later requests. The arena is for what lives as long as the
+model (the providers' sources and planes), not for tensors freed early (a layer's checkpoint
+tensors released once its planes hold them): one live view holds its whole slab.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rowcache.errors import InvalidInputError
+from rowcache.torch_seams import STORAGE_CDATA, STORAGE_USE_COUNT, lookup
+
+__all__ = ["ALIGN", "SLAB_BYTES", "PinnedArena", "pinned_empty_exact"]
+
+SLAB_BYTES = 1 << 30
+"""The smallest slab (1 GiB): a request larger than that takes a slab of the next power of two,
+whose tail serves later requests."""
+ALIGN = 512
+"""Every view starts at a multiple of this many bytes (the CUDA allocator's own granule: any
+dtype, and the vectorized loads of the copies and the decode)."""
+
+
+def _pinned_bytes(nbytes: int) -> Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class PinnedArena:
+    """Hands out views of pinned slabs. ``allocate(nbytes)`` makes a slab (a flat uint8
+    tensor): pinned host memory by default; tests pass plain host memory."""
+
+    def __init__(
+        self,
+        slab_bytes: int = SLAB_BYTES,
+        allocate: Callable[[int], Tensor] = _pinned_bytes,
+    ) -> None:
+        if slab_bytes < ALIGN or slab_bytes & (slab_bytes - 1):
+            raise InvalidInputError(
+                f"slab_bytes must be a power of two >= {ALIGN}, got {slab_bytes}"
+            )
+        self.slab_bytes = slab_bytes
+        self._allocate = allocate
+        self._slabs: list[tuple[Tensor, int]] = []
+        """Each slab with the offset of its first free byte."""
+        self._unviewed: dict[int, int] = {}
+        """The use count of each slab's storage (by slab id) with no views of it."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of every slab the arena made (whether or not anything still views it)."""
+        return sum(slab.numel() for slab, _ in self._slabs)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialized contiguous tensor in a slab: the first slab whose free tail holds
+        it, else a new one of ``max(slab_bytes, next power of two)`` bytes."""
+        if any(d < 0 for d in shape):
+            raise InvalidInputError(f"shape must not be negative, got {shape}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        self._let_go_of_unviewed()
+        for index, (slab, start) in enumerate(self._slabs):
+            if slab.numel() - start >= nbytes:
+                return self._take(index, slab, start, nbytes, shape, dtype)
+        size = max(self.slab_bytes, 1 << (nbytes - 1).bit_length())
+        slab = self._allocate(size)
+        self._unviewed[id(slab)] = _use_count(slab)
+        self._slabs.append((slab, 0))
+        return self._take(len(self._slabs) - 1, slab, 0, nbytes, shape, dtype)
+
+    def _let_go_of_unviewed(self) -> None:
+        """Drop the slabs nothing views any longer (their memory goes back to torch)."""
+        kept = []
+        for slab, start in self._slabs:
+            if start > 0 and _use_count(slab) <= self._unviewed[id(slab)]:
+                del self._unviewed[id(slab)]
+                continue
+            kept.append((slab, start))
+        self._slabs = kept
+
+    def _take(
+        self,
+        index: int,
+        slab: Tensor,
+        start: int,
+        nbytes: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        end = start + nbytes
+        self._slabs[index] = (slab, min(slab.numel(), -(-end // ALIGN) * ALIGN))
+        return slab[start:end].view(dtype).view(shape)
+
+
+def _use_count(t: Tensor) -> int:
+    """How many tensors share ``t``'s storage (torch's own count, as its multiprocessing code
+    reads it), the temporary storage object this call makes included; a count that never
+    falls (so the slab is kept) where torch lacks the names (``rowcache.torch_seams``)."""
+    count = lookup(STORAGE_USE_COUNT)
+    storage = t.untyped_storage()
+    cdata = getattr(storage, STORAGE_CDATA.path[-1], None)
+    if count is None or cdata is None:
+        return 1 << 30
+    return int(count(cdata))
+
+
+_ARENA: PinnedArena | None = None
+
+
+def pinned_empty_exact(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor in the process's arena of pinned slabs (:class:`PinnedArena`): for what lives as
+    long as the model. Needs a CUDA device (pinned memory)."""
+    global _ARENA
+    if _ARENA is None:
+        _ARENA = PinnedArena()
+    return _ARENA.empty(shape, dtype)

@@ -1,0 +1,92 @@
+"""The arena of pinned slabs (``rowcache.pinned``), over plain host memory (no GPU here): every
+view in bounds, aligned and disjoint from the others, slabs reused while they have room, freed
+once nothing views them, and bad input refused."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rowcache.errors import InvalidInputError
+from rowcache.pinned import ALIGN, PinnedArena
+
+made: list[int] = []
+
+
+def plain(nbytes: int) -> torch.Tensor:
+    """Plain host memory, aligned like the pinned allocator's (pages)."""
+    made.append(nbytes)
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip : skip + nbytes]
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+DTYPES = [torch.uint8, torch.bfloat16, torch.float32, torch.int64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.sampled_from(DTYPES)), min_size=1, max_size=25))
+def test_views_are_in_bounds_aligned_and_disjoint(requests: list[tuple[int, torch.dtype]]) -> None:
+    made.clear()
+    arena = PinnedArena(slab_bytes=4096, allocate=plain)
+    views = [arena.empty((n,), dtype) for n, dtype in requests]
+    for view, (n, dtype) in zip(views, requests, strict=True):
+        assert view.shape == (n,) and view.dtype == dtype and view.is_contiguous()
+        if n:
+            assert view.data_ptr() % ALIGN == 0
+    spans = sorted(span(v) for v in views if v.numel())
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert end <= start  # no two views share a byte
+    # Writes to one view never show in another.
+    for index, view in enumerate(views):
+        view.view(torch.uint8).fill_(index % 251)
+    for index, view in enumerate(views):
+        assert bool((view.view(torch.uint8) == index % 251).all())
+    # Slabs are powers of two, at least the slab size: none is rounded up by torch again.
+    assert all(size >= 4096 and size & (size - 1) == 0 for size in made)
+
+
+def test_small_requests_share_a_slab_and_a_large_one_takes_the_next_power_of_two() -> None:
+    made.clear()
+    arena = PinnedArena(slab_bytes=4096, allocate=plain)
+    a = arena.empty((1000,), torch.uint8)
+    b = arena.empty((100,), torch.float32)
+    assert made == [4096] and b.data_ptr() == a.data_ptr() + 1024  # aligned after a
+    big = arena.empty((3, 1000), torch.bfloat16)  # 6,000 bytes: an 8 KiB slab
+    assert made == [4096, 8192]
+    assert arena.empty((2000,), torch.uint8).data_ptr() == a.data_ptr() + 1536  # first fit
+    tail = arena.empty((1500,), torch.uint8)  # fits only the 8 KiB slab's tail
+    assert made == [4096, 8192] and tail.data_ptr() == big.data_ptr() + 6144
+    assert arena.reserved_bytes == 4096 + 8192
+
+
+def test_a_slab_nothing_views_is_let_go() -> None:
+    made.clear()
+    arena = PinnedArena(slab_bytes=4096, allocate=plain)
+    a = arena.empty((3000,), torch.uint8)
+    keep = arena.empty((3000,), torch.uint8)  # a second slab
+    assert arena.reserved_bytes == 8192
+    del a
+    gc.collect()
+    arena.empty((10,), torch.uint8)  # the next request lets the first slab go
+    assert arena.reserved_bytes == 4096
+    assert keep.numel() == 3000
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="power of two >= 512, got 1000"):
+        PinnedArena(slab_bytes=1000, allocate=plain)
+    arena = PinnedArena(slab_bytes=4096, allocate=plain)
+    with pytest.raises(InvalidInputError, match=r"must not be negative, got \(2, -1\)"):
+        arena.empty((2, -1), torch.uint8)
+    assert arena.reserved_bytes == 0
+    assert arena.empty((0, 5), torch.float32).shape == (0, 5)
