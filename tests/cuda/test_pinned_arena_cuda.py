@@ -1,0 +1,32 @@
+"""The arena of pinned slabs on a GPU: its views are pinned, a GPU copies them as it copies any
+pinned tensor (asynchronously), and torch's host allocator pins the slabs' bytes,
+not each request rounded up to a power of two."""
+
+from __future__ import annotations
+
+import torch
+
+from rowcache.pinned import PinnedArena
+
+
+def test_views_are_pinned_and_read_by_the_gpu_exactly() -> None:
+    arena = PinnedArena(slab_bytes=1 << 20)
+    views = [arena.empty((n,), torch.bfloat16) for n in (1000, 77, 300_000, 5)]
+    for index, view in enumerate(views):
+        view.copy_(torch.arange(view.numel(), dtype=torch.float32).mul(index + 1))
+        assert view.is_pinned()
+        assert torch.equal(view.to("cuda", non_blocking=True).cpu(), view)
+
+
+def test_the_host_allocator_pins_the_slabs_bytes() -> None:
+    # Three 300 MiB tensors: 1.5 GiB pinned one by one (each rounded up to 512 MiB), one
+    # 1 GiB slab from the arena.
+    # Active bytes: the blocks in use, each as large as torch made it (a cached block reused
+    # counts at its own size too).
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
+    arena = PinnedArena()
+    views = [arena.empty((300 << 20,), torch.uint8) for _ in range(3)]
+    after = torch.cuda.host_memory_stats()["active_bytes.current"]
+    assert after - before == 1 << 30
+    assert all(v.is_pinned() for v in views)
