@@ -5,8 +5,8 @@ programs walks the work items (miss, block of ``BLOCK`` values); the number of i
 from the miss count on the device, so with no miss every program returns after one load, and
 the launch is captured in a CUDA graph once. A work item reads the block's sign-mantissa bytes
 and exponent codes (on the host through unified addressing, or on the device; a 4-bit code from
-its byte's nibble, a 3-bit one from the three bytes of its group of eight), looks each code up
-in the 16-entry codebook, takes the escaped exponents from the block's range of the escape
+its byte's nibble, a 3-bit one from the three bytes of its group of eight; the block is a tile of
+such units, so that each byte of codes is read once), looks each code up in the codebook, takes the escaped exponents from the block's range of the escape
 plane (the rank of an escape in its block is an exclusive prefix sum of the escape flags), and
 stores the reassembled 16 bits into the slot. Every store is masked by the block's end and by
 the miss count; a miss entry below 0 (never written below the count) writes nothing.
