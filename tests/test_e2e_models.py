@@ -315,6 +315,8 @@ def test_gpt_oss_phases() -> None:
     assert uva.offload is not None
     assert uva.offload.cpu_offload_gb * 2**30 == 18 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
     assert budget.gpu_gib(uva) * 2**30 == 6 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    # Its engines' time estimates come from its own run (the budget decides what starts).
+    assert [s.time_once_s for s in specs[:4]] == [100, 100, 150, 150]
     skew = [s.name.split(".", 2)[2] for s in engines.models(engines.GPT_OSS_SKEW)]
     assert skew[:4] == ["row8dev.full", "uva774marlin.full", "none.full", "nonemarlin.full"]
     for spec in engines.models(engines.DS2):

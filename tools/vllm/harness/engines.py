@@ -757,6 +757,13 @@ QUARTER, HALF = 0.25, 0.5
 # UVA there offloaded nothing (the V2 runner). On the V1 runner UVA pins and reads 19.6 GiB:
 # its b8 generation of 64 tokens about 15 s, estimated.
 _MODELS_TIMES = {"none": (130, 150), "row": (210, 250), "uva": (250, 330)}
+_MODELS_TIMES_BY_ARCH = {
+    # gpt-oss-20b on the H200, 2026-12-04 (docs/records/2026-12-04-gpt-oss.md), single
+    # generations, start-up included: no offload 78 s whole, row at 8 slots 84 to 138 s, UVA
+    # (which offloaded nothing there) 63 s; UVA on Marlin reads 18 layers' experts over the
+    # link each step (b8 about 0.2 s a step, estimated).
+    "gpt_oss": {"none": (100, 120), "row": (150, 200), "uva": (150, 220)},
+}
 
 
 class ModelEngine(NamedTuple):
@@ -842,7 +849,7 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
     specs = []
     for engine in labels:
         kind = "row" if engine.knob is not None else "uva" if engine.offload is not None else "none"
-        once, full = _MODELS_TIMES[kind]
+        once, full = _MODELS_TIMES_BY_ARCH.get(checkpoint.arch, _MODELS_TIMES)[kind]
         reference = engine.reference or engine.label
         specs.append(
             EngineSpec(
