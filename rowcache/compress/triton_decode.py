@@ -6,9 +6,10 @@ from the miss count on the device, so with no miss every program returns after o
 the launch is captured in a CUDA graph once. A work item reads the block's sign-mantissa bytes
 and exponent codes (on the host through unified addressing, or on the device; a 4-bit code from
 its byte's nibble, a 3-bit one from the three bytes of its group of eight; the block is a tile of
-such units, so that each byte of codes is read once), looks each code up in the codebook, takes the escaped exponents from the block's range of the escape
-plane (the rank of an escape in its block is an exclusive prefix sum of the escape flags), and
-stores the reassembled 16 bits into the slot. Every store is masked by the block's end and by
+such units, so that each byte of codes is read once), looks each code up in the codebook,
+takes the escaped exponents from the block's range of the escape plane (the rank of an escape
+in its block is an exclusive prefix sum of the escape flags), and stores the reassembled 16
+bits into the slot. Every store is masked by the block's end and by
 the miss count; a miss entry below 0 (never written below the count) writes nothing.
 
 ``SlotDecoder`` is the launch, checked once per slot buffer; ``decode_into_slots`` builds one
