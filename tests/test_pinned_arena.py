@@ -55,31 +55,31 @@ def test_views_are_in_bounds_aligned_and_disjoint(requests: list[tuple[int, torc
     assert all(size >= 4096 and size & (size - 1) == 0 for size in made)
 
 
-def test_small_requests_share_a_slab_and_a_large_one_takes_the_next_power_of_two() -> None:
+def test_small_requests_share_a_slab_and_a_large_one_takes_twice_its_power_of_two() -> None:
     made.clear()
     arena = PinnedArena(slab_bytes=4096, allocate=plain)
     a = arena.empty((1000,), torch.uint8)
     b = arena.empty((100,), torch.float32)
     assert made == [4096] and b.data_ptr() == a.data_ptr() + 1024  # aligned after a
-    big = arena.empty((3, 1000), torch.bfloat16)  # 6,000 bytes: an 8 KiB slab
-    assert made == [4096, 8192]
+    big = arena.empty((3, 1000), torch.bfloat16)  # 6,000 bytes: a 16 KiB slab
+    assert made == [4096, 16384]
     assert arena.empty((2000,), torch.uint8).data_ptr() == a.data_ptr() + 1536  # first fit
-    tail = arena.empty((1500,), torch.uint8)  # fits only the 8 KiB slab's tail
-    assert made == [4096, 8192] and tail.data_ptr() == big.data_ptr() + 6144
-    assert arena.reserved_bytes == 4096 + 8192
+    tail = arena.empty((9000,), torch.uint8)  # fits only the 16 KiB slab's tail
+    assert made == [4096, 16384] and tail.data_ptr() == big.data_ptr() + 6144
+    assert arena.reserved_bytes == 4096 + 16384
 
 
 def test_a_slab_nothing_views_is_let_go() -> None:
     made.clear()
-    arena = PinnedArena(slab_bytes=4096, allocate=plain)
-    a = arena.empty((3000,), torch.uint8)
-    keep = arena.empty((3000,), torch.uint8)  # a second slab
-    assert arena.reserved_bytes == 8192
+    arena = PinnedArena(slab_bytes=8192, allocate=plain)
+    a = arena.empty((4000,), torch.uint8)  # an 8 KiB slab
+    keep = arena.empty((5000,), torch.uint8)  # not in its tail: a 16 KiB slab
+    assert made == [8192, 16384]
     del a
     gc.collect()
     arena.empty((10,), torch.uint8)  # the next request lets the first slab go
-    assert arena.reserved_bytes == 4096
-    assert keep.numel() == 3000
+    assert arena.reserved_bytes == 16384
+    assert keep.numel() == 5000
 
 
 def test_bad_input_is_refused() -> None:
