@@ -3,10 +3,10 @@ cache that holds them.
 
 torch's caching host allocator rounds every pinned request up to a power of two (so that freed
 blocks can be reused by size class): a layer's 805 MB ``w13`` takes 1 GiB and its 907 MB of
-planes, held as five tensors, 1.21 GB. Measured on the H200 (2026-12-04, 8 layers of
-Qwen3-30B-A3B shapes held as planes) the rounding alone pinned 2.4 GB beyond the 7.26 GB of
-planes. An arena asks torch for power-of-two slabs, which it does not round, and hands out
-aligned views of them one after another; only the unused tail of a slab is lost.
+planes, held as five tensors, 1.21 GB. On the H200 (2026-12-04, 8 layers of Qwen3-30B-A3B
+shapes held as planes) the process pinned 22.57 GB, of which the rounding accounts for 2.4 GB
+by the tensors' sizes. An arena asks torch for power-of-two slabs, which it does not round, and
+hands out aligned views of them one after another; only the unused tail of a slab is lost.
 
 A view keeps its slab alive. The arena lets go of a slab once nothing else views it (checked at
 each request), so a model's slabs are freed after the model by the next request at the latest;
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,6 +44,16 @@ def _pinned_bytes(nbytes: int) -> Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+@dataclass
+class _Slab:
+    memory: Tensor
+    """A flat uint8 tensor."""
+    free_at: int
+    """The offset of its first free byte (aligned)."""
+    unviewed: int
+    """Its storage's use count with no view of it (read when it was made)."""
+
+
 class PinnedArena:
     """Hands out views of pinned slabs. ``allocate(nbytes)`` makes a slab (a flat uint8
     tensor): pinned host memory by default; tests pass plain host memory."""
@@ -58,15 +69,12 @@ class PinnedArena:
             )
         self.slab_bytes = slab_bytes
         self._allocate = allocate
-        self._slabs: list[tuple[Tensor, int]] = []
-        """Each slab with the offset of its first free byte."""
-        self._unviewed: dict[int, int] = {}
-        """The use count of each slab's storage (by slab id) with no views of it."""
+        self._slabs: list[_Slab] = []
 
     @property
     def reserved_bytes(self) -> int:
         """Bytes of every slab the arena made (whether or not anything still views it)."""
-        return sum(slab.numel() for slab, _ in self._slabs)
+        return sum(slab.memory.numel() for slab in self._slabs)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialized contiguous tensor in a slab: the first slab whose free tail holds
@@ -77,38 +85,16 @@ class PinnedArena:
         nbytes = math.prod(shape) * itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        self._let_go_of_unviewed()
-        for index, (slab, start) in enumerate(self._slabs):
-            if slab.numel() - start >= nbytes:
-                return self._take(index, slab, start, nbytes, shape, dtype)
-        size = max(self.slab_bytes, 2 << (nbytes - 1).bit_length())
-        slab = self._allocate(size)
-        self._unviewed[id(slab)] = _use_count(slab)
-        self._slabs.append((slab, 0))
-        return self._take(len(self._slabs) - 1, slab, 0, nbytes, shape, dtype)
-
-    def _let_go_of_unviewed(self) -> None:
-        """Drop the slabs nothing views any longer (their memory goes back to torch)."""
-        kept = []
-        for slab, start in self._slabs:
-            if start > 0 and _use_count(slab) <= self._unviewed[id(slab)]:
-                del self._unviewed[id(slab)]
-                continue
-            kept.append((slab, start))
-        self._slabs = kept
-
-    def _take(
-        self,
-        index: int,
-        slab: Tensor,
-        start: int,
-        nbytes: int,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-    ) -> Tensor:
-        end = start + nbytes
-        self._slabs[index] = (slab, min(slab.numel(), -(-end // ALIGN) * ALIGN))
-        return slab[start:end].view(dtype).view(shape)
+        # Let go of the slabs nothing views any longer (their memory goes back to torch).
+        self._slabs = [s for s in self._slabs if _use_count(s.memory) > s.unviewed]
+        slab = next((s for s in self._slabs if s.memory.numel() - s.free_at >= nbytes), None)
+        if slab is None:
+            memory = self._allocate(max(self.slab_bytes, 2 << (nbytes - 1).bit_length()))
+            slab = _Slab(memory, 0, _use_count(memory))
+            self._slabs.append(slab)
+        start = slab.free_at
+        slab.free_at = min(slab.memory.numel(), -(-(start + nbytes) // ALIGN) * ALIGN)
+        return slab.memory[start : start + nbytes].view(dtype).view(shape)
 
 
 def _use_count(t: Tensor) -> int:
