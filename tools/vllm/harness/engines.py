@@ -686,6 +686,10 @@ class ModelBudget:
             return self.baseline.layer_bytes / 2**30
         return self.expert_gib / self.moe_layers
 
+    def uva_kept_gib(self, offloaded_gib: float) -> float:
+        """GiB of experts a UVA engine on the baseline's backend keeps on the GPU."""
+        return self.uva_layer_gib * self.moe_layers - offloaded_gib
+
     def uva_offloaded_gib(self, fraction: float) -> float:
         """``cpu_offload_gb`` that offloads the experts of whole MoE layers, leaving at least
         ``fraction`` of the expert memory on the GPU: vLLM's UVA offloader takes parameters in
@@ -699,7 +703,7 @@ class ModelBudget:
         if spec.knob is not None and spec.knob.size:
             return self.expert_gib * spec.knob.size / self.experts
         if spec.offload is not None and spec.offload.backend is OffloadBackend.UVA:
-            return self.uva_layer_gib * self.moe_layers - spec.offload.cpu_offload_gb
+            return self.uva_kept_gib(spec.offload.cpu_offload_gb)
         return self.expert_gib
 
 

@@ -397,7 +397,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             f"  (UVA on vLLM's {baseline.backend} MoE backend, where it offloads this "
             "model's experts; the cache and its reference on the backend it serves)",
         )
-    lines += offloaded_lines(results, prefix)
+    lines += offloaded_lines(results, prefix, budget)
     for label in (row_q, uva_q, row_h, uva_h):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
@@ -408,13 +408,11 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
 
-def offloaded_lines(results: Results, prefix: str) -> list[str]:
+def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
     """A line for every UVA engine of ``prefix`` that kept more of the experts on the GPU than
     its ``cpu_offload_gb`` leaves (vLLM offloaded less than asked, or nothing: on gpt-oss's
     triton_unfused backend the swizzled experts are new GPU tensors that nothing offloads
     again): its ratios compare with an engine that holds the experts on the GPU."""
-    checkpoint = next(c for c, p in engines.MODELS_PREFIX.items() if p == prefix)
-    budget = engines.MODEL_BUDGETS[checkpoint]
     lines = []
     for name, record in results.items():
         if not name.startswith(prefix + "."):
@@ -424,10 +422,12 @@ def offloaded_lines(results: Results, prefix: str) -> list[str]:
         offload = spec.get("offload") or {}
         if kept is None or offload.get("backend") != "uva":
             continue
-        baseline = budget.baseline
-        on_baseline = baseline is not None and spec.get("moe_backend") == baseline.backend
-        total = budget.uva_layer_gib * budget.moe_layers if on_baseline else budget.expert_gib
-        allowed = (total - float(offload["cpu_offload_gb"])) * 2**30
+        asked = float(offload["cpu_offload_gb"])
+        on_baseline = budget.baseline is not None and spec.get("moe_backend") == (
+            budget.baseline.backend
+        )
+        kept_gib = budget.uva_kept_gib(asked) if on_baseline else budget.expert_gib - asked
+        allowed = kept_gib * 2**30
         if kept > allowed * 1.01:
             lines.append(
                 f"  {name[len(prefix) + 1 :]} kept {kept / 2**30:.2f} GiB of experts on the GPU "
