@@ -18,9 +18,10 @@ precision configs, the biases as the layer's parameters; vLLM's quant config and
 then built over those, once, as ``_setup_kernel`` builds them.
 
 Every kernel call of a cached forward is told the tiles of one call over every expert
-(``_pin_tiles``). Not yet run on a GPU: the CPU tests drive it through a fake of vLLM's classes
-(tests/test_vllm_mxfp4.py); whether the pinned tiles give that call's bits is the first GPU
-run's question (docs/GPT_OSS.md).
+(``_pin_tiles``). The CPU tests drive it through a fake of vLLM's classes
+(tests/test_vllm_mxfp4.py); on the H200 at gpt-oss-20b's full depth its steps cut into passes
+gave the tokens of the uncut engine and every slot was byte-exact
+(docs/records/2026-12-04-gpt-oss.md).
 """
 
 from __future__ import annotations
