@@ -613,11 +613,6 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
     def _cache_on(self) -> bool:
         return self.rowcache_settings is not None and self.rowcache_settings.cache_on
 
-    def _planes_planned(self) -> bool:
-        """Whether the provider will hold w13 and w2 as planes (then the layer's own pinned
-        copies are released after the provider is built)."""
-        return self.rowcache_settings is not None and self.rowcache_settings.compress_planes
-
     def create_weights(
         self,
         layer: Any,
@@ -637,6 +632,8 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
                 **extra_weight_attrs,
             )
             return
+        settings = self.rowcache_settings
+        assert settings is not None
         up = intermediate_size_per_partition * (2 if self.moe.is_act_and_mul else 1)
         shapes = {
             "w13_weight": (num_experts, up, hidden_size),
@@ -646,7 +643,7 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         for name, shape in shapes.items():
             # Pinned host memory from the start: the full expert set never touches the GPU.
             # Lasting unless the planes will hold the experts (then these are released).
-            host = pinned_empty(shape, params_dtype, lasting=not self._planes_planned())
+            host = pinned_empty(shape, params_dtype, lasting=not settings.compress_planes)
             register_host_parameter(layer, name, host, extra_weight_attrs)
             hosts.append(host)
         self._host = (hosts[0], hosts[1])
@@ -672,20 +669,14 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         shared_experts: Any,
         shared_experts_input: Tensor | None,
     ) -> Tensor:
-        if self.rowcache_settings is None:
-            out: Tensor = super().apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return out
-        provider = self.rowcache_provider
-        if provider is None:
-            out = super().apply(
-                layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
-            )
-            return self._stable_output(out)
-        return self._cached_apply(
-            provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        # The cache's forward, or vLLM's where no provider serves (CachedForward.apply); the
+        # eager MoE baseline (settings, no cache) gives its output a stable address too.
+        out: Tensor = super().apply(
+            layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
         )
+        if self.rowcache_settings is not None and self.rowcache_provider is None:
+            return self._stable_output(out)
+        return out
 
 
 def install() -> bool:
