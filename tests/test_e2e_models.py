@@ -55,6 +55,7 @@ def test_models_phase_engines() -> None:
     skew = engines.models(engines.DS2_SKEW)
     assert [s.name for s in plain] == [
         "models.ds2lite.none.full",
+        "models.ds2lite.none2.full",  # the control
         "models.ds2lite.row16dev.full",
         "models.ds2lite.uva1959.full",
         "models.ds2lite.row32dev.full",
@@ -65,6 +66,7 @@ def test_models_phase_engines() -> None:
         "row16dev.full",
         "uva1959.full",
         "none.full",
+        "none2.full",
         "row32dev.full",
         "uva1341.full",
     ]
@@ -157,6 +159,12 @@ def test_targets_met_and_missed() -> None:
     assert "b1 row16dev.full >= 1.3 x uva1959.full: 45 / 30 tok/s = 1.500 (met)" in lines
     assert "ttft row16dev.full <= 0.8 x uva1959.full: 100 / 200 ms = 0.500 (met)" in lines
     assert "tokens row16dev.full identical to none.full (b1, b8, ttft): met" in lines
+    # The control: no offload run again; a diverging control is reported, not hidden.
+    assert "tokens none2.full identical to none.full (b1, b8, ttft): met" in lines
+    control = "models.ds2lite.none2.full"
+    results[control]["steps"]["decode"]["8"]["tokens"][3] = [3, 4, 99]
+    lines = "\n".join(steps_report.report(results))
+    assert "tokens none2.full identical to none.full (b1, b8, ttft): MISSED" in lines
     assert "slots of row16dev.full byte-identical to their host bytes (416 slots" in lines
     # Skewed: 3 x is asked; a diverging token and a bad slot are caught.
     bad = [list(t) for t in same]
@@ -216,6 +224,7 @@ def test_reduced_deepseek_v3_phases() -> None:
     names = [s.name for s in engines.models(engines.DS3)]
     assert names == [
         "models.ds3.none.full",
+        "models.ds3.none2.full",  # the control
         "models.ds3.row64dev.full",
         "models.ds3.uva675.full",
         "models.ds3.row128dev.full",
@@ -240,6 +249,7 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
     names = [s.name for s in engines.models(engines.QWEN48_FP8)]
     assert names == [
         "models.qwen48fp8.none.full",
+        "models.qwen48fp8.none2.full",  # the control
         "models.qwen48fp8.row32dev.full",
         "models.qwen48fp8.uva2025.full",
         "models.qwen48fp8.row64dev.full",
@@ -295,6 +305,7 @@ def test_gpt_oss_phases() -> None:
     names = [s.name.split(".", 2)[2] for s in specs]
     assert names == [
         "none.full",
+        "none2.full",
         "nonemarlin.full",
         "row8dev.full",
         "uva774marlin.full",
@@ -316,9 +327,15 @@ def test_gpt_oss_phases() -> None:
     assert uva.offload.cpu_offload_gb * 2**30 == 18 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
     assert budget.gpu_gib(uva) * 2**30 == 6 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
     # Its engines' time estimates come from its own run (the budget decides what starts).
-    assert [s.time_once_s for s in specs[:4]] == [100, 100, 150, 150]
+    assert [s.time_once_s for s in specs[:5]] == [100, 100, 100, 150, 150]
     skew = [s.name.split(".", 2)[2] for s in engines.models(engines.GPT_OSS_SKEW)]
-    assert skew[:4] == ["row8dev.full", "uva774marlin.full", "none.full", "nonemarlin.full"]
+    assert skew[:5] == [
+        "row8dev.full",
+        "uva774marlin.full",
+        "none.full",
+        "none2.full",
+        "nonemarlin.full",
+    ]
     for spec in engines.models(engines.DS2):
         assert "moe_backend" not in child.engine_kwargs(spec, "/w/d")
     for label in ("nonemarlin.full", "uva774marlin.full", "uva516marlin.full"):

@@ -801,13 +801,23 @@ def model_roles(budget: ModelBudget) -> ModelRoles:
     return ModelRoles(**labels)
 
 
+CONTROL = "none2.full"
+"""The no-offload engine run a second time in a models phase: its tokens against the first's
+say whether a comparison at batch 8 can tell the cache from the engine's own noise."""
+
+
 def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list[ModelEngine]:
-    """The engines of one model, in run order: no offload, then ``row`` and UVA at a quarter,
-    then at a half; where UVA runs on another backend (``budget.baseline``) that backend's own
-    no-offload engine comes second, the reference of its UVA engines' tokens."""
+    """The engines of one model, in run order: no offload, its control (no offload again: a
+    token comparison at b8 means something only beside one), then ``row`` and UVA at a
+    quarter, then at a half; where UVA runs on another backend (``budget.baseline``) that
+    backend's own no-offload engine comes after the control, the reference of its UVA engines'
+    tokens."""
     roles = model_roles(budget)
     reference = "none.full"
-    out = [ModelEngine(reference, None, None, cache_backend, None)]
+    out = [
+        ModelEngine(reference, None, None, cache_backend, None),
+        ModelEngine(CONTROL, None, None, cache_backend, reference),
+    ]
     uva_backend, uva_reference = cache_backend, reference
     if budget.baseline is not None:
         uva_backend = budget.baseline.backend
@@ -847,9 +857,9 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
     cache_backend = "triton_unfused" if checkpoint.arch == "gpt_oss" else None
     labels = models_labels(budget, cache_backend)
     if checkpoint.router_skew:
-        references = [e for e in labels if e.reference is None]
-        rest = [e for e in labels if e.reference is not None]
-        labels = rest[:2] + references + rest[2:]
+        roles = model_roles(budget)
+        first = [e for e in labels if e.label in (roles.row_quarter, roles.uva_quarter)]
+        labels = first + [e for e in labels if e not in first]
     specs = []
     for engine in labels:
         kind = "row" if engine.knob is not None else "uva" if engine.offload is not None else "none"

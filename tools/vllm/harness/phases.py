@@ -132,8 +132,8 @@ PHASES = (
     Phase(
         "deepseek",
         "DeepSeek-V2-Lite at full depth (27 layers, bf16), b1/b8 decode and 2,048-token TTFT: "
-        "no offload, row (device planner) and UVA at about a quarter and a half of the routed "
-        "experts on the GPU (full graphs)",
+        "no offload (twice: the control), row (device planner) and UVA at about a quarter and a "
+        "half of the routed experts on the GPU (full graphs)",
         lambda _results: engines.models(engines.DS2),
         one_at_a_time=True,
         budgeted=True,
