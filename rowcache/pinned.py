@@ -41,7 +41,9 @@ dtype, and the vectorized loads of the copies and the decode)."""
 
 
 def _pinned_bytes(nbytes: int) -> Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # The host named: vLLM creates a model's weights under a CUDA default device
+    # (``with torch.device("cuda")``), where an unnamed pinned request is a CUDA one and fails.
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 @dataclass
@@ -81,10 +83,9 @@ class PinnedArena:
         it, else a new one of ``max(slab_bytes, 2 x its next power of two)`` bytes."""
         if any(d < 0 for d in shape):
             raise InvalidInputError(f"shape must not be negative, got {shape}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = math.prod(shape) * itemsize
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:  # host memory, as every view (whatever the default device)
+            return torch.empty(shape, dtype=dtype, device="cpu")
         # Let go of the slabs nothing views any longer (their memory goes back to torch).
         self._slabs = [s for s in self._slabs if _use_count(s.memory) > s.unviewed]
         slab = next((s for s in self._slabs if s.memory.numel() - s.free_at >= nbytes), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -90,3 +91,26 @@ def test_bad_input_is_refused() -> None:
         arena.empty((2, -1), torch.uint8)
     assert arena.reserved_bytes == 0
     assert arena.empty((0, 5), torch.float32).shape == (0, 5)
+
+
+def test_slabs_and_empty_views_are_host_memory_under_another_default_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM creates a model's weights under ``with torch.device("cuda")``, where torch makes an
+    # unnamed pinned request on the default device and refuses it. Emulated here with torch's
+    # rule and the meta device (no GPU here): the arena's own allocation names the host.
+    real_empty = torch.empty
+
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        device = torch.device(kwargs.get("device") or torch.get_default_device())
+        if pin_memory and device.type != "cpu":
+            raise RuntimeError("Only dense CPU tensors can be pinned")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with torch.device("meta"):
+        arena = PinnedArena(slab_bytes=4096)
+        view = arena.empty((100,), torch.bfloat16)
+        nothing = arena.empty((0, 3), torch.float32)
+    assert view.device.type == "cpu" and nothing.device.type == "cpu"
+    assert arena.reserved_bytes == 4096
