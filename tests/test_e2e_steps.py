@@ -447,6 +447,38 @@ def test_budgeted_phase_records_deadlines_and_resume(tmp_path: Path, monkeypatch
     assert len(names) == len(set(names))
 
 
+def test_a_resumed_call_s_records_keep_earlier_engines_it_does_not_run(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """OUT/records.jsonl of a resumed call holds the whole run: an earlier engine the deadline
+    cut short (not resumable) stays there, while another phase runs, until it runs again, and
+    an engine run again replaces its earlier record."""
+    out, work, clock, given = _fake_budget(tmp_path, monkeypatch)
+    phase = next(p for p in phases.PHASES if p.name == "steps")
+    specs = phase.engines({})
+    cut = _fake_result(specs[2], [[1, 2]] * 32)
+    cut["partial"] = True  # the deadline cut it short: runs again on resume
+    failed = {"name": specs[3].name, "ok": False, "error": "RuntimeError: x"}
+    earlier = [_fake_result(specs[0], [[1, 2]] * 32), cut, failed]
+    done = orchestrate.resumable(earlier)
+    assert sorted(done) == [specs[0].name]
+    again = orchestrate.Run(
+        out,
+        work,
+        600.0,
+        False,
+        lambda: True,
+        only=("row32planes.full",),
+        done=done,
+        earlier=orchestrate.latest(earlier),
+    )
+    again.phase(phase, specs)
+    assert [n for n, _ in given] == [specs[3].name]
+    records = [json.loads(x) for x in (out / orchestrate.RECORDS).read_text().splitlines()]
+    assert [r["name"] for r in records] == [specs[0].name, specs[2].name, specs[3].name]
+    assert records[1]["partial"] and records[2].get("ok")
+
+
 def test_the_first_engine_that_starts_gets_the_first_engines_time(
     tmp_path: Path, monkeypatch: Any
 ) -> None:

@@ -103,6 +103,14 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def latest(records: list[dict[str, Any]]) -> Results:
+    """The last record of each engine, by name, in the order the engines first appear."""
+    last: Results = {}
+    for record in records:
+        last[record["name"]] = record
+    return last
+
+
 def resumable(records: list[dict[str, Any]]) -> Results:
     """The engines that ended complete in earlier calls (``run --resume`` does not run them
     again), by name: the last complete record of each. A record the deadline cut short (a
@@ -204,6 +212,7 @@ class Run:
         repeats: int | None = None,
         zygote: bool = False,
         checkpoint_ready: Callable[[Checkpoint], bool] | None = None,
+        earlier: Results | None = None,
     ) -> None:
         self.out = out
         self.run_id = run_id
@@ -230,7 +239,10 @@ class Run:
         self.zygote_disabled: str | None = None
         self.done: Results = done or {}
         """Complete records of earlier calls (``--resume``): not run again."""
-        self.records: list[dict[str, Any]] = list(self.done.values())
+        self.records: list[dict[str, Any]] = list({**(earlier or {}), **self.done}.values())
+        """What OUT/records.jsonl holds: the last record of every engine of the run, earlier
+        calls' (``earlier``, with ``--resume``: complete or not, so that a call's records hold
+        the whole run, an engine the deadline cut short until it runs again) and this call's."""
 
     def job(self, spec: EngineSpec, barrier: Path, deadline: float | None = None) -> Job:
         profile_out = None
@@ -409,7 +421,7 @@ class Run:
                 r["engine_deadline_s"] = round(deadline - now, 1)
                 r["checkpoint_wait_s"] = round(now - asked, 1)
                 results[r["name"]] = r
-                self.records.append(r)
+                self.records = [x for x in self.records if x["name"] != r["name"]] + [r]
                 with open(self.work / RECORDS, "a") as f:
                     f.write(json.dumps(r) + "\n")
                 (self.out / RECORDS).write_text("".join(json.dumps(x) + "\n" for x in self.records))
@@ -578,7 +590,8 @@ def run(
         "resume": resume,
         "repeats": repeats,
     }
-    done = resumable(read_records(work / RECORDS)) if resume else {}
+    earlier = read_records(work / RECORDS) if resume else []
+    done = resumable(earlier)
     if not resume:
         (work / RECORDS).unlink(missing_ok=True)
     meta["resumed"] = sorted(done)
@@ -614,6 +627,7 @@ def run(
         repeats,
         zygote,
         checkpoint_ready=build.ready,
+        earlier=latest(earlier),
     )
     try:
         for phase in selected:
