@@ -453,7 +453,7 @@ def test_a_resumed_call_s_records_keep_earlier_engines_it_does_not_run(
     """OUT/records.jsonl of a resumed call holds the whole run: an earlier engine the deadline
     cut short (not resumable) stays there, while another phase runs, until it runs again, and
     an engine run again replaces its earlier record."""
-    out, work, clock, given = _fake_budget(tmp_path, monkeypatch)
+    out, work, _clock, given = _fake_budget(tmp_path, monkeypatch)
     phase = next(p for p in phases.PHASES if p.name == "steps")
     specs = phase.engines({})
     cut = _fake_result(specs[2], [[1, 2]] * 32)
