@@ -1077,3 +1077,18 @@ def test_the_probe_finds_the_torch_tensor_behind_a_triton_kernels_tensor() -> No
     assert probes.torch_tensor(wrapped) is data
     assert probes.torch_tensor(types.SimpleNamespace(storage=None)) is None
     assert probes.torch_tensor(None) is None
+
+
+def test_only_weights_in_the_allocator_s_segments_count_as_gpu_memory() -> None:
+    """A UVA-offloaded weight is a CUDA tensor over pinned host memory (outside every segment of
+    torch's caching allocator): the probe's GPU bytes leave it out (on gpt-oss's Marlin backend
+    they counted it, and the summary said vLLM kept experts on the GPU that it had offloaded)."""
+    segments = probes.device_segments(
+        [{"address": 5000, "total_size": 1000}, {"address": 1000, "total_size": 500}]
+    )
+    assert segments == [(1000, 1500), (5000, 6000)]
+    inside = [1000, 1499, 5000, 5999]
+    outside = [0, 999, 1500, 4999, 6000, 1 << 47]
+    assert all(probes.in_segments(a, segments) for a in inside)
+    assert not any(probes.in_segments(a, segments) for a in outside)
+    assert not probes.in_segments(1000, [])

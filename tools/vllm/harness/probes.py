@@ -7,6 +7,7 @@ beyond the standard library at import time.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import sys
@@ -21,6 +22,7 @@ def probe(model: Any) -> dict[str, Any]:
     from rowcache.vllm import expert_cache_stats
 
     expert_param_bytes = 0
+    segments = device_segments(torch.cuda.memory_snapshot())  # type: ignore[no-untyped-call]
     for _name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None or not hasattr(module, "w13_weight"):
@@ -29,7 +31,7 @@ def probe(model: Any) -> dict[str, Any]:
             continue  # host-backed (device views of pinned memory): no GPU memory
         for pname in ("w13_weight", "w2_weight"):
             p = torch_tensor(getattr(module, pname, None))
-            if p is not None and p.is_cuda:
+            if p is not None and p.is_cuda and in_segments(p.data_ptr(), segments):
                 expert_param_bytes += p.numel() * p.element_size()
     stats = expert_cache_stats(model)
     slot_bytes = sum(int(s["slot_bytes"]) for s in stats)
@@ -51,6 +53,20 @@ def probe(model: Any) -> dict[str, Any]:
         ),
         "moe_backend": moe_backends(model),
     }
+
+
+def device_segments(snapshot: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The address ranges of GPU memory that torch's caching allocator holds, sorted, from
+    ``torch.cuda.memory_snapshot()``: where every weight vLLM puts on the GPU lives."""
+    return sorted((int(s["address"]), int(s["address"]) + int(s["total_size"])) for s in snapshot)
+
+
+def in_segments(address: int, segments: list[tuple[int, int]]) -> bool:
+    """Whether ``address`` is in GPU memory (one of ``segments``). A CUDA tensor elsewhere is a
+    device view of pinned host memory (vLLM's UVA offload makes its offloaded weights so): its
+    bytes cross the link at every read and take no GPU memory."""
+    at = bisect.bisect_right(segments, (address, 1 << 64)) - 1
+    return at >= 0 and segments[at][0] <= address < segments[at][1]
 
 
 def torch_tensor(value: Any) -> Any:
