@@ -304,9 +304,13 @@ class ExpertSources:
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory held by the sources (all experts, all eight tensors, and the
-        alignment padding of a packed layout; the planes of compressed ones)."""
+        alignment padding of a packed layout; the planes of compressed ones). The tensors' own
+        bytes, not their storages': pinned sources are views of slabs that other layers'
+        sources share (``rowcache.pinned``)."""
         planes = sum(p.nbytes for p in self.planes.values())
-        return _storage_bytes(self.copied()) + planes
+        if self.pack is not None:
+            return self.num_experts * self.pack[1] + planes
+        return sum(t.nbytes for t in self.copied() if t is not None) + planes
 
 
 HELD_CODE_BITS: int | None = None
