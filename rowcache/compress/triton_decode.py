@@ -5,12 +5,15 @@ programs walks the work items (miss, block of ``BLOCK`` values); the number of i
 from the miss count on the device, so with no miss every program returns after one load, and
 the launch is captured in a CUDA graph once. A work item reads the block's sign-mantissa bytes
 and exponent codes (on the host through unified addressing, or on the device; a 4-bit code from
-its byte's nibble, a 3-bit one from the three bytes of its group of eight; the block is a tile of
-such units, so that each byte of codes is read once), looks each code up in the codebook,
-takes the escaped exponents from the block's range of the escape plane (the rank of an escape
-in its block is an exclusive prefix sum of the escape flags), and stores the reassembled 16
-bits into the slot. Every store is masked by the block's end and by
+its byte's nibble, a 3-bit one from the three bytes of its group of eight), looks each code up
+in the 16-entry codebook, takes the escaped exponents from the block's range of the escape
+plane (the rank of an escape in its block is an exclusive prefix sum of the escape flags), and
+stores the reassembled 16 bits into the slot. Every store is masked by the block's end and by
 the miss count; a miss entry below 0 (never written below the count) writes nothing.
+
+Neighbouring values load the same byte of codes again, which the caches serve: a block tiled by
+code units instead, each byte loaded once, decoded 5 to 13% slower on the H200
+(docs/records/2026-12-04-bench-decode-tiled.md).
 
 ``SlotDecoder`` is the launch, checked once per slot buffer; ``decode_into_slots`` builds one
 and launches it once (tests, the bench). Under ``TRITON_INTERPRET=1`` the same kernel runs on
@@ -50,8 +53,6 @@ def decode_gather_kernel(
     capacity,
     BLOCK: tl.constexpr,
     CODE_BITS: tl.constexpr,
-    PER_UNIT: tl.constexpr,
-    UNITS: tl.constexpr,
     MUTANT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
@@ -67,38 +68,25 @@ def decode_gather_kernel(
         expert = tl.load(miss_experts_ptr + m).to(tl.int64)
         slot = tl.load(miss_slots_ptr + m).to(tl.int64)
         if (expert >= 0) & (slot >= 0):
-            # The block as a [units, values a unit] tile: a unit is one byte of 4-bit codes
-            # (2 values) or one 3-byte group of 3-bit codes (8 values), so that every byte of
-            # the codes plane is loaded once and the sign-mantissa bytes and the store stay
-            # contiguous (each load reads host memory through unified addressing: a byte read
-            # again per value would cost the link).
-            unit = b * UNITS + tl.arange(0, UNITS)
-            r = tl.arange(0, PER_UNIT)
-            at = unit[:, None] * PER_UNIT + r[None, :]
+            at = b * BLOCK + tl.arange(0, BLOCK)
             inside = at < n
-            unit_inside = unit * PER_UNIT < n
             sm = tl.load(sm_ptr + expert * sm_stride + at, mask=inside, other=0).to(tl.int32)
             row = codes_ptr + expert * codes_stride
             if CODE_BITS == 4:
-                byte = tl.load(row + unit, mask=unit_inside, other=0).to(tl.int32)
-                code = (byte[:, None] >> (r[None, :] * 4)) & 0xF
+                pair = tl.load(row + at // 2, mask=inside, other=0)
+                code = (pair.to(tl.int32) >> ((at % 2) * 4).to(tl.int32)) & 0xF
             else:  # 3 bits: value 8g + r in bits 3r .. 3r + 2 of group g's 24-bit word
-                group = row + unit * 3
+                group = row + (at // 8) * 3
                 if MUTANT == 5:  # seeded bug: groups taken 2 bytes apart, not 3
-                    group = row + unit * 2
-                word = tl.load(group, mask=unit_inside, other=0).to(tl.int32)
-                word = word | (tl.load(group + 1, mask=unit_inside, other=0).to(tl.int32) << 8)
-                word = word | (tl.load(group + 2, mask=unit_inside, other=0).to(tl.int32) << 16)
-                code = (word[:, None] >> (r[None, :] * 3)) & 0x7
+                    group = row + (at // 8) * 2
+                word = tl.load(group, mask=inside, other=0).to(tl.int32)
+                word = word | (tl.load(group + 1, mask=inside, other=0).to(tl.int32) << 8)
+                word = word | (tl.load(group + 2, mask=inside, other=0).to(tl.int32) << 16)
+                code = (word >> ((at % 8) * 3).to(tl.int32)) & 0x7
             exponent = tl.load(codebook_ptr + code).to(tl.int32)
             escaped = (code == (1 << CODE_BITS) - 1) & inside
             flags = escaped.to(tl.int32)
-            # Escapes before each value in its block, in value order: those before it in its
-            # unit, plus all of the units before.
-            in_unit = tl.sum(flags, axis=1)
-            rank = (tl.cumsum(flags, axis=1) - flags) + (tl.cumsum(in_unit, axis=0) - in_unit)[
-                :, None
-            ]
+            rank = tl.cumsum(flags, axis=0) - flags  # escapes before this value in its block
             if MUTANT == 1:  # seeded bug: the inclusive prefix sum (one escape late)
                 rank = rank + flags
             start = tl.load(starts_ptr + expert * starts_stride + b)
@@ -151,7 +139,6 @@ class SlotDecoder:
         ``miss_slots[i]``."""
         planes = self._planes
         n = planes.values_per_expert
-        per_unit = 2 if planes.code_bits == 4 else 8  # values a byte, or a 3-byte group
         decode_gather_kernel[self._grid](
             self._codebook,
             planes.sign_mantissa,
@@ -171,8 +158,6 @@ class SlotDecoder:
             miss_experts.numel(),
             BLOCK=BLOCK,
             CODE_BITS=planes.code_bits,
-            PER_UNIT=per_unit,
-            UNITS=BLOCK // per_unit,
             MUTANT=self._mutant,
         )
 
