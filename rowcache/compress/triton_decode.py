@@ -12,7 +12,7 @@ stores the reassembled 16 bits into the slot. Every store is masked by the block
 the miss count; a miss entry below 0 (never written below the count) writes nothing.
 
 Neighbouring values load the same byte of codes again, which the caches serve: a block tiled by
-code units instead, each byte loaded once, decoded 5 to 13% slower on the H200
+code units instead, each byte loaded once, decoded 5 to 14% slower on the H200
 (docs/records/2026-12-04-bench-decode-tiled.md).
 
 ``SlotDecoder`` is the launch, checked once per slot buffer; ``decode_into_slots`` builds one
