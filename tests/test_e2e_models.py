@@ -311,11 +311,12 @@ def test_gpt_oss_phases() -> None:
         "uva774marlin.full",
         "row16dev.full",
         "uva516marlin.full",
+        "nonemarlin2.full",  # the baseline's control, last
     ]
     for spec in specs + engines.models(engines.GPT_OSS_SKEW):
         assert spec.quantized and spec.model_runner_v1
         prefix = engines.MODELS_PREFIX[spec.checkpoint]
-        marlin = spec.offload is not None or spec.name.endswith("nonemarlin.full")
+        marlin = spec.offload is not None or ".nonemarlin" in spec.name
         want = "marlin" if marlin else "triton_unfused"
         assert child.engine_kwargs(spec, "/w/g")["moe_backend"] == want
         reference = "nonemarlin.full" if marlin else "none.full"
@@ -338,7 +339,7 @@ def test_gpt_oss_phases() -> None:
     ]
     for spec in engines.models(engines.DS2):
         assert "moe_backend" not in child.engine_kwargs(spec, "/w/d")
-    for label in ("nonemarlin.full", "uva774marlin.full", "uva516marlin.full"):
+    for label in ("nonemarlin.full", "nonemarlin2.full", "uva774marlin.full"):
         assert label in engines.BUDGETED_LABELS
     for phase in phases.select(["gpt_oss", "gpt_oss_skew"]):
         assert phase.budgeted and phase.one_at_a_time and "gpt-oss-20b" in phase.about
@@ -365,3 +366,10 @@ def test_a_uva_engine_that_kept_its_experts_on_the_gpu_is_named() -> None:
     results[uva]["probe"] = {"expert_gpu_bytes": int(8.9 * 2**30)}
     lines = "\n".join(steps_report.report(results))
     assert "uva774marlin.full kept 8.90 GiB of experts on the GPU against the 2.58 GiB" in lines
+    # Both controls' tokens are reported, each against its own reference; a diverging one too.
+    assert "tokens none2.full identical to none.full (b1, b8, ttft): met" in lines
+    assert "tokens nonemarlin2.full identical to nonemarlin.full (b1, b8, ttft): met" in lines
+    control = "models.gptoss20b.nonemarlin2.full"
+    results[control]["steps"]["ttft"]["first_tokens"] = [0, 99, 2]
+    lines = "\n".join(steps_report.report(results))
+    assert "tokens nonemarlin2.full identical to nonemarlin.full (b1, b8, ttft): MISSED" in lines

@@ -806,12 +806,22 @@ CONTROL = "none2.full"
 say whether a comparison at batch 8 can tell the cache from the engine's own noise."""
 
 
+def controls(budget: ModelBudget) -> tuple[str, ...]:
+    """The controls of a model's engines: :data:`CONTROL`, and where UVA runs on another
+    backend (``budget.baseline``) that backend's no-offload engine run again (on gpt-oss's
+    Marlin, UVA changed the first token of every 2,048-token prompt: whether Marlin itself
+    does from run to run, only its control tells)."""
+    if budget.baseline is None:
+        return (CONTROL,)
+    return (CONTROL, f"none{budget.baseline.suffix}2.full")
+
+
 def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list[ModelEngine]:
     """The engines of one model, in run order: no offload, its control (no offload again: a
     token comparison at b8 means something only beside one), then ``row`` and UVA at a
     quarter, then at a half; where UVA runs on another backend (``budget.baseline``) that
     backend's own no-offload engine comes after the control, the reference of its UVA engines'
-    tokens."""
+    tokens, and that engine's control comes last."""
     roles = model_roles(budget)
     reference = "none.full"
     out = [
@@ -823,6 +833,10 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
         uva_backend = budget.baseline.backend
         uva_reference = f"none{budget.baseline.suffix}.full"
         out.append(ModelEngine(uva_reference, None, None, uva_backend, None))
+    extra_controls = [
+        ModelEngine(label, None, None, uva_backend, uva_reference)
+        for label in controls(budget)[1:]
+    ]
     for fraction, row, uva in (
         (QUARTER, roles.row_quarter, roles.uva_quarter),
         (HALF, roles.row_half, roles.uva_half),
@@ -837,7 +851,8 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
             ModelEngine(row, knob, None, cache_backend, reference),
             ModelEngine(uva, None, offload, uva_backend, uva_reference),
         ]
-    return out
+    # The baseline's control last: it tells noise from UVA's own effect, not a target.
+    return out + extra_controls
 
 
 def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:

@@ -398,7 +398,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             "model's experts; the cache and its reference on the backend it serves)",
         )
     lines += offloaded_lines(results, prefix, budget)
-    for label in (engines.CONTROL, row_q, uva_q, row_h, uva_h):
+    for label in (*engines.controls(budget), row_q, uva_q, row_h, uva_h):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
     for label in (row_q, row_h):
