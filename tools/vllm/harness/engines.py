@@ -834,8 +834,7 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
         uva_reference = f"none{budget.baseline.suffix}.full"
         out.append(ModelEngine(uva_reference, None, None, uva_backend, None))
     extra_controls = [
-        ModelEngine(label, None, None, uva_backend, uva_reference)
-        for label in controls(budget)[1:]
+        ModelEngine(label, None, None, uva_backend, uva_reference) for label in controls(budget)[1:]
     ]
     for fraction, row, uva in (
         (QUARTER, roles.row_quarter, roles.uva_quarter),
