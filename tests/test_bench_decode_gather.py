@@ -48,6 +48,36 @@ def test_the_bench_runs_under_the_interpreter(tmp_path: Path, code_bits: int | N
     assert "decode/copy" in done.stdout
 
 
+def test_the_sweep_times_every_launch_each_checked(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rowcache.bench.decode_gather",
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--sweep",
+        ],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "decode_gather.json").read_text())
+    launches = [tuple(c) for c in result["configs"]]
+    assert launches[0] == (4, 8)  # the providers' launch first, its figures the row's
+    assert sorted(launches) == [(w, p) for w in (4, 8, 16) for p in (4, 8, 16)]
+    for row in result["rows"]:
+        timed = [(t["num_warps"], t["programs_per_sm"]) for t in row["configs"]]
+        assert timed == launches
+        assert row["configs"][0]["decode_s"] == row["decode_s"]
+        assert all(len(t["decode_s"]) == 3 and t["decode_over_copy"] > 0 for t in row["configs"])
+    assert "decode/copy by launch" in done.stdout and done.stdout.count("x") >= 18
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
 def test_cuda_without_a_gpu_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--out", str(tmp_path)]) == 2
@@ -75,4 +105,29 @@ def test_a_decode_that_drops_the_sign_is_reported_wrong_not_timed(tmp_path: Path
     )
     assert done.returncode != 0
     assert "decode_gather: 1 misses decoded wrong bytes" in done.stderr
+    assert not (tmp_path / "decode_gather.json").exists()
+
+
+SEEDED_IN_ONE_LAUNCH = """
+import sys
+import rowcache.compress.triton_decode as kernel
+decode = kernel.decode_into_slots
+def seeded(*args, num_warps, **kwargs):
+    decode(*args, num_warps=num_warps, **kwargs, mutant=3 if num_warps == 16 else 0)
+kernel.decode_into_slots = seeded
+from rowcache.bench.decode_gather import main
+sys.exit(main(["--out", sys.argv[1], "--device", "cpu", "--sweep"]))
+"""
+
+
+def test_a_launch_of_the_sweep_that_decodes_wrong_is_reported(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SEEDED_IN_ONE_LAUNCH, str(tmp_path)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode != 0
+    assert "decode_gather: 1 misses decoded wrong bytes (16 warps, 4 programs an SM)" in done.stderr
     assert not (tmp_path / "decode_gather.json").exists()

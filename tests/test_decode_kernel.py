@@ -6,6 +6,7 @@ listed slots or past the miss count, and each seeded bug of the kernel caught
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,26 @@ def test_each_seeded_bug_of_the_kernel_is_caught(mutant: int, symptom: str) -> N
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.splitlines()[-1].startswith("FAILED:")
     assert symptom in done.stdout
+
+
+def test_a_decoder_with_bad_slots_or_launch_is_refused() -> None:
+    import torch
+
+    from rowcache.compress import encode
+    from rowcache.compress.triton_decode import SlotDecoder
+    from rowcache.errors import InvalidInputError
+
+    planes = encode((torch.randn(3, 8, 16) * 0.02).to(torch.bfloat16))
+    slots = torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    SlotDecoder(planes, slots, grid=4, num_warps=8)  # accepted: nothing launched
+    refusals = [
+        ({"slots": slots.float()}, "decode into 16-bit [C, ...] slots of as many values"),
+        ({"slots": torch.zeros(2, 8, 15, dtype=torch.bfloat16)}, "got torch.bfloat16 of shape"),
+        ({"grid": 0}, "got strides (128, 16, 1) and grid 0"),
+        ({"num_warps": 3}, "num_warps must be a power of two <= 32, got 3"),
+        ({"num_warps": 64}, "got 64"),
+    ]
+    for change, message in refusals:
+        kwargs = {"slots": slots, "grid": 4, **change}
+        with pytest.raises(InvalidInputError, match=re.escape(message)):
+            SlotDecoder(planes, **kwargs)  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from rowcache.compress import Bf16Planes, encode
 from rowcache.compress.bf16_planes import CODE_WIDTHS
+from rowcache.device_plan.kernels import GATHER_PROGRAMS_PER_SM
 from rowcache.sources import HELD_CODE_BITS
 
 __all__ = ["main"]
@@ -46,7 +47,19 @@ __all__ = ["main"]
 MISSES = (1, 2, 8, 32)
 QWEN3 = {"experts": 128, "hidden": 2048, "intermediate": 768}
 QUICK = {"experts": 6, "hidden": 64, "intermediate": 24}
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = GATHER_PROGRAMS_PER_SM
+"""The device planner's launch (``rowcache.device_plan.kernels``)."""
+
+
+def launches(sweep: bool) -> tuple[tuple[int, int], ...]:
+    """The decode launches timed (warps a program, programs an SM): the providers' first, then
+    with ``sweep`` every other of 4, 8 and 16 warps by 4, 8 and 16 programs an SM."""
+    from rowcache.compress.triton_decode import DECODE_WARPS  # Triton: only where it runs
+
+    first = (DECODE_WARPS, PROGRAMS_PER_SM)
+    if not sweep:
+        return (first,)
+    return (first, *((w, p) for w in (4, 8, 16) for p in (4, 8, 16) if (w, p) != first))
 
 
 def _planes_on(planes: Bf16Planes, device: torch.device, pinned: bool) -> Bf16Planes:
@@ -93,8 +106,14 @@ def measure(
     repeats: int,
     warmup: int,
     code_bits: int | None = HELD_CODE_BITS,
+    configs: tuple[tuple[int, int], ...] | None = None,
 ) -> dict[str, Any]:
+    """Each row's decode figures at ``configs[0]`` (warps a program, programs an SM: the
+    providers' launch; None: that one alone), and every config's under ``configs``; the copy
+    once a row."""
     from rowcache.compress.triton_decode import decode_into_slots
+
+    configs = configs or launches(sweep=False)
 
     experts, hidden, inter = shape["experts"], shape["hidden"], shape["intermediate"]
     gen = torch.Generator().manual_seed(0)
@@ -119,35 +138,60 @@ def measure(
         lists = [t.to(device) for t in (miss_experts, miss_slots)]
         count = torch.tensor(misses, dtype=torch.int32, device=device)
 
-        def decode(lists: list[Tensor] = lists, count: Tensor = count) -> None:
-            for p, s in zip(planes, slots, strict=True):
-                decode_into_slots(p, s, lists[0], lists[1], count, grid=sms * PROGRAMS_PER_SM)
+        timings: list[dict[str, Any]] = []
+        for warps, per_sm in configs:
 
-        run: Callable[[], None] = decode
-        if on_gpu:
-            decode()  # compiles the kernel outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                decode()
-            run = graph.replay
-        run()
-        if on_gpu:
-            torch.cuda.synchronize(device)
-        for s, w in zip(slots, (w13, w2), strict=True):
-            got = s[:misses].cpu().view(torch.int16)
-            if not torch.equal(got, w[chosen].view(torch.int16)):
-                raise SystemExit(f"decode_gather: {misses} misses decoded wrong bytes")
+            def decode(
+                lists: list[Tensor] = lists,
+                count: Tensor = count,
+                warps: int = warps,
+                grid: int = sms * per_sm,
+            ) -> None:
+                for p, s in zip(planes, slots, strict=True):
+                    decode_into_slots(p, s, lists[0], lists[1], count, grid=grid, num_warps=warps)
+
+            run: Callable[[], None] = decode
+            if on_gpu:
+                decode()  # compiles the kernel outside the capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    decode()
+                run = graph.replay
+            for s in slots:
+                s.zero_()  # each config's decode checked on its own
+            run()
+            if on_gpu:
+                torch.cuda.synchronize(device)
+            for s, w in zip(slots, (w13, w2), strict=True):
+                got = s[:misses].cpu().view(torch.int16)
+                if not torch.equal(got, w[chosen].view(torch.int16)):
+                    raise SystemExit(
+                        f"decode_gather: {misses} misses decoded wrong bytes "
+                        f"({warps} warps, {per_sm} programs an SM)"
+                    )
+            timings.append(
+                {
+                    "num_warps": warps,
+                    "programs_per_sm": per_sm,
+                    "decode_s": [timed(run) for _ in range(warmup + repeats)][warmup:],
+                }
+            )
         raw = torch.empty(misses * expert_bytes, dtype=torch.uint8, pin_memory=on_gpu)
         target = torch.empty_like(raw, device=device)
 
         def copy(raw: Tensor = raw, target: Tensor = target) -> None:
             target.copy_(raw, non_blocking=True)
 
-        decode_s = [timed(run) for _ in range(warmup + repeats)][warmup:]
         copy_s = [timed(copy) for _ in range(warmup + repeats)][warmup:]
         decoded = misses * expert_bytes
         moved = sum(p.expert_nbytes(int(e)) for p in planes for e in chosen)
+        for timing in timings:
+            median = statistics.median(timing["decode_s"])
+            timing["decode_s_median"] = median
+            timing["decode_gb_per_s"] = decoded / median / 1e9
+            timing["decode_over_copy"] = statistics.median(copy_s) / median
+        decode_s = timings[0]["decode_s"]
         rows.append(
             {
                 "misses": misses,
@@ -160,6 +204,7 @@ def measure(
                 "decode_over_copy": statistics.median(copy_s) / statistics.median(decode_s),
                 "decode_s": decode_s,
                 "copy_s": copy_s,
+                "configs": timings,
             }
         )
     return {
@@ -175,6 +220,7 @@ def measure(
         "encode_host": encode_host,
         "encode_device": encode_device,
         "repeats": repeats,
+        "configs": [list(c) for c in configs],
         "rows": rows,
     }
 
@@ -191,6 +237,16 @@ def format_rows(result: dict[str, Any]) -> str:
             f"{r['copy_s_median'] * 1e6:>10.1f}{r['decode_gb_per_s']:>13.2f}"
             f"{r['copy_gb_per_s']:>11.2f}{r['decode_over_copy']:>12.2f}x"
         )
+    if len(result["configs"]) > 1:
+        lines += ["", "decode/copy by launch (warps a program, programs an SM):"]
+        lines.append(
+            f"{'warps':>7}{'per SM':>8}" + "".join(f"{r['misses']:>8}" for r in result["rows"])
+        )
+        for i, (warps, per_sm) in enumerate(result["configs"]):
+            ratios = "".join(
+                f"{r['configs'][i]['decode_over_copy']:>7.2f}x" for r in result["rows"]
+            )
+            lines.append(f"{warps:>7}{per_sm:>8}{ratios}")
     return "\n".join(lines)
 
 
@@ -208,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         help="bits an exponent code (default: the width the providers hold, the encoder's "
         "choice per tensor)",
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the decode at 4, 8 and 16 warps a program and 4, 8 and 16 programs "
+        "an SM (the providers' launch first)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -220,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=3 if quick else args.repeats,
         warmup=1 if quick else 5,
         code_bits=args.code_bits,
+        configs=launches(args.sweep),
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_gather.json").write_text(json.dumps(result, indent=1))

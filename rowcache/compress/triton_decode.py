@@ -30,7 +30,10 @@ from torch import Tensor
 from rowcache.compress.bf16_planes import BLOCK, Bf16Planes
 from rowcache.errors import InvalidInputError
 
-__all__ = ["SlotDecoder", "decode_gather_kernel", "decode_into_slots"]
+__all__ = ["DECODE_WARPS", "SlotDecoder", "decode_gather_kernel", "decode_into_slots"]
+
+DECODE_WARPS = 4
+"""Warps of one decode program (Triton's default)."""
 
 
 @triton.jit
@@ -115,6 +118,7 @@ class SlotDecoder:
         *,
         grid: int,
         codebook: Tensor | None = None,
+        num_warps: int = DECODE_WARPS,
         mutant: int = 0,
     ) -> None:
         n = planes.values_per_expert
@@ -128,10 +132,13 @@ class SlotDecoder:
                 f"the decode writes contiguous slots with >= 1 program, got strides "
                 f"{slots.stride()} and grid {grid}"
             )
+        if num_warps not in (1, 2, 4, 8, 16, 32):
+            raise InvalidInputError(f"num_warps must be a power of two <= 32, got {num_warps}")
         self._planes = planes
         self._slots = slots.view(slots.shape[0], -1).view(torch.int16)
         self._codebook = planes.codebook if codebook is None else codebook
         self._grid = (grid,)
+        self._num_warps = num_warps
         self._mutant = mutant
 
     def __call__(self, miss_experts: Tensor, miss_slots: Tensor, miss_count: Tensor) -> None:
@@ -159,6 +166,7 @@ class SlotDecoder:
             BLOCK=BLOCK,
             CODE_BITS=planes.code_bits,
             MUTANT=self._mutant,
+            num_warps=self._num_warps,
         )
 
 
@@ -171,11 +179,12 @@ def decode_into_slots(
     *,
     grid: int,
     codebook: Tensor | None = None,
+    num_warps: int = DECODE_WARPS,
     mutant: int = 0,
 ) -> None:
     """One decode of the first ``miss_count`` misses (expert ``miss_experts[i]`` into slot
-    ``miss_slots[i]`` of the bf16 ``[C, ...]`` buffer ``slots``) with ``grid`` programs: a
-    ``SlotDecoder`` built and launched once."""
-    SlotDecoder(planes, slots, grid=grid, codebook=codebook, mutant=mutant)(
+    ``miss_slots[i]`` of the bf16 ``[C, ...]`` buffer ``slots``) with ``grid`` programs of
+    ``num_warps`` warps: a ``SlotDecoder`` built and launched once."""
+    SlotDecoder(planes, slots, grid=grid, codebook=codebook, num_warps=num_warps, mutant=mutant)(
         miss_experts, miss_slots, miss_count
     )
