@@ -16,25 +16,36 @@ import torch
 from rowcache.bench.decode_gather import main
 
 
-@pytest.mark.parametrize("code_bits", [None, 3])
-def test_the_bench_runs_under_the_interpreter(tmp_path: Path, code_bits: int | None) -> None:
-    width = [] if code_bits is None else ["--code-bits", str(code_bits)]
-    done = subprocess.run(
-        [
-            sys.executable,
+def interpreted(
+    tmp_path: Path, *args: str, script: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The bench (or ``script``, given ``tmp_path``) under Triton's interpreter, on the CPU."""
+    command = (
+        ["-c", script, str(tmp_path)]
+        if script
+        else [
             "-m",
             "rowcache.bench.decode_gather",
             "--out",
             str(tmp_path),
             "--device",
             "cpu",
-            *width,
-        ],
+            *args,
+        ]
+    )
+    return subprocess.run(
+        [sys.executable, *command],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+@pytest.mark.parametrize("code_bits", [None, 3])
+def test_the_bench_runs_under_the_interpreter(tmp_path: Path, code_bits: int | None) -> None:
+    width = [] if code_bits is None else ["--code-bits", str(code_bits)]
+    done = interpreted(tmp_path, *width)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "decode_gather.json").read_text())
     assert [r["misses"] for r in result["rows"]] == [1, 2]  # the quick shape has 6 experts
@@ -49,22 +60,7 @@ def test_the_bench_runs_under_the_interpreter(tmp_path: Path, code_bits: int | N
 
 
 def test_the_sweep_times_every_launch_each_checked(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rowcache.bench.decode_gather",
-            "--out",
-            str(tmp_path),
-            "--device",
-            "cpu",
-            "--sweep",
-        ],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = interpreted(tmp_path, "--sweep")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "decode_gather.json").read_text())
     launches = [tuple(c) for c in result["configs"]]
@@ -96,13 +92,7 @@ sys.exit(main(["--out", sys.argv[1], "--device", "cpu"]))
 
 
 def test_a_decode_that_drops_the_sign_is_reported_wrong_not_timed(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SEEDED, str(tmp_path)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = interpreted(tmp_path, script=SEEDED)
     assert done.returncode != 0
     assert "decode_gather: 1 misses decoded wrong bytes" in done.stderr
     assert not (tmp_path / "decode_gather.json").exists()
@@ -121,13 +111,7 @@ sys.exit(main(["--out", sys.argv[1], "--device", "cpu", "--sweep"]))
 
 
 def test_a_launch_of_the_sweep_that_decodes_wrong_is_reported(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", SEEDED_IN_ONE_LAUNCH, str(tmp_path)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = interpreted(tmp_path, script=SEEDED_IN_ONE_LAUNCH)
     assert done.returncode != 0
     assert "decode_gather: 1 misses decoded wrong bytes (16 warps, 4 programs an SM)" in done.stderr
     assert not (tmp_path / "decode_gather.json").exists()
