@@ -2,15 +2,17 @@
 reference decode (``bf16_planes.decode_experts``), runnable on a GPU or, under
 ``TRITON_INTERPRET=1``, on the CPU:
 
-    TRITON_INTERPRET=1 python tests/decode_kernel_checks.py [--mutant K]
-    python tests/decode_kernel_checks.py --device cuda [--mutant K]
+    TRITON_INTERPRET=1 python tests/decode_kernel_checks.py [--mutant K] [--one-miss]
+    python tests/decode_kernel_checks.py --device cuda [--mutant K] [--one-miss]
 
 Each case encodes a tensor of experts (Gaussian weights, every bit pattern, escape-heavy
 spreads; value counts at and around the block edges), decodes a miss list into slots that lie
 inside a larger buffer, and checks that (1) each listed slot holds exactly its expert's bits,
 (2) every other slot, the entries past the miss count included (they name real experts and
 slots, as a stale list would), keeps its bytes, and (3) nothing before or after the slots was
-written. Prints one line a failed check, then ``ok: N cases`` or ``FAILED: k of N cases``;
+written. ``--one-miss`` decodes the first count entries one launch each, the miss given as the
+launch's scalars (``SlotDecoder.decode_one``: the host planner's path) instead of one launch over
+the list. Prints one line a failed check, then ``ok: N cases`` or ``FAILED: k of N cases``;
 exit status 0 only when every case passed. The tests run it with and without seeded bugs.
 """
 
@@ -27,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rowcache.compress import BLOCK, decode_experts, encode
-from rowcache.compress.triton_decode import decode_into_slots
+from rowcache.compress.triton_decode import SlotDecoder, decode_into_slots
 
 GUARD = 4096  # values of sentinel before and after the slots
 SENTINEL = 0x5A5A
@@ -75,10 +77,12 @@ def cases() -> Iterator[Case]:
     yield Case("3-d experts", spread[:, : 5 * 7].reshape(3, 5, 7).contiguous(), 2, [(0, 1)], 1, 2)
 
 
-def run_case(case: Case, device: torch.device, mutant: int, pinned: bool = False) -> list[str]:
+def run_case(
+    case: Case, device: torch.device, mutant: int, pinned: bool = False, one_miss: bool = False
+) -> list[str]:
     """What went wrong in this case (nothing: an empty list). ``pinned``: the planes stay in
     pinned host memory and the kernel reads them through unified addressing (the codebook,
-    16 bytes, on the device)."""
+    16 bytes, on the device). ``one_miss``: one launch a miss, the miss as its scalars."""
     planes = encode(case.weights, case.code_bits)
 
     def placed(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +97,12 @@ def run_case(case: Case, device: torch.device, mutant: int, pinned: bool = False
     experts = torch.tensor([e for e, _ in case.misses], dtype=torch.int32, device=device)
     slot_ids = torch.tensor([s for _, s in case.misses], dtype=torch.int32, device=device)
     count = torch.tensor(case.count, dtype=torch.int32, device=device)
-    decode_into_slots(planes, slots, experts, slot_ids, count, grid=case.grid, mutant=mutant)
+    if one_miss:
+        decoder = SlotDecoder(planes, slots, grid=case.grid, mutant=mutant)
+        for expert, slot in case.misses[: case.count]:
+            decoder.decode_one(expert, slot)
+    else:
+        decode_into_slots(planes, slots, experts, slot_ids, count, grid=case.grid, mutant=mutant)
     found: list[str] = []
     decoded = slots.view(torch.int16).reshape(case.capacity, n).cpu()
     reference = decode_experts(encode(case.weights, case.code_bits), [e for e, _ in case.misses])
@@ -115,12 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--mutant", type=int, default=0)
+    parser.add_argument("--one-miss", action="store_true", help="one launch a miss (scalars)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     total, failed = 0, 0
     for case in cases():
         total += 1
-        problems = run_case(case, device, args.mutant)
+        problems = run_case(case, device, args.mutant, one_miss=args.one_miss)
         failed += bool(problems)
         for problem in problems:
             print(problem)

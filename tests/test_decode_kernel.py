@@ -27,8 +27,9 @@ def interpreted(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_kernel_decodes_every_case_exactly() -> None:
-    done = interpreted()
+@pytest.mark.parametrize("mode", [[], ["--one-miss"]], ids=["miss list", "one miss"])
+def test_the_kernel_decodes_every_case_exactly(mode: list[str]) -> None:
+    done = interpreted(*mode)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "ok: 20 cases"
 
@@ -48,6 +49,36 @@ def test_each_seeded_bug_of_the_kernel_is_caught(mutant: int, symptom: str) -> N
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.splitlines()[-1].startswith("FAILED:")
     assert symptom in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("mutant", "symptom"),
+    [(1, "values wrong"), (3, "values wrong"), (4, "values written outside"), (5, "values wrong")],
+)
+def test_each_seeded_bug_is_caught_one_miss_a_launch(mutant: int, symptom: str) -> None:
+    # Seeded bug 2 (entries past the count) has no counterpart: a launch decodes one miss.
+    done = interpreted("--mutant", str(mutant), "--one-miss")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert symptom in done.stdout
+
+
+def test_one_miss_outside_the_planes_or_slots_is_refused() -> None:
+    import torch
+
+    from rowcache.compress import encode
+    from rowcache.compress.triton_decode import SlotDecoder
+    from rowcache.errors import InvalidInputError
+
+    slots = torch.full((2, 8, 16), 7.0, dtype=torch.bfloat16)
+    decoder = SlotDecoder(encode(torch.randn(3, 8, 16).to(torch.bfloat16)), slots, grid=2)
+    for expert, slot, message in [
+        (3, 0, "expert 3 outside [0, 3) or slot 0 outside [0, 2)"),
+        (-1, 0, "expert -1 outside"),
+        (0, 2, "slot 2 outside [0, 2)"),
+    ]:
+        with pytest.raises(InvalidInputError, match=re.escape(message)):
+            decoder.decode_one(expert, slot)
+    assert bool((slots == 7.0).all())  # nothing launched
 
 
 def test_a_decoder_with_bad_slots_or_launch_is_refused() -> None:

@@ -36,7 +36,9 @@ DECODE_WARPS = 4
 """Warps of one decode program (Triton's default)."""
 
 
-@triton.jit
+# The one miss's scalars are never specialized: a value of 1 would compile them as constants,
+# and every expert and slot id into a kernel of its own.
+@triton.jit(do_not_specialize=["one_expert", "one_slot"])
 def decode_gather_kernel(
     codebook_ptr,
     sm_ptr,
@@ -54,22 +56,31 @@ def decode_gather_kernel(
     miss_slots_ptr,
     miss_count_ptr,
     capacity,
+    one_expert,
+    one_slot,
     BLOCK: tl.constexpr,
     CODE_BITS: tl.constexpr,
+    ONE_MISS: tl.constexpr = False,
     MUTANT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # Seeded bug 2 decodes every entry of the miss list, not the first count.
-    if MUTANT == 2:  # noqa: SIM108 (a branch on a constexpr, resolved at compile time)
+    if ONE_MISS:  # the miss as two scalars (the host planner's), no list in memory
+        total = blocks
+    elif MUTANT == 2:
         total = capacity * blocks
     else:
         total = tl.load(miss_count_ptr) * blocks
     for item in range(pid, total, nprog):
-        m = item // blocks
         b = item % blocks
-        expert = tl.load(miss_experts_ptr + m).to(tl.int64)
-        slot = tl.load(miss_slots_ptr + m).to(tl.int64)
+        if ONE_MISS:
+            expert = one_expert.to(tl.int64)
+            slot = one_slot.to(tl.int64)
+        else:
+            m = item // blocks
+            expert = tl.load(miss_experts_ptr + m).to(tl.int64)
+            slot = tl.load(miss_slots_ptr + m).to(tl.int64)
         if (expert >= 0) & (slot >= 0):
             at = b * BLOCK + tl.arange(0, BLOCK)
             inside = at < n
@@ -163,8 +174,50 @@ class SlotDecoder:
             miss_slots,
             miss_count,
             miss_experts.numel(),
+            0,
+            0,
             BLOCK=BLOCK,
             CODE_BITS=planes.code_bits,
+            MUTANT=self._mutant,
+            num_warps=self._num_warps,
+        )
+
+    def decode_one(self, expert: int, slot: int) -> None:
+        """Decode expert ``expert`` into slot ``slot``, the two given as the launch's scalars:
+        the host planner's miss, which has no miss list on the device (nor any buffer the
+        launch reads but the planes, which never change). The grid is cut to the expert's
+        blocks. Bounds are the caller's (the host plan), checked here all the same: a launch
+        writes nothing outside the slots."""
+        planes = self._planes
+        if not (0 <= expert < planes.num_experts and 0 <= slot < self._slots.shape[0]):
+            raise InvalidInputError(
+                f"decode_one: expert {expert} outside [0, {planes.num_experts}) or slot {slot} "
+                f"outside [0, {self._slots.shape[0]})"
+            )
+        n = planes.values_per_expert
+        grid = (min(self._grid[0], planes.blocks_per_expert),)
+        decode_gather_kernel[grid](
+            self._codebook,
+            planes.sign_mantissa,
+            planes.sign_mantissa.stride(0),
+            planes.codes,
+            planes.codes.stride(0),
+            planes.escape_starts,
+            planes.escape_starts.stride(0),
+            planes.escapes,
+            self._slots,
+            n,
+            n,
+            planes.blocks_per_expert,
+            self._slots,  # no list: never read (ONE_MISS)
+            self._slots,
+            self._slots,
+            0,
+            expert,
+            slot,
+            BLOCK=BLOCK,
+            CODE_BITS=planes.code_bits,
+            ONE_MISS=True,
             MUTANT=self._mutant,
             num_warps=self._num_warps,
         )

@@ -11,11 +11,14 @@ import pytest
 import torch
 
 
+@pytest.mark.parametrize("one_miss", [False, True], ids=["miss list", "one miss"])
 @pytest.mark.parametrize("where", ["device", "pinned_host"])
-def test_the_kernel_decodes_every_case_exactly(where: str) -> None:
+def test_the_kernel_decodes_every_case_exactly(where: str, one_miss: bool) -> None:
+    # One miss a launch, from pinned host memory: the host planner's path.
     failures = []
     for case in checks.cases():
-        failures += checks.run_case(case, torch.device("cuda"), 0, pinned=where == "pinned_host")
+        pinned = where == "pinned_host"
+        failures += checks.run_case(case, torch.device("cuda"), 0, pinned, one_miss)
     assert failures == []
 
 
