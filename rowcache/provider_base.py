@@ -164,6 +164,7 @@ class RowCacheWeightProvider(SlotSurface):
         backend: Backend[Any] | None = None,
         layout: Layout = "separate",
         share_sources: bool = False,
+        compress: bool = False,
         planner: Literal["host"] = "host",
     ) -> RowCacheWeightProvider: ...
 

@@ -82,6 +82,12 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
     strided views, not contiguous buffers); the default ``"separate"`` gives one contiguous
     buffer per tensor.
 
+    ``compress=True`` holds bf16 ``w13`` and ``w2`` as lossless bf16 planes in host memory
+    (``rowcache.compress``: about three quarters of the bytes); the copy step of a miss then
+    decodes them into its slots on the copy stream, reading the planes over the link (the
+    backend's ``copy_rows``: one decode launch a miss and source on a GPU, the miss passed as
+    the launch's scalars; the table's steps and their order are unchanged).
+
     Host memory: by default the provider copies the expert tensors it is given, once, into
     host memory it owns (pinned for CUDA), so that a later in-place write by the caller
     changes nothing a ``prepare`` serves; drop yours after construction to keep one host copy.
@@ -107,6 +113,7 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
         backend: Backend[Any] | None = None,
         layout: Layout = "separate",
         share_sources: bool = False,
+        compress: bool = False,
         planner: Planner = "host",
     ) -> None:
         if planner != "host":  # RowCacheWeightProvider builds a DevicePlannedProvider then
@@ -129,6 +136,7 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
             device=target,
             layout=layout,
             share_sources=share_sources,
+            compress=compress,
         )
         num_experts = self._num_experts
         self._backend.bind(self._sources, self._slots)

@@ -23,6 +23,7 @@ __all__ = [
     "ExpertSources",
     "SlotBuffers",
     "allocate_slot_buffers",
+    "planes_and_slots",
     "validate_capacity",
 ]
 
@@ -455,3 +456,15 @@ def allocate_slot_buffers(
     w13, w2 = bufs[0], bufs[1]
     assert w13 is not None and w2 is not None
     return SlotBuffers(capacity, w13, w2, *bufs[2:])
+
+
+def planes_and_slots(sources: ExpertSources, slots: SlotBuffers) -> list[tuple[Bf16Planes, Tensor]]:
+    """Each source held as bf16 planes with the slot buffer it decodes into (a miss of either
+    planner decodes them; the other sources are copied as bytes, ``ExpertSources.copied``)."""
+    buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
+    pairs = []
+    for name, planes in sources.planes.items():
+        buffer = buffers[name]
+        assert buffer is not None  # allocate_slot_buffers gives every present source a buffer
+        pairs.append((planes, buffer))
+    return pairs

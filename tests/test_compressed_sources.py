@@ -157,11 +157,6 @@ def test_experts_that_are_not_bf16_are_refused() -> None:
     assert torch.equal(w["w2"], before)
 
 
-def test_the_host_planner_takes_no_compress() -> None:
-    with pytest.raises(TypeError, match="compress"):
-        RowCacheWeightProvider(**weights(), capacity=C, device="cpu", compress=True)  # type: ignore[call-overload]
-
-
 def test_nothing_copies_from_the_stand_ins() -> None:
     """The compressed sources' ``tensors()`` are ``meta`` stand-ins: shape and dtype for the
     slots, and an error, not silent bytes, for anything that would copy from them."""

@@ -3,7 +3,8 @@
 Streams and events do not exist on a CPU, so ``record_event``, ``wait_event``, ``wait_flag``,
 ``release_staging`` and ``host_sync`` do nothing: every step has finished when its call returns,
 which satisfies every ordering the table asks for. Copies are real tensor copies of each
-expert's rows of every present source into its slot, and maps are real int32 tensors.
+expert's rows of every present source into its slot (sources held as bf16 planes decoded into
+it by the reference decode), and maps are real int32 tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from torch import Tensor
 
 from rowcache.backends.base import RINGS, MapContent
-from rowcache.sources import ExpertSources, SlotBuffers
+from rowcache.compress import Bf16Planes, decode_experts
+from rowcache.sources import ExpertSources, SlotBuffers, planes_and_slots
 
 __all__ = ["CPU_STREAM", "CpuBackend"]
 
@@ -28,15 +30,17 @@ class CpuBackend:
 
     def __init__(self) -> None:
         self._pairs: list[tuple[Tensor, Tensor]] = []
+        self._decoded: list[tuple[Bf16Planes, Tensor]] = []
         self._maps: dict[str, Tensor] = {}
         self._staged: dict[str, Tensor] = {}
 
     def bind(self, sources: ExpertSources, slots: SlotBuffers) -> None:
         self._pairs = [
             (buf, src)
-            for buf, src in zip(slots.tensors(), sources.tensors(), strict=True)
+            for buf, src in zip(slots.tensors(), sources.copied(), strict=True)
             if buf is not None and src is not None
         ]
+        self._decoded = planes_and_slots(sources, slots)
         device = slots.w13.device
         self._maps = {
             ring: torch.full((sources.num_experts,), -1, dtype=torch.int32, device=device)
@@ -72,6 +76,9 @@ class CpuBackend:
         for buf, src in self._pairs:
             for expert, slot in copies:
                 buf[slot].copy_(src[expert])
+        for planes, buf in self._decoded:  # sources held as bf16 planes: the reference decode
+            for expert, slot in copies:
+                buf[slot].copy_(decode_experts(planes, [expert])[0])
 
     def write_staging(self, ring: str, content: MapContent) -> None:
         # A copy: the content may be a live view of the provider's host mirror.

@@ -28,7 +28,11 @@ operation and nothing else:
   - ``"per_tensor"``: one non-blocking ``copy_`` per tensor per miss (the earlier design; the
     benchmark's ``row_pt`` variant).
 
-  No per-element device writes on either path.
+  No per-element device writes on either path. Sources held as bf16 planes
+  (``ExpertSources(compress=True)``) are decoded into their slots after the copies, on the same
+  stream: one Triton launch a miss and source (``SlotDecoder.decode_one``), reading the planes
+  in pinned host memory through unified addressing, the expert and slot passed as the launch's
+  scalars (no miss list in memory, so no staging buffer the table would have to order).
 * ``write_staging`` / ``upload_map`` / ``release_staging``: each map (``resident``,
   ``forward``) has a ring of pinned int32 staging buffers, each with a reuse event. The host
   writes the map (a ``Sequence[int]`` or an int32 CPU tensor) into a buffer whose reuse event
@@ -206,6 +210,11 @@ def _sanitizer_write(
         raise lookup(SANITIZER_ERRORS, csan)(errors)
 
 
+DECODE_PROGRAMS_PER_SM = 8
+"""Programs an SM of a miss's decode, at most (cut to the expert's blocks): the device
+planner's (``rowcache.device_plan.kernels.GATHER_PROGRAMS_PER_SM``)."""
+
+
 class CudaBackend:
     """Stream/event implementation of the table's steps on one CUDA device.
 
@@ -239,6 +248,8 @@ class CudaBackend:
             for name in EVENTS
         }
         self._pairs: list[tuple[Tensor, Tensor, str]] = []
+        self._decoders: list[tuple[str, Tensor, Any]] = []
+        """(name, slot buffer, ``SlotDecoder``) of each source held as bf16 planes."""
         self._batched: BatchedCopier | None = None
         self._expert_bytes = 0
         self._maps: dict[str, Tensor] = {}
@@ -260,11 +271,32 @@ class CudaBackend:
     def bind(self, sources: ExpertSources, slots: SlotBuffers) -> None:
         self._pairs = [
             (buf, src, name)
-            for buf, src, name in zip(slots.tensors(), sources.tensors(), SOURCE_NAMES, strict=True)
+            for buf, src, name in zip(slots.tensors(), sources.copied(), SOURCE_NAMES, strict=True)
             if buf is not None and src is not None
         ]
+        self._decoders = []
+        if sources.planes:
+            # Triton only where a source is held as planes.
+            from rowcache.compress.triton_decode import SlotDecoder
+
+            sms = torch.cuda.get_device_properties(self._device).multi_processor_count
+            names = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
+            for name, planes in sources.planes.items():
+                buf = names[name]
+                assert buf is not None  # allocate_slot_buffers gives every source a buffer
+                # The 16-byte codebook on the device (every value reads it); the planes stay in
+                # pinned host memory, read through unified addressing.
+                decoder = SlotDecoder(
+                    planes,
+                    buf,
+                    grid=sms * DECODE_PROGRAMS_PER_SM,
+                    codebook=planes.codebook.to(self._device),
+                )
+                self._decoders.append((name, buf, decoder))
         layout = RowLayout(self._pairs)
-        self._expert_bytes = layout.expert_bytes
+        self._expert_bytes = layout.expert_bytes + sum(
+            buf[0].numel() * buf.element_size() for _, buf, _ in self._decoders
+        )
         if self._runtime is not None:
             self._batched = BatchedCopier(self._runtime, layout, self._device)
         num_experts = sources.num_experts
@@ -356,13 +388,14 @@ class CudaBackend:
             timing.records.append((start, end, len(copies) * self._expert_bytes))
         log = self._log
         if log is not None:
-            names = [name for _, _, name in self._pairs]
+            names = [name for _, _, name in self._pairs] + [name for name, _, _ in self._decoders]
             for expert, slot in copies:
                 for name in names:
                     log.append(CudaCall("copy", issued, name, expert, slot))
 
     def _copy(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> int:
-        """Enqueue the rows of ``copies`` on ``stream``; returns the handle they went to."""
+        """Enqueue the rows of ``copies`` on ``stream``, then the decodes of the sources held
+        as planes; returns the handle they went to."""
         batched = self._batched
         handle: int = stream.cuda_stream
         # cudaMemcpyBatchAsync rejects the legacy default stream (handle 0).
@@ -370,19 +403,44 @@ class CudaBackend:
             batched.copy(handle, copies)
             # Every tensor's row, also when a packed layout copies each miss as one range.
             _sanitizer_write(handle, lambda: batched.layout.row_addresses(copies))
+            if self._decoders:
+                self._decode(stream, copies)
             return handle
         pairs = self._pairs
         if torch.cuda.current_stream(self._device).cuda_stream == handle:
             for expert, slot in copies:
                 for buf, src, _ in pairs:
                     buf[slot].copy_(src[expert], non_blocking=True)
+            if self._decoders:
+                self._decode(stream, copies)
             return handle
         with torch.cuda.stream(stream):
             for expert, slot in copies:
                 for buf, src, _ in pairs:
                     buf[slot].copy_(src[expert], non_blocking=True)
+            if self._decoders:
+                self._decode(stream, copies)
             issued: int = torch.cuda.current_stream(self._device).cuda_stream
         return issued
+
+    def _decode(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> None:
+        """One decode launch a miss and planes source, on ``stream`` (Triton launches on the
+        current stream: entered here when it is another), the miss given as the launch's
+        scalars: nothing of the host's is read later but the planes, which never change, so no
+        staging buffer is needed."""
+        if torch.cuda.current_stream(self._device).cuda_stream != stream.cuda_stream:
+            with torch.cuda.stream(stream):
+                self._decode(stream, copies)
+            return
+        for expert, slot in copies:
+            for _, _, decoder in self._decoders:
+                decoder.decode_one(expert, slot)
+        decoded = self._decoders
+        _sanitizer_write(
+            stream.cuda_stream,
+            lambda: [buf[slot].data_ptr() for _, buf, _ in decoded for _, slot in copies],
+            "rowcache decode of bf16 planes (slot rows)",
+        )
 
     def write_staging(self, ring: str, content: Sequence[int] | Tensor) -> None:
         """``content``: the map as a sequence of ints or an int32 CPU tensor ``[E]`` (copied

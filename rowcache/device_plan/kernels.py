@@ -13,11 +13,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rowcache.compress import Bf16Planes, decode_experts
+from rowcache.compress import decode_experts
 from rowcache.device_plan.regions import CHUNK_BYTES, chunk_table, copy_regions
 from rowcache.device_plan.state import DeviceCacheState
 from rowcache.device_plan.torch_planner import invalidate_expert, plan_pass
-from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
+from rowcache.sources import ExpertSources, SlotBuffers, planes_and_slots
 
 __all__ = ["Kernels", "TorchKernels", "TritonKernels", "kernels_for"]
 
@@ -71,17 +71,6 @@ class TorchKernels:
 
     def invalidate(self, state: DeviceCacheState, expert_id: int) -> None:
         invalidate_expert(state, expert_id)
-
-
-def planes_and_slots(sources: ExpertSources, slots: SlotBuffers) -> list[tuple[Bf16Planes, Tensor]]:
-    """Each source held as bf16 planes with the slot buffer it decodes into."""
-    buffers = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
-    pairs = []
-    for name, planes in sources.planes.items():
-        buffer = buffers[name]
-        assert buffer is not None  # allocate_slot_buffers gives every present source a buffer
-        pairs.append((planes, buffer))
-    return pairs
 
 
 def _block(n: int, least: int = 16) -> int:
