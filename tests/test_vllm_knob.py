@@ -194,25 +194,33 @@ def test_compress_on_with_the_device_planner_holds_planes() -> None:
     assert settings.describe().endswith("planned on the device, experts held as bf16 planes")
 
 
-@pytest.mark.parametrize(
-    ("section", "message"),
-    [
-        (
-            {"moe_expert_cache_planner": "host"},
-            "additional_config['rowcache']['moe_expert_cache_compress']: 'on' needs "
-            "moe_expert_cache_planner='device' (the planes are decoded after the device "
-            "planner's gather), and moe_expert_cache_planner is 'host'; allowed values with "
-            "it: auto, off",
-        ),
-        ({}, "and moe_expert_cache_planner is not set; allowed values with it: auto, off"),
-    ],
-)
-def test_compress_on_without_the_device_planner_is_refused(
-    section: dict[str, object], message: str
+@pytest.mark.parametrize("section", [{"moe_expert_cache_planner": "host"}, {}])
+def test_compress_on_holds_planes_with_the_host_planner_or_one_not_set(
+    section: dict[str, object],
 ) -> None:
+    # Either planner decodes the planes (the host planner in its copy step).
+    settings = parse_settings(
+        cfg(moe_expert_cache_size=8, moe_expert_cache_compress="on", **section), {}
+    )
+    assert settings.compress == "on" and settings.compress_planes
+    assert settings.compress_source == "setting"
+
+
+def test_compress_on_with_the_cached_provider_is_refused() -> None:
     with pytest.raises(KnobError) as caught:
-        parse_settings(cfg(moe_expert_cache_size=8, moe_expert_cache_compress="on", **section), {})
-    assert message in str(caught.value)
+        parse_settings(
+            cfg(
+                moe_expert_cache_size=8,
+                moe_expert_cache_compress="on",
+                moe_expert_cache_provider="cached",
+            ),
+            {},
+        )
+    assert (
+        "additional_config['rowcache']['moe_expert_cache_compress']: 'on' needs "
+        "moe_expert_cache_provider='row' (the row provider decodes the planes, with either "
+        "planner), and moe_expert_cache_provider is 'cached'; allowed values with it: auto, off"
+    ) in str(caught.value)
 
 
 def test_compress_takes_auto_on_off_only() -> None:

@@ -1305,3 +1305,23 @@ def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:
         w2,
     )
     assert isinstance(plain, DevicePlannedProvider) and plain._sources.planes == {}
+    # The host planner too (eager mode's default): its copy step decodes the planes.
+    from rowcache.row_provider import HostPlannedProvider
+
+    host = build_provider(
+        parse_settings(
+            cfg(
+                moe_expert_cache_size=2,
+                moe_expert_cache_planner="host",
+                moe_expert_cache_compress="on",
+            ),
+            {},
+        ),
+        2,
+        w13,
+        w2,
+    )
+    assert isinstance(host, HostPlannedProvider)
+    assert set(host._sources.planes) == {"w13", "w2"}
+    host.prepare(torch.tensor([[3, 1]]))
+    assert host.slot_mismatches(host.resident_experts()) == []

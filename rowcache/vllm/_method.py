@@ -320,7 +320,7 @@ def build_provider(
             # driver, or vLLM's start-up profile counts them as memory the model holds.
             torch.cuda.empty_cache()
         return provider
-    return RowCacheWeightProvider(
+    provider = RowCacheWeightProvider(
         w13,
         w2,
         w13_scale,
@@ -331,7 +331,11 @@ def build_provider(
         share_sources=True,
         w13_bias=w13_bias,
         w2_bias=w2_bias,
+        compress=settings.compress_planes,
     )
+    if settings.compress_planes and device.type == "cuda":
+        torch.cuda.empty_cache()  # as for the device planner: the encode's temporaries
+    return provider
 
 
 class ReductionTap(Protocol):

@@ -52,7 +52,8 @@ dtype is bf16 (planes hold bf16 only). One record: the planes steps of 2026-12-0
 and three 2,048-token prompts beside a control; against the raw-byte cache 1.249 x at b1,
 1.281 x at b8, 1.302 x at b32 (that engine's b32 one generation), the prompt in 0.796 x the time.
 Piecewise graphs, eager mode and FP8 have no record (FP8 bytes cannot be coded below 0.81 of
-their size: docs/VLLM.md), so they hold raw bytes.
+their size: docs/VLLM.md), so they hold raw bytes; so does the host planner (which decodes the
+planes in its copy step when ``on`` is set) until a run records its planes faster.
 
 This module imports no vLLM.
 """
@@ -190,7 +191,8 @@ NOT_FASTER = (
 NO_HOST_EXPERT = "the host planner's expert split is not yet recorded exact against no offload"
 NO_PLANES = "bf16 planes are not yet recorded exact and faster than raw bytes"
 PLANES_NEED_DEVICE = (
-    "the planes are decoded after the device planner's gather; the host planner copies raw bytes"
+    "no record shows the host planner's planes faster than its raw bytes (the planes' record "
+    "is the device planner's); moe_expert_cache_compress='on' holds them"
 )
 
 

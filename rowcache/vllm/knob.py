@@ -9,9 +9,10 @@ Two sources, in order of precedence:
 
 ``moe_expert_cache_compress`` (``auto``, ``on``, ``off``; default ``auto``) holds bf16 experts
 as lossless bf16 planes in host memory and decodes each miss on the GPU
-(``rowcache.compress``). ``on`` needs ``moe_expert_cache_planner='device'`` (the decode runs
-after the device planner's gather) and bf16 experts; the layer's own pinned w13 and w2 are then
-freed (``rowcache.vllm._method.release_host_weights``). ``auto`` is resolved with the planner,
+(``rowcache.compress``). ``on`` needs the row provider (either planner: the device planner
+decodes after its gather, the host planner in its copy step) and bf16 experts; the layer's own
+pinned w13 and w2 are then freed (``rowcache.vllm._method.release_host_weights``). ``auto`` is
+resolved with the planner,
 from the recorded runs (``rowcache.vllm.defaults.default_compress``): ``on`` where a run with
 medians of three recorded the planes exact and faster than raw bytes for the engine's graph
 mode and quantization, the device planner serves and the model's dtype is bf16; else ``off``.
@@ -284,12 +285,11 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
     compress_raw = pick(COMPRESS)
     compress = _choice(*compress_raw, COMPRESS_VALUES) if compress_raw is not None else "auto"
     compress_where = compress_raw[1] if compress_raw is not None else COMPRESS
-    if compress == "on" and (planner != "device" or planner_raw is None):
-        given = f"'{planner}'" if planner_raw is not None else "not set"
+    if compress == "on" and provider == "cached":
         raise KnobError(
-            f"{compress_where}: 'on' needs {PLANNER}='device' "
-            f"(the planes are decoded after the device planner's gather), and {PLANNER} is "
-            f"{given}; allowed values with it: auto, off"
+            f"{compress_where}: 'on' needs {PROVIDER}='row' (the row provider decodes the "
+            f"planes, with either planner), and {PROVIDER} is 'cached'; allowed values with "
+            "it: auto, off"
         )
     if planner == "device" and split_raw is not None and split == "token":
         raise KnobError(
@@ -319,10 +319,12 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
         compress, compress_reason = chosen
         compress_source = "default"
         if compress == "on" and (planner != "device" or provider == "cached"):
+            # The default chooses planes only for the device planner (the one a record shows
+            # them faster for): a chosen "on" with another is a stale configuration.
             served = f"provider {provider!r}" if provider == "cached" else f"{PLANNER} {planner!r}"
             raise KnobError(
                 f"additional_config[{CONFIG_SECTION!r}][{COMPRESS_CHOSEN!r}]: 'on' needs the "
-                f"device planner (the planes are decoded after its gather), and this engine "
+                f"device planner (the only one the default holds planes for), and this engine "
                 f"has {served}; allowed with it: off"
             )
     return CacheSettings(
