@@ -746,7 +746,15 @@ def test_the_planes_engine_is_held_to_issue_36s_targets() -> None:
     skew = "\n".join(steps_report.targets(results, "steps.skew"))
     assert "  b32 row32planes.full >= 2 x uva675.full: 3200 / 3200 tok/s = 1.000 (MISSED)" in skew
     assert "b1 row32planes.full >= 1.7" not in skew
+    # The host planner's planes against its raw bytes in eager mode (no target), its tokens
+    # against no offload in eager mode; they stand without the device planner's planes too.
+    host = "  b1 row32hostplanes.eager >= 1 x row32host.eager: 100 / 100 tok/s = 1.000 (met)"
+    assert host in text
+    assert "  tokens row32hostplanes.eager identical to no offload: met" in text
     del results["steps.plain.row32planes.full"]
+    alone = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert "issue 36" in alone and host in alone and "row32planes.full" not in alone
+    del results["steps.plain.row32hostplanes.eager"]
     assert "issue 36" not in "\n".join(steps_report.targets(results, "steps.plain"))
 
 

@@ -204,6 +204,7 @@ def test_compress_on_holds_planes_with_the_host_planner_or_one_not_set(
     )
     assert settings.compress == "on" and settings.compress_planes
     assert settings.compress_source == "setting"
+    assert settings.describe().endswith("planned on the host, experts held as bf16 planes")
 
 
 def test_compress_on_with_the_cached_provider_is_refused() -> None:

@@ -162,9 +162,10 @@ class CacheSettings:
             planes = ", experts held as bf16 planes" if self.compress_planes else ""
             return f"{self.size} slots per MoE layer, provider 'row', planned on the device{planes}"
         where = ", planned on the host" if self.provider == "row" else ""
+        planes = ", experts held as bf16 planes" if self.compress_planes else ""
         return (
             f"{self.size} slots per MoE layer, provider {self.provider!r}, split "
-            f"{self.split!r}{where}"
+            f"{self.split!r}{where}{planes}"
         )
 
     def planner_line(self) -> str:

@@ -19,6 +19,7 @@ UVA = "uva675.full"
 PREFETCH = "prefetch.full"
 DEVICE_EAGER = "row32dev.eager"
 HOST_EAGER = "row32host.eager"
+HOST_PLANES = "row32hostplanes.eager"
 DEVICE_PIECEWISE = "row32dev.piecewise"
 PLANES = "row32planes.full"
 MEASURES = ("b1", "b8", "b32", "ttft")
@@ -483,8 +484,9 @@ def planes_targets(results: Results, prefix: str) -> list[str]:
     b32 >= 2 x. Beside them the planes against the same cache copying raw bytes
     (``row32dev.full``: no target, the gain of the format alone), the tokens, the slot audit and
     the in-engine exactness."""
+    host = host_planes_lines(results, prefix)
     if f"{prefix}.{PLANES}" not in results:
-        return []
+        return [f"targets ({prefix}, issue 36):", *host] if host else []
     if prefix.endswith("skew"):
         wanted = [("b32", UVA, 2.0, True)]
     else:
@@ -507,7 +509,28 @@ def planes_targets(results: Results, prefix: str) -> list[str]:
     for line in (slots_line(record, PLANES), exactness_line(record, PLANES)):
         lines += [line] if line is not None else []
     lines += host_memory_lines(results, prefix)
+    lines += host
     return [f"targets ({prefix}, issue 36):", *lines] if lines else []
+
+
+def host_planes_lines(results: Results, prefix: str) -> list[str]:
+    """The host planner's planes (``row32hostplanes.eager``: decoded in its copy step) against
+    its raw bytes in eager mode (``row32host.eager``; no target: what a default for the host
+    planner would need at every measure), its tokens against no offload in eager mode, the slot
+    audit and the in-engine exactness."""
+    name = f"{prefix}.{HOST_PLANES}"
+    if name not in results:
+        return []
+    gains = [(m, HOST_EAGER, 1.0, m != "ttft") for m in MEASURES]
+    found = [line for w in gains if (line := _ratio(results, prefix, *w, HOST_PLANES)) is not None]
+    lines = ["  (the host planner's planes against its raw bytes, eager: no target)", *found]
+    verdict = _token_verdict(results, name)
+    if verdict is not None:
+        lines.append(f"  tokens {HOST_PLANES} identical to no offload: {verdict}")
+    record = results.get(name)
+    for line in (slots_line(record, HOST_PLANES), exactness_line(record, HOST_PLANES)):
+        lines += [line] if line is not None else []
+    return lines
 
 
 def host_memory_lines(results: Results, prefix: str) -> list[str]:
