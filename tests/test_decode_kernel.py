@@ -27,7 +27,7 @@ def interpreted(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("mode", [[], ["--one-miss"]], ids=["miss list", "one miss"])
+@pytest.mark.parametrize("mode", [[], ["--one-miss"]], ids=["miss_list", "one_miss"])
 def test_the_kernel_decodes_every_case_exactly(mode: list[str]) -> None:
     done = interpreted(*mode)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

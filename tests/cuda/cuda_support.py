@@ -95,8 +95,13 @@ class ExpertData:
         torch.cuda.synchronize()
 
     def provider(
-        self, capacity: int, backend: CudaBackend | None = None, layout: Layout = "separate"
+        self,
+        capacity: int,
+        backend: CudaBackend | None = None,
+        layout: Layout = "separate",
+        compress: bool = False,
     ) -> RowCacheWeightProvider:
+        """``compress``: w13 and w2 held as bf16 planes, decoded in the copy step."""
         h = self.host
         return RowCacheWeightProvider(
             h["w13"],
@@ -109,6 +114,7 @@ class ExpertData:
             w2_scale_2=h["w2_scale_2"],
             backend=backend,
             layout=layout,
+            compress=compress,
         )
 
     def holder(self, name: str, row: Tensor) -> str:

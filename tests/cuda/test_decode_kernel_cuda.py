@@ -11,7 +11,7 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("one_miss", [False, True], ids=["miss list", "one miss"])
+@pytest.mark.parametrize("one_miss", [False, True], ids=["miss_list", "one_miss"])
 @pytest.mark.parametrize("where", ["device", "pinned_host"])
 def test_the_kernel_decodes_every_case_exactly(where: str, one_miss: bool) -> None:
     # One miss a launch, from pinned host memory: the host planner's path.

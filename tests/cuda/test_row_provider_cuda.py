@@ -106,13 +106,16 @@ def slow_reader_rounds(p: RowCacheWeightProvider) -> list[bool]:
     return [torch.equal(got, src[r % E]) for r, got in enumerate(seen)]
 
 
-def test_a_slow_eager_reader_is_never_overwritten() -> None:
-    assert all(slow_reader_rounds(data().provider(1)))
+@pytest.mark.parametrize("compress", [False, True], ids=["bytes", "planes"])
+def test_a_slow_eager_reader_is_never_overwritten(compress: bool) -> None:
+    # Planes: the decode into the evicted slot waits for the reader as a copy does.
+    assert all(slow_reader_rounds(data().provider(1, compress=compress)))
 
 
 @pytest.mark.gpu_mutant
-def test_without_the_release_wait_the_slow_eager_reader_is_overwritten() -> None:
-    rounds = slow_reader_rounds(install(data().provider(1), "no_release_wait"))
+@pytest.mark.parametrize("compress", [False, True], ids=["bytes", "planes"])
+def test_without_the_release_wait_the_slow_eager_reader_is_overwritten(compress: bool) -> None:
+    rounds = slow_reader_rounds(install(data().provider(1, compress=compress), "no_release_wait"))
     assert not any(rounds[1:]), rounds  # round 0 warms the staging rings (see above)
 
 
