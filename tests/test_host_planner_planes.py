@@ -13,21 +13,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_compressed_sources import C, E, weights
 
 import rowcache.backends.cpu as cpu_backend
 from rowcache import HostPlannedProvider, InvalidInputError, RowCacheWeightProvider
-
-E, H, INTER, C = 8, 256, 96, 3
-
-
-def weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "w13": (torch.randn(E, 2 * INTER, H, generator=gen) * 0.02).to(torch.bfloat16),
-        "w2": (torch.randn(E, H, INTER, generator=gen) * 0.02).to(torch.bfloat16),
-        "w13_scale": torch.rand(E, 2, generator=gen),
-        "w2_scale": torch.rand(E, 1, generator=gen),
-    }
 
 
 def provider(w: dict[str, torch.Tensor], **kwargs: Any) -> HostPlannedProvider:

@@ -155,9 +155,40 @@ class SlotDecoder:
     def __call__(self, miss_experts: Tensor, miss_slots: Tensor, miss_count: Tensor) -> None:
         """Decode the first ``miss_count`` misses: expert ``miss_experts[i]`` into slot
         ``miss_slots[i]``."""
+        self._launch(self._grid, miss_experts, miss_slots, miss_count, miss_experts.numel())
+
+    def decode_one(self, expert: int, slot: int) -> None:
+        """Decode expert ``expert`` into slot ``slot``, the two given as the launch's scalars:
+        the host planner's miss, which has no miss list on the device (nor any buffer the
+        launch reads but the planes, which never change). The grid is cut to the expert's
+        blocks. Bounds are the caller's (the host plan), checked here all the same: a launch
+        writes nothing outside the slots."""
+        planes = self._planes
+        if not (0 <= expert < planes.num_experts and 0 <= slot < self._slots.shape[0]):
+            raise InvalidInputError(
+                f"decode_one: expert {expert} outside [0, {planes.num_experts}) or slot {slot} "
+                f"outside [0, {self._slots.shape[0]})"
+            )
+        grid = (min(self._grid[0], planes.blocks_per_expert),)
+        # No list: the miss pointers are never read (ONE_MISS); any tensor stands in.
+        none = self._slots
+        self._launch(grid, none, none, none, 0, expert, slot, one_miss=True)
+
+    def _launch(
+        self,
+        grid: tuple[int],
+        miss_experts: Tensor,
+        miss_slots: Tensor,
+        miss_count: Tensor,
+        capacity: int,
+        one_expert: int = 0,
+        one_slot: int = 0,
+        *,
+        one_miss: bool = False,
+    ) -> None:
         planes = self._planes
         n = planes.values_per_expert
-        decode_gather_kernel[self._grid](
+        decode_gather_kernel[grid](
             self._codebook,
             planes.sign_mantissa,
             planes.sign_mantissa.stride(0),
@@ -173,51 +204,12 @@ class SlotDecoder:
             miss_experts,
             miss_slots,
             miss_count,
-            miss_experts.numel(),
-            0,
-            0,
+            capacity,
+            one_expert,
+            one_slot,
             BLOCK=BLOCK,
             CODE_BITS=planes.code_bits,
-            MUTANT=self._mutant,
-            num_warps=self._num_warps,
-        )
-
-    def decode_one(self, expert: int, slot: int) -> None:
-        """Decode expert ``expert`` into slot ``slot``, the two given as the launch's scalars:
-        the host planner's miss, which has no miss list on the device (nor any buffer the
-        launch reads but the planes, which never change). The grid is cut to the expert's
-        blocks. Bounds are the caller's (the host plan), checked here all the same: a launch
-        writes nothing outside the slots."""
-        planes = self._planes
-        if not (0 <= expert < planes.num_experts and 0 <= slot < self._slots.shape[0]):
-            raise InvalidInputError(
-                f"decode_one: expert {expert} outside [0, {planes.num_experts}) or slot {slot} "
-                f"outside [0, {self._slots.shape[0]})"
-            )
-        n = planes.values_per_expert
-        grid = (min(self._grid[0], planes.blocks_per_expert),)
-        decode_gather_kernel[grid](
-            self._codebook,
-            planes.sign_mantissa,
-            planes.sign_mantissa.stride(0),
-            planes.codes,
-            planes.codes.stride(0),
-            planes.escape_starts,
-            planes.escape_starts.stride(0),
-            planes.escapes,
-            self._slots,
-            n,
-            n,
-            planes.blocks_per_expert,
-            self._slots,  # no list: never read (ONE_MISS)
-            self._slots,
-            self._slots,
-            0,
-            expert,
-            slot,
-            BLOCK=BLOCK,
-            CODE_BITS=planes.code_bits,
-            ONE_MISS=True,
+            ONE_MISS=one_miss,
             MUTANT=self._mutant,
             num_warps=self._num_warps,
         )

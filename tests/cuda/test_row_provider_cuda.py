@@ -47,13 +47,28 @@ def test_picks_the_cuda_backend_pins_sources_and_keeps_buffer_addresses() -> Non
     assert [t.data_ptr() for t in slot_tensors(p)] == before
 
 
-@pytest.mark.parametrize("layout", ["separate", "packed"])
-def test_data_across_streams_owner_changes_and_invalidate(layout: Layout) -> None:
+@pytest.mark.parametrize(
+    ("layout", "compress", "copy"),
+    [
+        ("separate", False, "batched"),
+        ("packed", False, "batched"),
+        # w13 and w2 held as planes: decoded into the slots on the copy stream after the copies
+        # of the other four, one launch a miss and source.
+        ("separate", True, "batched"),
+        ("separate", True, "per_tensor"),
+    ],
+)
+def test_data_across_streams_owner_changes_and_invalidate(
+    layout: Layout, compress: bool, copy: str
+) -> None:
     d = data()
-    p = d.provider(3, layout=layout)
-    # Packed: one batch entry per miss (all six tensors in one range); separate: one per tensor.
+    backend = CudaBackend("cuda", copy=copy)  # type: ignore[arg-type]
+    p = d.provider(3, backend=backend, layout=layout, compress=compress)
+    # Packed: one batch entry per miss (all six tensors in one range); separate: one per tensor
+    # copied (four with planes).
     assert isinstance(p.backend, CudaBackend)
-    assert p.backend.ranges_per_miss == (1 if layout == "packed" else 6)
+    if copy == "batched":
+        assert p.backend.ranges_per_miss == (1 if layout == "packed" else 4 if compress else 6)
     streams = consumer_streams(2)
     calls = [[0, 1], [1, 2], [3], [4, 5, 0], [6], [2, 7], [0], [5, 6, 7], [1, 2, 3]]
     for i, call in enumerate(calls):
@@ -137,42 +152,3 @@ def test_prepare_and_invalidate_never_block_on_consumer_work() -> None:
     torch.cuda.synchronize()
     print(f"6 prepares and 6 invalidates behind queued GPU work: {host * 1e3:.2f} ms host")
     assert host < 0.1 * slowdown, f"host blocked for {host:.3f} s"
-
-
-@pytest.mark.parametrize("copy", ["batched", "per_tensor"])
-def test_planes_decoded_on_the_copy_stream_across_streams_and_invalidate(copy: str) -> None:
-    # The host planner with w13 and w2 held as bf16 planes: each miss's scales copied, its w13
-    # and w2 decoded into the slot by one launch a source on the copy stream, behind the release
-    # wait like a copy. Every resident slot byte-exact after every call, owners changing.
-    gen = torch.Generator().manual_seed(11)
-    weights = {
-        "w13": (torch.randn(E, 2 * 96, 256, generator=gen) * 0.02).to(torch.bfloat16),
-        "w2": (torch.randn(E, 256, 96, generator=gen) * 0.02).to(torch.bfloat16),
-        "w13_scale": torch.rand(E, 2, generator=gen),
-        "w2_scale": torch.rand(E, 1, generator=gen),
-    }
-    p = RowCacheWeightProvider(
-        **weights,
-        capacity=3,
-        device="cuda",
-        compress=True,
-        backend=CudaBackend("cuda", copy=copy),  # type: ignore[arg-type]
-    )
-    assert set(p._sources.planes) == {"w13", "w2"}
-    streams = consumer_streams(2)
-    calls = [[0, 1], [1, 2], [3], [4, 5, 0], [6], [2, 7], [0], [5, 6, 7], [1, 2, 3]]
-    for i, call in enumerate(calls):
-        with torch.cuda.stream(streams[i % 2]):
-            p.prepare(torch.tensor([call]))
-            if i % 3 == 2:
-                p.invalidate(call[0])
-                p.prepare(torch.tensor([call]))
-        torch.cuda.synchronize()
-        resident = p.resident_experts()
-        assert sorted(e for e in resident if e in call) == sorted(call)
-        assert p.slot_mismatches(resident) == [], f"call {i}"
-        for expert, slot in resident.items():
-            assert torch.equal(
-                p.buf_w13[slot].cpu().view(torch.int16), weights["w13"][expert].view(torch.int16)
-            )
-    assert p.stats()["evictions"] > 0
