@@ -250,6 +250,9 @@ class CudaBackend:
         self._pairs: list[tuple[Tensor, Tensor, str]] = []
         self._decoders: list[tuple[str, Tensor, Any]] = []
         """(name, slot buffer, ``SlotDecoder``) of each source held as bf16 planes."""
+        self._logged: list[tuple[str, bool]] = []
+        """Each present source in ``SOURCE_NAMES`` order, and whether a miss decodes it: the
+        call log's copies of a miss, one a source, each on the stream it really went to."""
         self._batched: BatchedCopier | None = None
         self._expert_bytes = 0
         self._maps: dict[str, Tensor] = {}
@@ -293,6 +296,9 @@ class CudaBackend:
                     codebook=planes.codebook.to(self._device),
                 )
                 self._decoders.append((name, buf, decoder))
+        decoded = {name for name, _, _ in self._decoders}
+        present = {name for _, _, name in self._pairs} | decoded
+        self._logged = [(n, n in decoded) for n in SOURCE_NAMES if n in present]
         layout = RowLayout(self._pairs)
         self._expert_bytes = layout.expert_bytes + sum(
             buf[0].numel() * buf.element_size() for _, buf, _ in self._decoders
@@ -378,24 +384,27 @@ class CudaBackend:
     def copy_rows(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> None:
         timing = self.copy_timing
         if timing is None:
-            issued = self._copy(stream, copies)
+            issued, decoded = self._copy(stream, copies)
         else:
             start = _timing_event()
             start.record(stream)
-            issued = self._copy(stream, copies)
+            issued, decoded = self._copy(stream, copies)
             end = _timing_event()
             end.record(stream)
             timing.records.append((start, end, len(copies) * self._expert_bytes))
         log = self._log
         if log is not None:
-            names = [name for _, _, name in self._pairs] + [name for name, _, _ in self._decoders]
             for expert, slot in copies:
-                for name in names:
-                    log.append(CudaCall("copy", issued, name, expert, slot))
+                for name, by_decode in self._logged:
+                    went = decoded if by_decode else issued
+                    log.append(CudaCall("copy", went, name, expert, slot))
 
-    def _copy(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> int:
+    def _copy(
+        self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]
+    ) -> tuple[int, int]:
         """Enqueue the rows of ``copies`` on ``stream``, then the decodes of the sources held
-        as planes; returns the handle they went to."""
+        as planes; returns the handles the copies and the decodes went to."""
+        decoded = self._decode(stream, copies) if self._decoders else -1
         batched = self._batched
         handle: int = stream.cuda_stream
         # cudaMemcpyBatchAsync rejects the legacy default stream (handle 0).
@@ -403,44 +412,39 @@ class CudaBackend:
             batched.copy(handle, copies)
             # Every tensor's row, also when a packed layout copies each miss as one range.
             _sanitizer_write(handle, lambda: batched.layout.row_addresses(copies))
-            if self._decoders:
-                self._decode(stream, copies)
-            return handle
+            return handle, decoded
         pairs = self._pairs
         if torch.cuda.current_stream(self._device).cuda_stream == handle:
             for expert, slot in copies:
                 for buf, src, _ in pairs:
                     buf[slot].copy_(src[expert], non_blocking=True)
-            if self._decoders:
-                self._decode(stream, copies)
-            return handle
+            return handle, decoded
         with torch.cuda.stream(stream):
             for expert, slot in copies:
                 for buf, src, _ in pairs:
                     buf[slot].copy_(src[expert], non_blocking=True)
-            if self._decoders:
-                self._decode(stream, copies)
             issued: int = torch.cuda.current_stream(self._device).cuda_stream
-        return issued
+        return issued, decoded
 
-    def _decode(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> None:
+    def _decode(self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]) -> int:
         """One decode launch a miss and planes source, on ``stream`` (Triton launches on the
         current stream: entered here when it is another), the miss given as the launch's
         scalars: nothing of the host's is read later but the planes, which never change, so no
-        staging buffer is needed."""
+        staging buffer is needed. Returns the handle the launches went to."""
         if torch.cuda.current_stream(self._device).cuda_stream != stream.cuda_stream:
             with torch.cuda.stream(stream):
-                self._decode(stream, copies)
-            return
+                return self._decode(stream, copies)
         for expert, slot in copies:
             for _, _, decoder in self._decoders:
                 decoder.decode_one(expert, slot)
         decoded = self._decoders
+        issued: int = torch.cuda.current_stream(self._device).cuda_stream
         _sanitizer_write(
-            stream.cuda_stream,
+            issued,
             lambda: [buf[slot].data_ptr() for _, buf, _ in decoded for _, slot in copies],
             "rowcache decode of bf16 planes (slot rows)",
         )
+        return issued
 
     def write_staging(self, ring: str, content: Sequence[int] | Tensor) -> None:
         """``content``: the map as a sequence of ints or an int32 CPU tensor ``[E]`` (copied

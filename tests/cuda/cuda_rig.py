@@ -58,9 +58,12 @@ def shared() -> tuple[ExpertData, list[torch.cuda.Stream], dict[float, int]]:
 
 
 class CudaRig:
-    """The real CUDA provider, traced through its backend's call log."""
+    """The real CUDA provider, traced through its backend's call log. ``compress``: w13 and
+    w2 held as bf16 planes (the copy step decodes them, each decode logged on the stream its
+    launch really went to)."""
 
-    def __init__(self) -> None:
+    def __init__(self, compress: bool = False) -> None:
+        self.compress = compress
         self.log: list[CudaCall] = []
         self.index: dict[int, int] = {}
         self.mark = 0
@@ -69,7 +72,8 @@ class CudaRig:
     def provider(self, capacity: int) -> RowCacheWeightProvider:
         self.data, self.streams, self.cycles = shared()
         self.log = []
-        p = self.data.provider(capacity, CudaBackend("cuda", call_log=self.log))
+        backend = CudaBackend("cuda", call_log=self.log)
+        p = self.data.provider(capacity, backend, compress=self.compress)
         copy = p.backend.copy_stream
         assert isinstance(copy, torch.cuda.Stream)
         check_distinct(self.streams, copy)
