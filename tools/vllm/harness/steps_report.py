@@ -486,7 +486,9 @@ def planes_targets(results: Results, prefix: str) -> list[str]:
     the in-engine exactness."""
     host = host_planes_lines(results, prefix)
     if f"{prefix}.{PLANES}" not in results:
-        return [f"targets ({prefix}, issue 36):", *host] if host else []
+        if not host:
+            return []
+        return [f"targets ({prefix}, issue 36):", *host, *host_memory_lines(results, prefix)]
     if prefix.endswith("skew"):
         wanted = [("b32", UVA, 2.0, True)]
     else:
@@ -538,7 +540,7 @@ def host_memory_lines(results: Results, prefix: str) -> list[str]:
     recorded them, the caching host allocator's pinned bytes and the layers whose w13/w2 were
     released (``probes.pinned_host_memory``)."""
     out = []
-    for label in (ROW, PLANES):
+    for label in (ROW, PLANES, HOST_PLANES):
         probe = (results.get(f"{prefix}.{label}") or {}).get("probe") or {}
         if "expert_host_bytes" not in probe:
             continue
