@@ -53,10 +53,11 @@ def test_the_bench_runs_under_the_interpreter(tmp_path: Path, code_bits: int | N
         assert row["decoded_bytes"] == row["misses"] * 2 * (2 * 24 * 64 + 64 * 24)
         assert 0 < row["compressed_bytes_read"] < row["decoded_bytes"]
         assert len(row["decode_s"]) == result["repeats"] == 3
+        assert len(row["one_by_one_s"]) == 3 and row["one_by_one_over_copy"] > 0
     assert result["code_bits"] == code_bits  # None: the providers' width, the encoder's choice
     assert result["held_code_bits"] == {"w13": code_bits or 3, "w2": code_bits or 3}
     assert 0.65 < result["planes_ratio"]["w13"] < 0.75
-    assert "decode/copy" in done.stdout
+    assert "decode/copy" in done.stdout and "one eager launch a miss" in done.stdout
 
 
 def test_the_sweep_times_every_launch_each_checked(tmp_path: Path) -> None:
@@ -114,4 +115,21 @@ def test_a_launch_of_the_sweep_that_decodes_wrong_is_reported(tmp_path: Path) ->
     done = interpreted(tmp_path, script=SEEDED_IN_ONE_LAUNCH)
     assert done.returncode != 0
     assert "decode_gather: 1 misses decoded wrong bytes (16 warps, 4 programs an SM)" in done.stderr
+    assert not (tmp_path / "decode_gather.json").exists()
+
+
+SEEDED_ONE_BY_ONE = """
+import sys
+import rowcache.compress.triton_decode as kernel
+one = kernel.SlotDecoder.decode_one
+kernel.SlotDecoder.decode_one = lambda self, e, s: one(self, e, max(0, s - 1))  # slot 1 into 0
+from rowcache.bench.decode_gather import main
+sys.exit(main(["--out", sys.argv[1], "--device", "cpu"]))
+"""
+
+
+def test_a_one_by_one_decode_into_the_wrong_slot_is_reported(tmp_path: Path) -> None:
+    done = interpreted(tmp_path, script=SEEDED_ONE_BY_ONE)
+    assert done.returncode != 0
+    assert "decode_gather: 2 misses decoded wrong bytes (one by one)" in done.stderr
     assert not (tmp_path / "decode_gather.json").exists()

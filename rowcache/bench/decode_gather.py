@@ -11,6 +11,9 @@ in bf16, Gaussian weights as the checkpoint builder makes them) is encoded into 
   *decoded* (``m`` experts' bf16 bytes) over the median time is the decoded rate;
 * **ceiling**: one pinned host-to-device copy of the same ``m`` experts' bf16 bytes, timed the
   same way (what an uncompressed miss moves at best over the same link);
+* **one by one**: the host planner's decode, one eager launch a miss and tensor with the miss
+  as the launch's scalars, timed from the first launch to the last one's end (the host's
+  launch time shows where the GPU waits for it);
 * the slots after the decode are checked bit for bit against the source experts before any
   time is recorded (a decode that is fast and wrong is reported as wrong, not timed).
 
@@ -111,7 +114,7 @@ def measure(
     """Each row's decode figures at ``configs[0]`` (warps a program, programs an SM: the
     providers' launch; None: that one alone), and every config's under ``configs``; the copy
     once a row."""
-    from rowcache.compress.triton_decode import decode_into_slots
+    from rowcache.compress.triton_decode import SlotDecoder, decode_into_slots
 
     configs = configs or launches(sweep=False)
 
@@ -128,6 +131,9 @@ def measure(
     expert_bytes = sum(w[0].numel() * w.element_size() for w in (w13, w2))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
     timed = _timer(device)
+    decoders = [
+        SlotDecoder(p, s, grid=sms * PROGRAMS_PER_SM) for p, s in zip(planes, slots, strict=True)
+    ]
     rows: list[dict[str, Any]] = []
     for misses in (m for m in MISSES if m <= capacity):
         chosen = torch.randperm(experts, generator=gen)[:misses]
@@ -177,6 +183,25 @@ def measure(
                     "decode_s": [timed(run) for _ in range(warmup + repeats)][warmup:],
                 }
             )
+        # The host planner's decode: one eager launch a miss and tensor, the miss as the
+        # launch's scalars, timed from the first launch's start to the last one's end, so that
+        # the host's launch time shows wherever the GPU waits for it.
+        pairs = [(int(e), slot) for slot, e in enumerate(chosen.tolist())]
+
+        def one_by_one(pairs: list[tuple[int, int]] = pairs) -> None:
+            for expert, slot in pairs:
+                for decoder in decoders:
+                    decoder.decode_one(expert, slot)
+
+        for s in slots:
+            s.zero_()
+        one_by_one()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        for s, w in zip(slots, (w13, w2), strict=True):
+            if not torch.equal(s[:misses].cpu().view(torch.int16), w[chosen].view(torch.int16)):
+                raise SystemExit(f"decode_gather: {misses} misses decoded wrong bytes (one by one)")
+        one_s = [timed(one_by_one) for _ in range(warmup + repeats)][warmup:]
         raw = torch.empty(misses * expert_bytes, dtype=torch.uint8, pin_memory=on_gpu)
         target = torch.empty_like(raw, device=device)
 
@@ -205,6 +230,9 @@ def measure(
                 "decode_s": decode_s,
                 "copy_s": copy_s,
                 "configs": timings,
+                "one_by_one_s": one_s,
+                "one_by_one_s_median": statistics.median(one_s),
+                "one_by_one_over_copy": statistics.median(copy_s) / statistics.median(one_s),
             }
         )
     return {
@@ -236,6 +264,13 @@ def format_rows(result: dict[str, Any]) -> str:
             f"{r['compressed_bytes_read'] / 1e6:>10.2f}{r['decode_s_median'] * 1e6:>11.1f}"
             f"{r['copy_s_median'] * 1e6:>10.1f}{r['decode_gb_per_s']:>13.2f}"
             f"{r['copy_gb_per_s']:>11.2f}{r['decode_over_copy']:>12.2f}x"
+        )
+    lines += ["", "one eager launch a miss and tensor (the host planner's decode):"]
+    lines.append(f"{'misses':>7}{'decode us':>11}{'decode/copy':>13}")
+    for r in result["rows"]:
+        lines.append(
+            f"{r['misses']:>7}{r['one_by_one_s_median'] * 1e6:>11.1f}"
+            f"{r['one_by_one_over_copy']:>12.2f}x"
         )
     if len(result["configs"]) > 1:
         lines += ["", "decode/copy by launch (warps a program, programs an SM):"]
