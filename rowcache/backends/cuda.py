@@ -29,10 +29,11 @@ operation and nothing else:
     benchmark's ``row_pt`` variant).
 
   No per-element device writes on either path. Sources held as bf16 planes
-  (``ExpertSources(compress=True)``) are decoded into their slots after the copies, on the same
-  stream: one Triton launch a miss and source (``SlotDecoder.decode_one``), reading the planes
-  in pinned host memory through unified addressing, the expert and slot passed as the launch's
-  scalars (no miss list in memory, so no staging buffer the table would have to order).
+  (``ExpertSources(compress=True)``) are decoded into their slots in the same step, on the same
+  stream (the decodes enqueued first, then the copies): one Triton launch a miss and source
+  (``SlotDecoder.decode_one``), reading the planes in pinned host memory through unified
+  addressing, the expert and slot passed as the launch's scalars (no miss list in memory, so no
+  staging buffer the table would have to order).
 * ``write_staging`` / ``upload_map`` / ``release_staging``: each map (``resident``,
   ``forward``) has a ring of pinned int32 staging buffers, each with a reuse event. The host
   writes the map (a ``Sequence[int]`` or an int32 CPU tensor) into a buffer whose reuse event
@@ -402,8 +403,8 @@ class CudaBackend:
     def _copy(
         self, stream: torch.cuda.Stream, copies: Sequence[tuple[int, int]]
     ) -> tuple[int, int]:
-        """Enqueue the rows of ``copies`` on ``stream``, then the decodes of the sources held
-        as planes; returns the handles the copies and the decodes went to."""
+        """Enqueue the decodes of the sources held as planes, then the rows of the others, of
+        ``copies`` on ``stream``; returns the handles the copies and the decodes went to."""
         decoded = self._decode(stream, copies) if self._decoders else -1
         batched = self._batched
         handle: int = stream.cuda_stream

@@ -52,8 +52,8 @@ def test_picks_the_cuda_backend_pins_sources_and_keeps_buffer_addresses() -> Non
     [
         ("separate", False, "batched"),
         ("packed", False, "batched"),
-        # w13 and w2 held as planes: decoded into the slots on the copy stream after the copies
-        # of the other four, one launch a miss and source.
+        # w13 and w2 held as planes: decoded into the slots on the copy stream in the copy step,
+        # beside the copies of the other four, one launch a miss and source.
         ("separate", True, "batched"),
         ("separate", True, "per_tensor"),
     ],
