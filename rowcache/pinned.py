@@ -11,8 +11,10 @@ hands out aligned views of them one after another; only the unused tail of a sla
 A view keeps its slab alive. The arena lets go of a slab once nothing else views it (checked at
 each request), so a model's slabs are freed after the model by the next request at the latest;
 until then a slab's free tail serves later requests. The arena is for what lives as long as the
-model (the providers' sources and planes), not for tensors freed early (a layer's checkpoint
-tensors released once its planes hold them): one live view holds its whole slab.
+model (the providers' sources and planes). Tensors freed early (a layer's checkpoint tensors,
+released once its planes hold them) come from a second arena whose slabs are let go of once
+the layers that share them are released (``pinned_empty_transient``, ``collect_transient``):
+one live view holds its whole slab.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ from torch import Tensor
 from rowcache.errors import InvalidInputError
 from rowcache.torch_seams import STORAGE_CDATA, STORAGE_USE_COUNT, lookup
 
-__all__ = ["ALIGN", "SLAB_BYTES", "PinnedArena", "pinned_empty_exact"]
+__all__ = [
+    "ALIGN",
+    "SLAB_BYTES",
+    "PinnedArena",
+    "collect_transient",
+    "pinned_empty_exact",
+    "pinned_empty_transient",
+    "releases_slabs",
+]
 
 SLAB_BYTES = 1 << 30
 """The smallest slab (1 GiB). A request that no slab's tail holds takes a new slab of at least
@@ -86,8 +96,7 @@ class PinnedArena:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:  # host memory, as every view (whatever the default device)
             return torch.empty(shape, dtype=dtype, device="cpu")
-        # Let go of the slabs nothing views any longer (their memory goes back to torch).
-        self._slabs = [s for s in self._slabs if _use_count(s.memory) > s.unviewed]
+        self.collect()
         slab = next((s for s in self._slabs if s.memory.numel() - s.free_at >= nbytes), None)
         if slab is None:
             memory = self._allocate(max(self.slab_bytes, 2 << (nbytes - 1).bit_length()))
@@ -96,6 +105,11 @@ class PinnedArena:
         start = slab.free_at
         slab.free_at = min(slab.memory.numel(), -(-(start + nbytes) // ALIGN) * ALIGN)
         return slab.memory[start : start + nbytes].view(dtype).view(shape)
+
+    def collect(self) -> None:
+        """Let go of the slabs nothing views any longer (their memory goes back to torch,
+        whose caching host allocator keeps it until its cache is emptied)."""
+        self._slabs = [s for s in self._slabs if _use_count(s.memory) > s.unviewed]
 
 
 def _use_count(t: Tensor) -> int:
@@ -111,6 +125,7 @@ def _use_count(t: Tensor) -> int:
 
 
 _ARENA: PinnedArena | None = None
+_TRANSIENT: PinnedArena | None = None
 
 
 def pinned_empty_exact(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -120,3 +135,30 @@ def pinned_empty_exact(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     if _ARENA is None:
         _ARENA = PinnedArena()
     return _ARENA.empty(shape, dtype)
+
+
+def releases_slabs() -> bool:
+    """Whether an arena can tell that nothing views a slab any longer (torch's storage use
+    count, ``rowcache.torch_seams``): without it a slab is kept for the process's life."""
+    return lookup(STORAGE_USE_COUNT) is not None
+
+
+def pinned_empty_transient(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A pinned tensor for what lives only while a model loads (a layer's checkpoint tensors,
+    released once the cache holds the experts in its own form), in an arena of its own: its
+    slabs are freed by :func:`collect_transient` once every tensor in them is, where torch's
+    own blocks round each request up to a power of two (the load-time peak of pinned memory).
+    Torch's own block where an arena could not tell its slabs free (``releases_slabs``).
+    Needs a CUDA device (pinned memory)."""
+    global _TRANSIENT
+    if not releases_slabs():
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    if _TRANSIENT is None:
+        _TRANSIENT = PinnedArena()
+    return _TRANSIENT.empty(shape, dtype)
+
+
+def collect_transient() -> None:
+    """Let go of the transient arena's slabs that nothing views any longer."""
+    if _TRANSIENT is not None:
+        _TRANSIENT.collect()

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rowcache.pinned as pinned
 from rowcache.errors import InvalidInputError
 from rowcache.pinned import ALIGN, PinnedArena
 
@@ -114,3 +115,56 @@ def test_slabs_and_empty_views_are_host_memory_under_another_default_device(
         nothing = arena.empty((0, 3), torch.float32)
     assert view.device.type == "cpu" and nothing.device.type == "cpu"
     assert arena.reserved_bytes == 4096
+
+
+def test_collect_lets_go_of_slabs_nothing_views_and_keeps_the_others() -> None:
+    made.clear()
+    arena = PinnedArena(slab_bytes=4096, allocate=plain)
+    first = [arena.empty((1500,), torch.uint8) for _ in range(2)]  # one 4 KiB slab
+    kept = arena.empty((2000,), torch.uint8)  # not in its tail: a second slab
+    assert made == [4096, 4096]
+    arena.collect()
+    assert arena.reserved_bytes == 8192  # everything still viewed
+    del first[0]
+    gc.collect()
+    arena.collect()
+    assert arena.reserved_bytes == 8192  # one view of the first slab is left
+    first.clear()
+    gc.collect()
+    arena.collect()
+    assert arena.reserved_bytes == 4096 and kept.numel() == 2000
+
+
+def test_transient_tensors_come_from_their_own_arena_and_are_collected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transient = PinnedArena(slab_bytes=4096, allocate=plain)
+    monkeypatch.setattr(pinned, "_TRANSIENT", transient)
+    lasting = pinned._ARENA
+    views = [pinned.pinned_empty_transient((500,), torch.bfloat16) for _ in range(3)]
+    assert transient.reserved_bytes == 4096 and pinned._ARENA is lasting  # not the lasting one
+    views.clear()
+    gc.collect()
+    pinned.collect_transient()
+    assert transient.reserved_bytes == 0
+
+
+def test_without_torch_s_use_count_transient_tensors_are_torch_s_own_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An arena could not tell a slab free: a slab would stay pinned for the process's life.
+    asked: list[dict[str, Any]] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append(kwargs)
+        return real_empty(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
+
+    monkeypatch.setattr(pinned, "releases_slabs", lambda: False)
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(pinned, "_TRANSIENT", None)
+    t = pinned.pinned_empty_transient((7,), torch.float32)
+    assert t.shape == (7,) and asked == [
+        {"dtype": torch.float32, "device": "cpu", "pin_memory": True}
+    ]
+    assert pinned._TRANSIENT is None

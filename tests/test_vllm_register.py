@@ -1325,3 +1325,28 @@ def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:
     assert set(host._sources.planes) == {"w13", "w2"}
     host.prepare(torch.tensor([[3, 1]]))
     assert host.slot_mismatches(host.resident_experts()) == []
+
+
+def test_the_plugin_s_short_lived_host_tensors_are_transient_and_collected(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's checkpoint tensors, released once the planes or converted rows hold them,
+    come from the transient arena, whose slabs ``release_host_cache`` lets go of first."""
+    import torch
+
+    import rowcache.vllm._method as method
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        method, "pinned_empty_transient", lambda s, d: calls.append("transient") or torch.empty(s)
+    )
+    monkeypatch.setattr(
+        method, "pinned_empty_exact", lambda s, d: calls.append("lasting") or torch.empty(s)
+    )
+    monkeypatch.setattr(method, "collect_transient", lambda: calls.append("collect"))
+    monkeypatch.setattr(method, "lookup", lambda seam: None)
+    method.pinned_empty((2,), torch.float32, lasting=False)
+    method.pinned_empty((2,), torch.float32, lasting=True)
+    method.release_host_cache()
+    assert calls == ["transient", "lasting", "collect"]

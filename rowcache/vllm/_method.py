@@ -66,7 +66,7 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 from rowcache.cached import CachedWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.forward import run_unreduced_with_expert_cache, run_with_expert_cache
-from rowcache.pinned import pinned_empty_exact
+from rowcache.pinned import collect_transient, pinned_empty_exact, pinned_empty_transient
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
@@ -192,6 +192,7 @@ def release_host_cache() -> None:
     bytes) after the cache released a layer's checkpoint tensors."""
     if not torch.cuda.is_available():
         return
+    collect_transient()  # the released layers' slabs back to torch first
     empty = lookup(HOST_EMPTY_CACHE)
     if empty is not None:
         empty()
@@ -209,14 +210,15 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, lasting: bool) -
     """Host memory for expert tensors: pinned where there is a GPU (CPU tests: plain).
     ``lasting``: it lives as long as the model, and is carved from the process's arena of
     pinned slabs (``rowcache.pinned``: the bytes asked, where torch's own pinned allocator
-    rounds every request up to a power of two); else a block of its own, which is freed when
-    the tensor is (a layer's checkpoint tensors that the cache releases once it holds the
-    experts in its own form)."""
+    rounds every request up to a power of two); else a view of a slab of the transient arena,
+    freed with its slab (a layer's checkpoint tensors that the cache releases once it holds the
+    experts in its own form; ``release_host_cache`` lets go of the slabs whose tensors are all
+    released)."""
     if not torch.cuda.is_available():
         return torch.empty(shape, dtype=dtype, device="cpu")
     if lasting:
         return pinned_empty_exact(shape, dtype)
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    return pinned_empty_transient(shape, dtype)
 
 
 def check_layer(moe: Any, settings: CacheSettings, method: str, biases: bool = False) -> int:

@@ -42,3 +42,26 @@ def test_views_are_pinned_host_memory_under_a_cuda_default_device() -> None:
         nothing = arena.empty((0,), torch.bfloat16)
     assert view.device.type == "cpu" and view.is_pinned()
     assert nothing.device.type == "cpu"
+
+
+def test_a_collected_slab_goes_back_to_the_driver() -> None:
+    # The transient arena's path at load: the views die with their layer, collect() lets go
+    # of the slab, and emptying torch's host cache unpins it.
+    import gc
+
+    from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
+
+    empty_cache = lookup(HOST_EMPTY_CACHE)
+    assert empty_cache is not None
+    empty_cache()
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    arena = PinnedArena()
+    views = [arena.empty((300 << 20,), torch.uint8) for _ in range(3)]
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    assert held - before >= 1 << 30
+    views.clear()
+    gc.collect()
+    arena.collect()
+    empty_cache()
+    after = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    assert arena.reserved_bytes == 0 and after <= before + (1 << 20)
