@@ -65,3 +65,20 @@ def test_a_collected_slab_goes_back_to_the_driver() -> None:
     empty_cache()
     after = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     assert arena.reserved_bytes == 0 and after <= before + (1 << 20)
+
+
+def test_a_view_inside_a_slab_has_its_own_device_address() -> None:
+    # vLLM's UVA view of a host tensor (``get_cuda_view_from_cpu_tensor``, how the plugin
+    # registers its host parameters) asks cudaHostGetDevicePointer for the tensor's own data
+    # pointer, which for an arena's view lies inside a slab, not at its start: the driver must
+    # map it (with unified addressing, to the same address).
+    import importlib
+
+    runtime = importlib.import_module("cuda.bindings.runtime")
+    arena = PinnedArena(slab_bytes=1 << 20)
+    first = arena.empty((1000,), torch.uint8)
+    inside = arena.empty((4096,), torch.float32)
+    assert inside.data_ptr() == first.data_ptr() + 1024  # inside the slab, not at its start
+    error, device_pointer = runtime.cudaHostGetDevicePointer(inside.data_ptr(), 0)
+    assert error == runtime.cudaError_t.cudaSuccess, error
+    assert int(device_pointer) == inside.data_ptr()
