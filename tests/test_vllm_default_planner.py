@@ -19,11 +19,11 @@ from rowcache.vllm.defaults import (
     GRAPH_MODES,
     HOST_EXPERT_EXACT,
     NO_HOST_EXPERT,
+    NO_HOST_PLANES,
     NO_PLANES,
     NO_TOKENS,
     NOT_FASTER,
     PLANES_FASTER,
-    PLANES_NEED_DEVICE,
     TOKENS_EXACT,
     Evidence,
     GraphMode,
@@ -694,7 +694,7 @@ def test_compress_auto_is_resolved_by_planner_mode_quantization_and_dtype() -> N
     )
     assert default_compress("full", planner="host", dtype="bfloat16", evidence=evidence) == (
         "off",
-        f"default: {PLANES_NEED_DEVICE}",
+        f"default: {NO_HOST_PLANES}",
     )
     assert default_compress("full", planner="device", dtype="float16", evidence=evidence) == (
         "off",
@@ -735,7 +735,7 @@ def test_choose_planner_resolves_auto_after_the_planner() -> None:
     )
     eager = choose_planner(auto, "eager", evidence=evidence, dtype="bfloat16")
     assert (eager.planner, eager.compress, eager.compress_source) == ("host", "off", "default")
-    assert eager.compress_line() == f"rowcache: compress off (default: {PLANES_NEED_DEVICE})"
+    assert eager.compress_line() == f"rowcache: compress off (default: {NO_HOST_PLANES})"
     half = choose_planner(auto, "full", evidence=evidence, dtype="float16")
     assert (half.planner, half.compress) == ("device", "off")
     for given in ("on", "off"):

@@ -190,7 +190,7 @@ NOT_FASTER = (
 )
 NO_HOST_EXPERT = "the host planner's expert split is not yet recorded exact against no offload"
 NO_PLANES = "bf16 planes are not yet recorded exact and faster than raw bytes"
-PLANES_NEED_DEVICE = (
+NO_HOST_PLANES = (
     "no record shows the host planner's planes faster than its raw bytes (the planes' record "
     "is the device planner's); moe_expert_cache_compress='on' holds them"
 )
@@ -282,7 +282,7 @@ def default_compress(
     evidence = EVIDENCE if evidence is None else evidence
     where = _where(mode, quantization)
     if planner != "device":
-        return "off", f"default: {PLANES_NEED_DEVICE}"
+        return "off", f"default: {NO_HOST_PLANES}"
     if quantization is not None:
         # The model's dtype is bf16 there too; its experts are not.
         return "off", f"default: planes hold bf16 experts; quantization {quantization!r} does not"
