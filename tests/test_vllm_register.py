@@ -1350,3 +1350,38 @@ def test_the_plugin_s_short_lived_host_tensors_are_transient_and_collected(
     method.pinned_empty((2,), torch.float32, lasting=True)
     method.release_host_cache()
     assert calls == ["transient", "lasting", "collect"]
+
+
+def test_a_device_view_of_an_arena_piece_is_cut_from_its_slab_s_view(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's UVA view asks the driver for the address of the tensor it is given: for a piece
+    of an arena's slab the plugin gives it the slab (an allocation's start) and cuts the piece
+    from that view; any other host tensor goes as it is."""
+    import torch
+
+    import rowcache.vllm._method as method
+    from rowcache.pinned import PinnedArena
+
+    given: list[torch.Tensor] = []
+
+    def uva(t: torch.Tensor) -> torch.Tensor:  # stands in for the device view: the same bytes
+        given.append(t)
+        return t
+
+    monkeypatch.setattr(method, "get_accelerator_view_from_cpu_tensor", uva)
+    arena = PinnedArena(slab_bytes=4096, allocate=lambda n: torch.zeros(n, dtype=torch.uint8))
+    first = arena.empty((100,), torch.uint8)  # kept: its slab stays in the arena
+    piece = arena.empty((3, 5), torch.bfloat16)
+    assert piece.data_ptr() == first.data_ptr() + 512
+    piece.copy_(torch.arange(15.0).view(3, 5))
+    view = method.device_view(piece)
+    slab = given[-1]
+    assert slab.dtype == torch.uint8 and slab.numel() == 4096
+    assert slab.data_ptr() == piece.data_ptr() - 512  # the slab's start, the piece 512 in
+    assert view.data_ptr() == piece.data_ptr() and view.shape == (3, 5)
+    assert view.dtype == torch.bfloat16 and torch.equal(view, piece)
+    plain = torch.ones(4, 2)
+    assert method.device_view(plain) is plain and given[-1] is plain
+    strided = plain.t()  # not contiguous: as it is (no piece of an arena is)
+    assert method.device_view(strided) is strided

@@ -41,7 +41,6 @@ from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExpert
 from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerTensorOnlineMoEMethod
-from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from rowcache.types import ExpertWeightProvider
 from rowcache.vllm._config import RowcacheError
@@ -50,6 +49,7 @@ from rowcache.vllm._method import (
     CachedForward,
     build_provider,
     check_layer,
+    device_view,
     pinned_empty,
     to_pinned,
 )
@@ -267,7 +267,7 @@ class RowcacheFp8OnlineMoEMethod(_CachedFp8Forward, Fp8PerTensorOnlineMoEMethod)
         self.rowcache_provider = self._build_provider(hosts)
         # vLLM's kernel set-up again, over device views of the host tensors (the GPU copies
         # are released with the parameters they replace) and the scale slots.
-        views = {n: get_accelerator_view_from_cpu_tensor(h) for n, h in hosts.items()}
+        views = {n: device_view(h) for n, h in hosts.items()}
         self._setup_kernel(
             layer,
             views["w13_weight"],

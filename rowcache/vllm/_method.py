@@ -81,6 +81,7 @@ __all__ = [
     "RowcacheMoEMethod",
     "build_provider",
     "check_layer",
+    "device_view",
     "forget_host_loaders",
     "install",
     "pinned_empty",
@@ -155,11 +156,28 @@ def forget_host_loaders(params: Iterable[Any]) -> None:
             loader.forget()
 
 
+def device_view(host: Tensor) -> Tensor:
+    """A device view of the pinned ``host`` tensor through unified addressing (vLLM's
+    ``get_accelerator_view_from_cpu_tensor``). A tensor that is a piece of a larger allocation
+    (an arena's slab, ``rowcache.pinned``) is cut from the view of its whole storage, so that
+    the driver is asked for the device address of an allocation's start, not of a pointer
+    inside it; that view holds the storage for as long as the piece lives."""
+    storage = host.untyped_storage()
+    whole_tensor = host.data_ptr() == storage.data_ptr() and host.nbytes == storage.nbytes()
+    if whole_tensor or not host.is_contiguous():
+        view: Tensor = get_accelerator_view_from_cpu_tensor(host)
+        return view
+    flat = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
+    whole: Tensor = get_accelerator_view_from_cpu_tensor(flat)
+    offset = host.data_ptr() - storage.data_ptr()
+    return whole[offset : offset + host.nbytes].view(host.dtype).view(host.shape)
+
+
 def register_host_parameter(layer: Any, name: str, host: Tensor, attrs: dict[str, Any]) -> None:
-    """Register ``name`` on ``layer`` as a device view of the pinned ``host`` tensor, with
-    vLLM's parameter attributes ``attrs`` (its ``weight_loader``, if any, writing ``host``:
-    ``HostLoad``)."""
-    param = torch.nn.Parameter(get_accelerator_view_from_cpu_tensor(host), False)
+    """Register ``name`` on ``layer`` as a device view of the pinned ``host`` tensor
+    (``device_view``), with vLLM's parameter attributes ``attrs`` (its ``weight_loader``, if
+    any, writing ``host``: ``HostLoad``)."""
+    param = torch.nn.Parameter(device_view(host), False)
     attrs = dict(attrs)
     if "weight_loader" in attrs:
         attrs["weight_loader"] = HostLoad(attrs["weight_loader"], param, host)
