@@ -19,20 +19,10 @@ from rowcache.bench.decode_gather import main
 def interpreted(
     tmp_path: Path, *args: str, script: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The bench (or ``script``, given ``tmp_path``) under Triton's interpreter, on the CPU."""
-    command = (
-        ["-c", script, str(tmp_path)]
-        if script
-        else [
-            "-m",
-            "rowcache.bench.decode_gather",
-            "--out",
-            str(tmp_path),
-            "--device",
-            "cpu",
-            *args,
-        ]
-    )
+    """The bench on the CPU under Triton's interpreter, with ``args`` (``script``: run instead
+    of the module, given ``tmp_path`` and ``args``)."""
+    bench = ["-m", "rowcache.bench.decode_gather", "--out", str(tmp_path), "--device", "cpu"]
+    command = ["-c", script, str(tmp_path), *args] if script else [*bench, *args]
     return subprocess.run(
         [sys.executable, *command],
         env={**os.environ, "TRITON_INTERPRET": "1"},
@@ -82,54 +72,47 @@ def test_cuda_without_a_gpu_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "decode_gather.json").exists()
 
 
-SEEDED = """
-import sys
+SEEDED = {
+    # The sign dropped in every decode.
+    "sign": """
 import rowcache.compress.triton_decode as kernel
 decode = kernel.decode_into_slots
 kernel.decode_into_slots = lambda *args, **kwargs: decode(*args, **kwargs, mutant=3)
-from rowcache.bench.decode_gather import main
-sys.exit(main(["--out", sys.argv[1], "--device", "cpu"]))
-"""
-
-
-def test_a_decode_that_drops_the_sign_is_reported_wrong_not_timed(tmp_path: Path) -> None:
-    done = interpreted(tmp_path, script=SEEDED)
-    assert done.returncode != 0
-    assert "decode_gather: 1 misses decoded wrong bytes" in done.stderr
-    assert not (tmp_path / "decode_gather.json").exists()
-
-
-SEEDED_IN_ONE_LAUNCH = """
-import sys
+""",
+    # The sign dropped in one launch of the sweep only.
+    "one launch": """
 import rowcache.compress.triton_decode as kernel
 decode = kernel.decode_into_slots
 def seeded(*args, num_warps, **kwargs):
     decode(*args, num_warps=num_warps, **kwargs, mutant=3 if num_warps == 16 else 0)
 kernel.decode_into_slots = seeded
-from rowcache.bench.decode_gather import main
-sys.exit(main(["--out", sys.argv[1], "--device", "cpu", "--sweep"]))
-"""
-
-
-def test_a_launch_of_the_sweep_that_decodes_wrong_is_reported(tmp_path: Path) -> None:
-    done = interpreted(tmp_path, script=SEEDED_IN_ONE_LAUNCH)
-    assert done.returncode != 0
-    assert "decode_gather: 1 misses decoded wrong bytes (16 warps, 4 programs an SM)" in done.stderr
-    assert not (tmp_path / "decode_gather.json").exists()
-
-
-SEEDED_ONE_BY_ONE = """
-import sys
+""",
+    # The host planner's decode: slot 1 decoded into slot 0.
+    "one by one": """
 import rowcache.compress.triton_decode as kernel
 one = kernel.SlotDecoder.decode_one
-kernel.SlotDecoder.decode_one = lambda self, e, s: one(self, e, max(0, s - 1))  # slot 1 into 0
+kernel.SlotDecoder.decode_one = lambda self, e, s: one(self, e, max(0, s - 1))
+""",
+}
+RUN = """
+import sys
 from rowcache.bench.decode_gather import main
-sys.exit(main(["--out", sys.argv[1], "--device", "cpu"]))
+sys.exit(main(["--out", sys.argv[1], "--device", "cpu", *sys.argv[2:]]))
 """
 
 
-def test_a_one_by_one_decode_into_the_wrong_slot_is_reported(tmp_path: Path) -> None:
-    done = interpreted(tmp_path, script=SEEDED_ONE_BY_ONE)
+@pytest.mark.parametrize(
+    ("bug", "args", "message"),
+    [
+        ("sign", [], "decode_gather: 1 misses decoded wrong bytes"),
+        ("one launch", ["--sweep"], "1 misses decoded wrong bytes (16 warps, 4 programs an SM)"),
+        ("one by one", [], "decode_gather: 2 misses decoded wrong bytes (one by one)"),
+    ],
+)
+def test_a_wrong_decode_is_reported_not_timed(
+    tmp_path: Path, bug: str, args: list[str], message: str
+) -> None:
+    done = interpreted(tmp_path, *args, script=SEEDED[bug] + RUN)
     assert done.returncode != 0
-    assert "decode_gather: 2 misses decoded wrong bytes (one by one)" in done.stderr
+    assert message in done.stderr
     assert not (tmp_path / "decode_gather.json").exists()
