@@ -140,7 +140,7 @@ def pinned_empty_exact(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 def releases_slabs() -> bool:
     """Whether an arena can tell that nothing views a slab any longer (torch's storage use
     count, ``rowcache.torch_seams``): without it a slab is kept for the process's life."""
-    return lookup(STORAGE_USE_COUNT) is not None
+    return lookup(STORAGE_USE_COUNT) is not None and lookup(STORAGE_CDATA) is not None
 
 
 def pinned_empty_transient(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:

@@ -119,7 +119,8 @@ STORAGE_USE_COUNT = TorchSeam(
     "the arena of pinned slabs (rowcache.pinned) lets go of a slab once no tensor views it any "
     "longer: torch's count of the tensors sharing a storage (what torch.multiprocessing reads)",
     "none: the arena keeps every slab it made for the life of the process (a model's pinned "
-    "memory outlives the model in a process that builds another)",
+    "memory outlives the model in a process that builds another), and the plugin's load-time "
+    "checkpoint tensors take torch's own rounded blocks instead of the transient arena",
     ("rowcache/pinned.py",),
 )
 STORAGE_CDATA = TorchSeam(

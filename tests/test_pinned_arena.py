@@ -168,3 +168,15 @@ def test_without_torch_s_use_count_transient_tensors_are_torch_s_own_blocks(
         {"dtype": torch.float32, "device": "cpu", "pin_memory": True}
     ]
     assert pinned._TRANSIENT is None
+
+
+def test_slabs_are_released_only_with_both_of_torch_s_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert pinned.releases_slabs()  # this torch has both
+    real = pinned.lookup
+    for missing in (pinned.STORAGE_USE_COUNT, pinned.STORAGE_CDATA):
+        monkeypatch.setattr(
+            pinned, "lookup", lambda seam, m=missing: None if seam is m else real(seam)
+        )
+        assert not pinned.releases_slabs()

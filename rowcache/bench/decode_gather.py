@@ -144,6 +144,18 @@ def measure(
         lists = [t.to(device) for t in (miss_experts, miss_slots)]
         count = torch.tensor(misses, dtype=torch.int32, device=device)
 
+        def check_exact(run: Callable[[], None], launch: str, chosen: Tensor = chosen) -> None:
+            """Run ``run`` once into zeroed slots; stop unless they hold the chosen experts."""
+            for s in slots:
+                s.zero_()
+            run()
+            if on_gpu:
+                torch.cuda.synchronize(device)
+            m = len(chosen)
+            for s, w in zip(slots, (w13, w2), strict=True):
+                if not torch.equal(s[:m].cpu().view(torch.int16), w[chosen].view(torch.int16)):
+                    raise SystemExit(f"decode_gather: {m} misses decoded wrong bytes ({launch})")
+
         timings: list[dict[str, Any]] = []
         for warps, per_sm in configs:
 
@@ -164,18 +176,7 @@ def measure(
                 with torch.cuda.graph(graph):
                     decode()
                 run = graph.replay
-            for s in slots:
-                s.zero_()  # each config's decode checked on its own
-            run()
-            if on_gpu:
-                torch.cuda.synchronize(device)
-            for s, w in zip(slots, (w13, w2), strict=True):
-                got = s[:misses].cpu().view(torch.int16)
-                if not torch.equal(got, w[chosen].view(torch.int16)):
-                    raise SystemExit(
-                        f"decode_gather: {misses} misses decoded wrong bytes "
-                        f"({warps} warps, {per_sm} programs an SM)"
-                    )
+            check_exact(run, f"{warps} warps, {per_sm} programs an SM")  # each launch its own
             timings.append(
                 {
                     "num_warps": warps,
@@ -193,14 +194,7 @@ def measure(
                 for decoder in decoders:
                     decoder.decode_one(expert, slot)
 
-        for s in slots:
-            s.zero_()
-        one_by_one()
-        if on_gpu:
-            torch.cuda.synchronize(device)
-        for s, w in zip(slots, (w13, w2), strict=True):
-            if not torch.equal(s[:misses].cpu().view(torch.int16), w[chosen].view(torch.int16)):
-                raise SystemExit(f"decode_gather: {misses} misses decoded wrong bytes (one by one)")
+        check_exact(one_by_one, "one by one")
         one_s = [timed(one_by_one) for _ in range(warmup + repeats)][warmup:]
         raw = torch.empty(misses * expert_bytes, dtype=torch.uint8, pin_memory=on_gpu)
         target = torch.empty_like(raw, device=device)

@@ -172,7 +172,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
                 **extra_weight_attrs,
             )
         names = tuple(n for n in RAW if getattr(layer, n, None) is not None)
-        # Freed once converted: blocks of their own, not the arena's.
+        # Freed once converted: the transient arena's slabs (rowcache.pinned), collected then.
         self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names), lasting=False)
         self._rowcache_raw_params = [getattr(layer, n) for n in names]
 

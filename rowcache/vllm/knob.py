@@ -12,10 +12,10 @@ as lossless bf16 planes in host memory and decodes each miss on the GPU
 (``rowcache.compress``). ``on`` needs the row provider (either planner: the device planner
 decodes after its gather, the host planner in its copy step) and bf16 experts; the layer's own
 pinned w13 and w2 are then freed (``rowcache.vllm._method.release_host_weights``). ``auto`` is
-resolved with the planner,
-from the recorded runs (``rowcache.vllm.defaults.default_compress``): ``on`` where a run with
-medians of three recorded the planes exact and faster than raw bytes for the engine's graph
-mode and quantization, the device planner serves and the model's dtype is bf16; else ``off``.
+resolved with the planner, from the recorded runs (``rowcache.vllm.defaults.default_compress``):
+``on`` where a run with medians of three recorded the planes exact and faster than raw bytes
+for the engine's graph mode and quantization, the device planner serves and the model's dtype
+is bf16; else ``off``.
 The choice is written back under ``moe_expert_cache_compress_chosen``, as the planner's is.
 
 ``moe_expert_cache_planner`` chooses where the row provider plans: ``host`` (the MoE op runs
@@ -158,11 +158,10 @@ class CacheSettings:
     def describe(self) -> str:
         if not self.cache_on:
             return "expert cache off, MoE op eager between graph pieces"
+        planes = ", experts held as bf16 planes" if self.compress_planes else ""
         if self.planner == "device":
-            planes = ", experts held as bf16 planes" if self.compress_planes else ""
             return f"{self.size} slots per MoE layer, provider 'row', planned on the device{planes}"
         where = ", planned on the host" if self.provider == "row" else ""
-        planes = ", experts held as bf16 planes" if self.compress_planes else ""
         return (
             f"{self.size} slots per MoE layer, provider {self.provider!r}, split "
             f"{self.split!r}{where}{planes}"
