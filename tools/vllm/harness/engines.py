@@ -685,16 +685,22 @@ class ModelBudget:
     def slots(self, fraction: float) -> int:
         return round(self.experts * fraction)
 
-    @property
-    def uva_layer_gib(self) -> float:
-        """GiB of one MoE layer's experts as the UVA engines' backend creates them."""
-        if self.baseline is not None:
+    def layer_gib(self, backend: str | None = None) -> float:
+        """GiB of one MoE layer's experts as ``backend`` creates them (the baseline's own size
+        on its backend; the checkpoint's elsewhere)."""
+        if self.baseline is not None and backend == self.baseline.backend:
             return self.baseline.layer_bytes / 2**30
         return self.expert_gib / self.moe_layers
 
-    def uva_kept_gib(self, offloaded_gib: float) -> float:
-        """GiB of experts a UVA engine on the baseline's backend keeps on the GPU."""
-        return self.uva_layer_gib * self.moe_layers - offloaded_gib
+    @property
+    def uva_layer_gib(self) -> float:
+        """GiB of one MoE layer's experts as the UVA engines' backend creates them."""
+        return self.layer_gib(self.baseline.backend if self.baseline is not None else None)
+
+    def uva_kept_gib(self, offloaded_gib: float, backend: str | None) -> float:
+        """GiB of experts a UVA engine on ``backend`` that offloads ``offloaded_gib`` keeps on
+        the GPU."""
+        return self.layer_gib(backend) * self.moe_layers - offloaded_gib
 
     def uva_offloaded_gib(self, fraction: float) -> float:
         """``cpu_offload_gb`` that offloads the experts of whole MoE layers, leaving at least
@@ -709,7 +715,7 @@ class ModelBudget:
         if spec.knob is not None and spec.knob.size:
             return self.expert_gib * spec.knob.size / self.experts
         if spec.offload is not None and spec.offload.backend is OffloadBackend.UVA:
-            return self.uva_kept_gib(spec.offload.cpu_offload_gb)
+            return self.uva_kept_gib(spec.offload.cpu_offload_gb, spec.moe_backend)
         return self.expert_gib
 
 

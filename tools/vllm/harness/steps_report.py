@@ -424,11 +424,7 @@ def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) 
         if kept is None or offload.get("backend") != "uva":
             continue
         asked = float(offload["cpu_offload_gb"])
-        on_baseline = budget.baseline is not None and spec.get("moe_backend") == (
-            budget.baseline.backend
-        )
-        kept_gib = budget.uva_kept_gib(asked) if on_baseline else budget.expert_gib - asked
-        allowed = kept_gib * 2**30
+        allowed = budget.uva_kept_gib(asked, spec.get("moe_backend")) * 2**30
         if kept > allowed * 1.01:
             lines.append(
                 f"  {name[len(prefix) + 1 :]} kept {kept / 2**30:.2f} GiB of experts on the GPU "
