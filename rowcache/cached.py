@@ -101,6 +101,7 @@ class CachedWeightProvider(SlotSurface):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._invalidations = 0
         self._prepare_calls = 0
         self._last_copies = 0  # experts the last accepted prepare copied
         self._guard = CallGuard(type(self).__name__)
@@ -156,6 +157,7 @@ class CachedWeightProvider(SlotSurface):
             if self._slot_of[expert_id] < 0:
                 return
             self._release(expert_id)
+            self._invalidations += 1
             if expert_id in self._exposed:
                 self._exposed.discard(expert_id)
                 self._host_map[expert_id] = -1
@@ -173,6 +175,7 @@ class CachedWeightProvider(SlotSurface):
             "capacity": self._capacity,
             "prepare_calls": self._prepare_calls,
             "owner_changes": 0,
+            "invalidations": self._invalidations,
             "last_copies": self._last_copies,
             "last_copy_bytes": self._last_copies * self._sources.expert_bytes,
             "slot_bytes": self._slots.slot_bytes,

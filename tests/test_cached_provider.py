@@ -18,6 +18,7 @@ from test_provider_contract import assert_serves, ids, sources
 
 from rowcache.cached import CachedWeightProvider
 from rowcache.errors import InvalidInputError
+from rowcache.vllm import expert_cache_counter_problems
 
 E = 8
 CPU = torch.device("cpu")
@@ -29,6 +30,7 @@ STATS_KEYS = {
     "capacity",
     "prepare_calls",
     "owner_changes",
+    "invalidations",
     "last_copies",
     "last_copy_bytes",
     "slot_bytes",
@@ -56,6 +58,7 @@ def test_stats() -> None:
         "capacity": 2,
         "prepare_calls": 2,
         "owner_changes": 0,
+        "invalidations": 0,
         "last_copies": 1,
         "last_copy_bytes": sum(t[0].nbytes for t in src.values()),
         "slot_bytes": sum(2 * t[0].nbytes for t in src.values()),
@@ -197,4 +200,20 @@ def test_invalidate_frees_the_slot_and_the_next_use_copies_again() -> None:
     result = p.prepare(ids([0]))
     assert p.resident_experts()[0] == slot
     assert p.stats()["misses"] == 3 and p.stats()["evictions"] == 0
+    assert p.stats()["invalidations"] == 1
     assert_serves(p, result.expert_map, {0})
+
+
+def test_counters_stay_consistent_through_invalidations() -> None:
+    """``resident == misses - evictions - invalidations`` (the check a live server's cache is
+    read back with) holds for the LFRU provider too; a non-resident expert's invalidation is a
+    no-op and is not counted."""
+    p = make(capacity=2)
+    p.prepare(ids([0, 1]))
+    p.invalidate(0)
+    p.invalidate(0)  # no longer resident: nothing to count
+    p.prepare(ids([2, 3]))
+    p.invalidate(3)
+    stats = p.stats()
+    assert stats["invalidations"] == 2
+    assert expert_cache_counter_problems([{"layer": "l0", **stats}]) == []

@@ -5,6 +5,7 @@ per process (against the fake vLLM of tests/test_vllm_register.py)."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,23 @@ def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> Non
     host planner's expert split's in eager mode, and the device planner's in full graphs on FP8
     checkpoints; their raw output is in the repository. Eager mode (no speed record) stays on
     the host planner, with the expert split; the host planner elsewhere takes the token split.
-    FP8 in piecewise graphs and online FP8 (``fp8_per_tensor``) have no record. The planes
-    steps of 2026-12-04 turn ``compress: auto`` on for the device planner's bf16 experts in full
-    graphs only."""
-    full, eager, host_split, fp8, piecewise, planes = EVIDENCE
+    FP8 in piecewise graphs and online FP8 (``fp8_per_tensor``) have no record. gpt-oss's
+    models run of 2026-12-04 records the device planner's tokens in full graphs on its MXFP4
+    experts. The planes steps of 2026-12-04 turn ``compress: auto`` on for the device planner's
+    bf16 experts in full graphs only."""
+    full, eager, host_split, fp8, piecewise, gpt_oss, planes = EVIDENCE
+    assert (gpt_oss.claim, gpt_oss.modes, gpt_oss.quantizations) == (
+        TOKENS_EXACT,
+        ("full",),
+        ("gpt_oss_mxfp4",),
+    )
+    assert {
+        mode: default_planner(mode, quantization="gpt_oss_mxfp4")[0] for mode in GRAPH_MODES
+    } == {
+        "full": "device",
+        "piecewise": "host",
+        "eager": "host",
+    }
     assert (planes.claim, planes.modes, planes.quantizations) == (PLANES_FASTER, ("full",), (None,))
     assert {
         mode: default_compress(mode, planner="device", dtype="bfloat16")[0] for mode in GRAPH_MODES
@@ -121,37 +135,58 @@ def _records(record: str) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in map(json.loads, lines)}
 
 
+def _quantization(record: dict[str, Any]) -> str | None:
+    """An engine's model quantization as the records name it (``Evidence.quantizations``)."""
+    checkpoint = record["spec"]["checkpoint"]
+    if checkpoint.get("arch") == "gpt_oss":
+        return "gpt_oss_mxfp4"
+    if checkpoint.get("fp8_block"):
+        return "fp8"
+    # vLLM 0.25.0's ``fp8`` of a bf16 checkpoint quantizes it online, per tensor.
+    return "fp8_per_tensor" if record["spec"].get("quantization") == "fp8" else None
+
+
 def backs_its_claim(evidence: Evidence) -> int:
-    """Check that ``evidence``'s stored records show what it claims: in each of its modes the
-    planner's engine at 32 slots (``row32dev``: the device planner; ``row32host``: the host
-    planner's expert split) gave the same greedy tokens as that checkpoint's no-offload engine
-    of the same mode, sequence by sequence at every batch size measured, and the device
-    planner's largest batch took at least two passes a layer step on average. Returns the
-    number of engines checked. A ``PLANES_FASTER`` record is checked by
-    :func:`planes_back_their_claim`."""
+    """Check that ``evidence``'s stored records show what it claims: in each of its modes every
+    engine of the planner (``row<N>dev``: the device planner; ``row<N>host``: the host
+    planner's expert split) whose checkpoint's no-offload engine of the same mode ran in the
+    same record gave its greedy tokens, sequence by sequence at every batch size measured, and
+    the first tokens of the long prompts where both measured them, and the device planner's
+    largest batch took at least two passes a layer step on average. Returns the number of
+    engines checked. A ``PLANES_FASTER`` record is checked by :func:`planes_back_their_claim`."""
     if evidence.claim == PLANES_FASTER:
         return planes_back_their_claim(evidence)
-    engine = {TOKENS_EXACT: "row32dev", HOST_EXPERT_EXACT: "row32host"}[evidence.claim]
+    engine = {TOKENS_EXACT: "dev", HOST_EXPERT_EXACT: "host"}[evidence.claim]
+    label_re = re.compile(rf"(?P<prefix>.+)\.row\d+{engine}\.(?P<mode>\w+)")
     records = _records(evidence.record)
     checked = 0
     for mode in evidence.modes:
         for name, record in records.items():
-            prefix, _, label = name.rpartition(f".{engine}.")
-            if not prefix or label != mode:
+            match = label_re.fullmatch(name)
+            if match is None or match["mode"] != mode:
                 continue
-            reference = records[f"{prefix}.none.{mode}"]["steps"]["decode"]
+            if _quantization(record) not in evidence.quantizations:
+                continue
+            assert record["ok"], f"{name} did not run: {record.get('error')}"
+            none = records.get(f"{match['prefix']}.none.{mode}")
+            if none is None:  # its reference ran in another record (a later call)
+                continue
+            reference = none["steps"]["decode"]
             decode = record["steps"]["decode"]
             assert decode.keys() == reference.keys(), name
             for batch, entry in decode.items():
                 assert entry["tokens"] == reference[batch]["tokens"], (name, batch)
-            if engine == "row32dev":
+            prompts, prompts_ref = record["steps"].get("ttft"), none["steps"].get("ttft")
+            if prompts and prompts_ref and prompts.get("first_tokens"):
+                assert prompts["first_tokens"] == prompts_ref["first_tokens"], (name, "prompts")
+            if engine == "dev":
                 largest = decode[max(decode, key=int)]
                 layers = sum(record["route"]["routes"].values())
                 steps = largest["repeats_run"] * len(largest["tokens"][0]) * layers
                 passes = largest["cache"]["passes"]
                 assert passes >= 2 * steps, f"{name}: {passes} passes over {steps} layer steps"
             checked += 1
-    assert checked, f"no {engine} engine in {evidence.record} for {evidence.modes}"
+    assert checked, f"no row<N>{engine} engine in {evidence.record} for {evidence.modes}"
     return checked
 
 
@@ -225,6 +260,39 @@ def test_the_claim_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) 
         entry["cache"]["passes"] = 2056
     with pytest.raises(AssertionError, match="2056 passes over 2048 layer steps"):
         backs_its_claim(write(one_pass))
+
+
+def test_the_claim_check_takes_the_models_engines_of_its_quantization(tmp_path: Path) -> None:
+    """gpt-oss's record (``row8dev``, a models phase): its engines are checked, a prompt's first
+    token changed or a cache engine of that quantization that did not run fails the check, and
+    an engine of another quantization in the same record (the raw-byte steps engine that did
+    not start there) is not the claim's."""
+    import json
+
+    gpt_oss = next(e for e in EVIDENCE if e.quantizations == ("gpt_oss_mxfp4",))
+    records = _records(gpt_oss.record)
+    assert not records["steps.plain.row32dev.full"]["ok"]  # another quantization's engine
+    assert backs_its_claim(gpt_oss) == 1  # the skewed one's reference ran in another call
+    bad = tmp_path / "bad"
+    bad.mkdir()
+
+    def write(changed: dict[str, dict[str, Any]]) -> Evidence:
+        text = "".join(json.dumps(r) + "\n" for r in changed.values())
+        (bad / "records.jsonl").write_text(text)
+        return Evidence(**{**vars(gpt_oss), "record": str(bad)})
+
+    engine = "models.gptoss20b.row8dev.full"
+    prompt = json.loads(json.dumps(records))
+    prompt[engine]["steps"]["ttft"]["first_tokens"][1] += 1
+    with pytest.raises(AssertionError, match="prompts"):
+        backs_its_claim(write(prompt))
+    failed = json.loads(json.dumps(records))
+    failed[engine]["ok"] = False
+    with pytest.raises(AssertionError, match="did not run"):
+        backs_its_claim(write(failed))
+    as_fp8 = Evidence(**{**vars(gpt_oss), "quantizations": ("fp8",)})
+    with pytest.raises(AssertionError, match="no row<N>dev engine"):
+        backs_its_claim(as_fp8)
 
 
 def test_the_planes_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) -> None:

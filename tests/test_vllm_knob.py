@@ -125,7 +125,11 @@ def test_eager_baseline_flag() -> None:
             {},
             ["unknown key(s) moe_expert_cache_sise", "allowed keys: moe_expert_cache_size"],
         ),
-        ({"rowcache": 32}, {}, ["additional_config['rowcache']", "32", "not an object"]),
+        (
+            {"rowcache": 32},
+            {},
+            ["additional_config['rowcache']", "32", "not an object", "moe_expert_cache_compress"],
+        ),
         (
             cfg(moe_expert_cache_planner="gpu"),
             {},

@@ -592,18 +592,20 @@ def test_env_turns_cache_on(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> 
         ("fp8", None, "host", "quantization 'fp8_per_tensor'"),
         # vLLM 0.33.0's name for it.
         ("fp8_per_tensor", None, "host", "quantization 'fp8_per_tensor'"),
+        # gpt-oss: the models run of 2026-12-04 recorded the device planner's tokens.
+        ("gpt_oss_mxfp4", None, "device", "2026-12-04 at 02d9512"),
     ],
 )
-def test_fp8_checkpoints_and_online_fp8_are_told_apart_by_the_default_planner(
+def test_the_default_planner_follows_each_quantizations_record(
     fake_vllm: Any,
     quantization: str,
     checkpoint_quant: dict[str, str] | None,
     planner: str,
     why: str,
 ) -> None:
-    """vLLM 0.25.0 calls both FP8 variants ``fp8``; the default planner's records must not:
-    online per-tensor FP8 quantizes each kernel call's input with one scale, so the record of
-    FP8 checkpoints says nothing of it."""
+    """A record covers the quantization it ran. vLLM 0.25.0 calls both FP8 variants ``fp8``;
+    the default planner's records must not: online per-tensor FP8 quantizes each kernel call's
+    input with one scale, so the record of FP8 checkpoints says nothing of it."""
     plugin.register()
     config = _config(
         fake_vllm,

@@ -279,6 +279,7 @@ class CudaBackend:
             if buf is not None and src is not None
         ]
         self._decoders = []
+        codebooks: list[Tensor] = []
         if sources.planes:
             # Triton only where a source is held as planes.
             from rowcache.compress.triton_decode import SlotDecoder
@@ -290,11 +291,9 @@ class CudaBackend:
                 assert buf is not None  # allocate_slot_buffers gives every source a buffer
                 # The 16-byte codebook on the device (every value reads it); the planes stay in
                 # pinned host memory, read through unified addressing.
+                codebooks.append(planes.codebook.to(self._device))
                 decoder = SlotDecoder(
-                    planes,
-                    buf,
-                    grid=sms * DECODE_PROGRAMS_PER_SM,
-                    codebook=planes.codebook.to(self._device),
+                    planes, buf, grid=sms * DECODE_PROGRAMS_PER_SM, codebook=codebooks[-1]
                 )
                 self._decoders.append((name, buf, decoder))
         decoded = {name for name, _, _ in self._decoders}
@@ -313,10 +312,10 @@ class CudaBackend:
         }
         self._map_pointers = {ring: m.data_ptr() for ring, m in self._maps.items()}
         self._rings = {ring: _Ring(num_experts) for ring in RINGS}
-        # Slot buffers and the resident map are written on the copy stream: tell the caching
-        # allocator, so that their memory is not handed out again while that stream may still
-        # write it (only matters once the provider is gone).
-        for buf in (*slots.tensors(), self._maps["resident"]):
+        # Slot buffers and the resident map are written on the copy stream, the codebooks read
+        # there: tell the caching allocator, so that their memory is not handed out again while
+        # that stream may still use it (only matters once the provider is gone).
+        for buf in (*slots.tensors(), self._maps["resident"], *codebooks):
             if buf is not None:
                 buf.record_stream(self._copy_stream)
         # One-time setup, not a provider call: the allocations and the maps' -1 fill were
@@ -432,14 +431,15 @@ class CudaBackend:
         current stream: entered here when it is another), the miss given as the launch's
         scalars: nothing of the host's is read later but the planes, which never change, so no
         staging buffer is needed. Returns the handle the launches went to."""
-        if torch.cuda.current_stream(self._device).cuda_stream != stream.cuda_stream:
+        # The current device's stream: Triton launches on the current device, whichever it is.
+        if torch.cuda.current_stream().cuda_stream != stream.cuda_stream:
             with torch.cuda.stream(stream):
                 return self._decode(stream, copies)
         for expert, slot in copies:
             for _, _, decoder in self._decoders:
                 decoder.decode_one(expert, slot)
         decoded = self._decoders
-        issued: int = torch.cuda.current_stream(self._device).cuda_stream
+        issued: int = torch.cuda.current_stream().cuda_stream
         _sanitizer_write(
             issued,
             lambda: [buf[slot].data_ptr() for _, buf, _ in decoded for _, slot in copies],

@@ -154,7 +154,7 @@ def adopt(method: Any, settings: CacheSettings, config: Any) -> Any:
         message = (
             f"rowcache: {name} (online per-tensor FP8): a step cut into several kernel calls "
             "(more experts than slots) gets other activation scales than one call and is not "
-            "bit-exact; steps that fit the slots are"
+            "bit-exact; a step that fits the slots is"
         )
         if message not in _said:
             _said.add(message)

@@ -242,7 +242,7 @@ def _section(additional_config: object) -> Mapping[str, object]:
     if not isinstance(section, Mapping):
         raise KnobError(
             f"additional_config[{CONFIG_SECTION!r}]: {section!r} is not an object; allowed: "
-            f'{{"{SIZE}": N, "{PROVIDER}": "row"|"cached", "{SPLIT}": "token"|"expert"}}'
+            f"an object of the keys {', '.join(KEYS)}"
         )
     written = (PLANNER_CHOSEN, SPLIT_CHOSEN, COMPRESS_CHOSEN)
     unknown = sorted(str(k) for k in section if k not in (*KEYS, *written))
