@@ -481,10 +481,20 @@ def test_processing_again_is_refused(fake_mxfp4: Any) -> None:
 
 
 def test_the_config_guard_lets_gpt_oss_through(fake_mxfp4: Any) -> None:
+    """By default gpt-oss gets the device planner in full graphs (its record), the MoE op
+    captured with the forward; the host planner set makes the MoE op a splitting op."""
     from test_vllm_register import _config
+    from vllm.config.compilation import CUDAGraphMode
+
+    from rowcache.vllm.knob import PLANNER_CHOSEN
 
     plugin.register()
     config = _config(fake_mxfp4, {"moe_expert_cache_size": 8}, quantization="gpt_oss_mxfp4")
+    assert config.additional_config["rowcache"][PLANNER_CHOSEN]["planner"] == "device"
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert "vllm::moe_forward" not in config.compilation_config.splitting_ops
+    section = {"moe_expert_cache_size": 8, "moe_expert_cache_planner": "host"}
+    config = _config(fake_mxfp4, section, quantization="gpt_oss_mxfp4")
     assert "vllm::moe_forward" in config.compilation_config.splitting_ops
 
 

@@ -17,6 +17,7 @@ import pytest
 import rowcache.vllm as plugin
 from rowcache.vllm._post_import import forget, pending
 from rowcache.vllm.knob import PLANNER_CHOSEN, KnobError
+from rowcache.vllm.memory_line import take_line
 
 FAKE_VLLM = {
     "vllm/__init__.py": "",
@@ -45,13 +46,14 @@ FAKE_VLLM = {
         class VllmConfig:
             def __init__(self, additional_config=None, compilation_config=None,
                          parallel_config=None, lora_config=None, model_config=None,
-                         kernel_config=None):
+                         kernel_config=None, offload_config=None):
                 self.additional_config = additional_config or {}
                 self.compilation_config = compilation_config
                 self.parallel_config = parallel_config
                 self.lora_config = lora_config
                 self.model_config = model_config
                 self.kernel_config = kernel_config
+                self.offload_config = offload_config
                 self.__post_init__()
 
             def __post_init__(self):
@@ -465,6 +467,10 @@ def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
         # The checkpoint's own quantization config (vLLM: None for a bf16 checkpoint).
         model_arch_config=SimpleNamespace(quantization_config=kw.pop("checkpoint_quant", None)),
     )
+    offload = SimpleNamespace(
+        uva=SimpleNamespace(cpu_offload_gb=kw.pop("cpu_offload_gb", 0)),
+        prefetch=SimpleNamespace(offload_group_size=kw.pop("offload_group_size", 0)),
+    )
     return fake.config.VllmConfig(
         additional_config={} if section is None else {"rowcache": section},
         compilation_config=cc,
@@ -472,6 +478,7 @@ def _config(fake: Any, section: dict[str, object] | None, **kw: Any) -> Any:
         lora_config=kw.pop("lora", None),
         model_config=model,
         kernel_config=SimpleNamespace(moe_backend=kw.pop("moe_backend", "auto")),
+        offload_config=offload,
     )
 
 
@@ -556,6 +563,8 @@ def test_bad_knob_stops_config_before_vllm_post_init(fake_vllm: Any) -> None:
         ({"tp": 2}, "tensor parallelism yet (tensor_parallel_size=2)"),
         ({"lora": object()}, "LoRA"),
         ({"quantization": "modelopt_fp4"}, "quantization 'modelopt_fp4'"),
+        ({"cpu_offload_gb": 6.75}, "vLLM's weight offload (cpu_offload_gb=6.75)"),
+        ({"offload_group_size": 8}, "vLLM's weight offload (offload_group_size=8)"),
     ],
 )
 def test_guards(fake_vllm: Any, kw: dict[str, Any], fragment: str) -> None:
@@ -1199,12 +1208,14 @@ def test_the_refusals_serve_refusals_looks_for(fake_vllm: Any) -> None:
     assert cases["host-planner-in-one-full-graph"] in str(failed.value)
 
 
-def test_with_planes_the_layers_pinned_weights_are_released(fake_vllm: Any) -> None:
+def test_with_planes_the_layers_pinned_weights_are_released(
+    fake_vllm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """With ``moe_expert_cache_compress='on'`` the planes hold every bit of w13 and w2, so the
     layer's own copies are freed once the provider is built: the parameters keep their shape
     and dtype on the meta device, the host tensors are gone, a reload is refused, and the
     cache still serves every expert exactly (the in-engine exactness probe compares with the
-    planes decoded)."""
+    planes decoded). The first forward logs what the cache holds where, once."""
     import gc
     import weakref
 
@@ -1227,6 +1238,7 @@ def test_with_planes_the_layers_pinned_weights_are_released(fake_vllm: Any) -> N
     def load(param: torch.Tensor, loaded: torch.Tensor) -> None:  # vLLM's loader, in short
         param.data.copy_(loaded)
 
+    take_line(planes=False)  # layers other tests built and never ran
     method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
     layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
     layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
@@ -1266,9 +1278,20 @@ def test_with_planes_the_layers_pinned_weights_are_released(fake_vllm: Any) -> N
         shared_experts=None,
         shared_experts_input=None,
     )
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
     out = method.apply(layer, x, topk_weights, ids, None, None)
+    method.apply(layer, x, topk_weights, ids, None, None)
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     assert provider.slot_mismatches(provider.resident_experts()) == []
+    said = [r.getMessage() for r in caplog.records if "MoE layer cached" in r.getMessage()]
+    assert said == [
+        f"rowcache: 1 MoE layer cached, 3 of {E} experts a layer in slots: "
+        + f"{provider.stats()['slot_bytes'] / 2**30:.2f} GiB of the experts' "
+        + f"{provider.stats()['slot_bytes'] // 3 * E / 2**30:.2f} GiB on the GPU; "
+        + f"{provider.stats()['host_bytes'] / 2**30:.2f} GiB held in pinned host memory ("
+        + f"{provider.stats()['host_bytes'] / (provider.stats()['slot_bytes'] // 3 * E):.2f} "
+        + "of the experts' bytes, as bf16 planes)"
+    ]
     layer.quant_method = method
     model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
     found = probes.exactness(model, device="cpu", row_counts=(1, 16))
@@ -1327,6 +1350,80 @@ def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:
     assert set(host._sources.planes) == {"w13", "w2"}
     host.prepare(torch.tensor([[3, 1]]))
     assert host.slot_mismatches(host.resident_experts()) == []
+
+
+def test_a_released_layer_s_slab_is_collected_inside_vllms_loading_context(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.25.0 processes each layer inside ``device_loading_context``, whose loop variable
+    holds the layer's last parameter (here the replaced ``w2_weight``) until the layer is done:
+    once the cache released the layer's checkpoint tensors, their slab must be collectable
+    right there (the last layer's would otherwise stay pinned for the engine's life)."""
+    import contextlib
+
+    import torch
+
+    import rowcache.vllm._method as method
+    from rowcache.pinned import PinnedArena
+
+    plugin.register()
+    monkeypatch.setattr(method, "get_accelerator_view_from_cpu_tensor", lambda t: t[:])
+    arena = PinnedArena(slab_bytes=1 << 16, allocate=lambda n: torch.zeros(n, dtype=torch.uint8))
+    layer = torch.nn.Module()
+    for name, shape in (("w13_weight", (4, 64)), ("w2_weight", (4, 32))):
+        host = arena.empty(shape, torch.bfloat16)
+        method.register_host_parameter(layer, name, host, {"weight_loader": lambda p, w: None})
+    del host
+    assert arena.reserved_bytes == 1 << 16
+
+    @contextlib.contextmanager
+    def device_loading_context(module: torch.nn.Module) -> Any:
+        for _, param in module.named_parameters():  # as vLLM's loop: `param` stays bound
+            param.requires_grad_(False)
+        yield module
+
+    with device_loading_context(layer):
+        method.release_host_weights(layer)
+        arena.collect()
+        assert arena.reserved_bytes == 0
+
+
+def test_a_device_view_of_memory_that_is_not_pinned_is_refused(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU machine vLLM's view op copies a tensor that is not pinned (the loader would
+    write the copy's source, never the view): the plugin stops instead, before the op."""
+    import torch
+
+    import rowcache.vllm._method as method
+    from rowcache.vllm._config import RowcacheError
+
+    plugin.register()
+    given: list[torch.Tensor] = []
+    monkeypatch.setattr(method, "get_accelerator_view_from_cpu_tensor", given.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RowcacheError, match=r"shape \(2, 3\) that is not pinned"):
+        method.device_view(torch.ones(2, 3))
+    assert given == []
+
+
+def test_only_a_replaced_parameter_lets_go_of_its_host_view(fake_vllm: Any) -> None:
+    """``drop_replaced`` empties a parameter its layer no longer has (nothing reads it) and
+    leaves one the layer still serves from (gpt-oss's raw tensors that vLLM's conversion kept)."""
+    import torch
+
+    import rowcache.vllm._method as method
+
+    plugin.register()
+    layer = torch.nn.Module()
+    for name in ("w13_bias", "w2_bias"):
+        layer.register_parameter(name, torch.nn.Parameter(torch.ones(4, 8), False))
+    old = [(n, getattr(layer, n)) for n in ("w13_bias", "w2_bias")]
+    layer.register_parameter("w2_bias", torch.nn.Parameter(torch.zeros(4, 8), False))
+    method.drop_replaced(layer, old)
+    assert old[1][1].numel() == 0  # replaced: emptied
+    assert layer.w13_bias is old[0][1] and torch.equal(layer.w13_bias, torch.ones(4, 8))
+    assert torch.equal(layer.w2_bias, torch.zeros(4, 8))
 
 
 def test_the_plugin_s_short_lived_host_tensors_are_transient_and_collected(

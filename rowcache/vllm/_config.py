@@ -179,6 +179,20 @@ def check_guards(config: Any, settings: CacheSettings) -> None:
             f"rowcache: {what} does not support data parallelism (data_parallel_size="
             f"{parallel.data_parallel_size}); use tensor parallelism or one rank."
         )
+    offload = getattr(config, "offload_config", None)
+    offloads = {
+        "cpu_offload_gb": getattr(getattr(offload, "uva", None), "cpu_offload_gb", 0),
+        "offload_group_size": getattr(getattr(offload, "prefetch", None), "offload_group_size", 0),
+    }
+    offloading = {k: v for k, v in offloads.items() if v}
+    if offloading:
+        given = ", ".join(f"{k}={v}" for k, v in offloading.items())
+        raise RowcacheError(
+            f"rowcache: {what} does not support vLLM's weight offload ({given}): the cache "
+            "holds every expert in pinned host memory already, and vLLM's offloader would "
+            "move the layer's host tensors again. Turn one of them off (cpu_offload_gb=0 and "
+            "offload_group_size=0, or size 0)."
+        )
     if getattr(config, "lora_config", None) is not None:
         raise RowcacheError(
             f"rowcache: {what} does not support LoRA (--enable-lora): LoRA's MoE path reads "

@@ -72,6 +72,7 @@ from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
 from rowcache.vllm._config import MOE_OPS, RowcacheError, settings_of
 from rowcache.vllm.knob import SIZE, CacheSettings, KnobError
+from rowcache.vllm.memory_line import note_layer, take_line
 from rowcache.vllm.reduction_tap import UnreducedTap
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "build_provider",
     "check_layer",
     "device_view",
+    "drop_replaced",
     "forget_host_loaders",
     "install",
     "pinned_empty",
@@ -148,6 +150,21 @@ class HostLoad:
         self._param = self._host = None
 
 
+def drop_replaced(layer: Any, params: Iterable[tuple[str, Tensor]]) -> None:
+    """Empty the data of each ``(name, parameter)`` that is no longer ``layer``'s ``name``
+    (replaced), and forget its host loader.
+
+    A replaced parameter may outlive its replacement: vLLM 0.25.0 processes a layer's weights
+    inside ``device_loading_context``, a generator whose loop variable still holds the layer's
+    last parameter (a replaced one) until the layer is done. Its data, our device view, would
+    hold the view's host memory (a transient slab) past ``release_host_cache``, and the last
+    layer's for the engine's life. A parameter still the layer's is left as it is."""
+    for name, param in params:
+        forget_host_loaders([param])
+        if getattr(layer, name, None) is not param:
+            param.data = param.data.new_empty(0)
+
+
 def forget_host_loaders(params: Iterable[Any]) -> None:
     """``HostLoad.forget`` on the loaders of ``params`` (any other loader left alone)."""
     for param in params:
@@ -162,6 +179,13 @@ def device_view(host: Tensor) -> Tensor:
     (an arena's slab, ``rowcache.pinned``) is cut from the view of its whole storage, so that
     the driver is asked for the device address of an allocation's start, not of a pointer
     inside it; that view holds the storage for as long as the piece lives."""
+    if torch.cuda.is_available() and not host.is_pinned():
+        # vLLM's op copies a tensor that is not pinned: the loader's writes would never reach
+        # the view.
+        raise RowcacheError(
+            f"rowcache: a device view of host memory needs pinned memory; got a tensor of "
+            f"shape {tuple(host.shape)} that is not pinned"
+        )
     storage = host.untyped_storage()
     whole_tensor = host.data_ptr() == storage.data_ptr() and host.nbytes == storage.nbytes()
     if whole_tensor or not host.is_contiguous():
@@ -193,7 +217,6 @@ def release_host_weights(layer: Any) -> None:
     their weight loaders refuse a reload with a line saying why."""
     for name in ("w13_weight", "w2_weight"):
         param = getattr(layer, name)
-        forget_host_loaders([param])
         # A new parameter: a tensor's data cannot move to the meta device in place.
         released = torch.nn.Parameter(
             torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
@@ -201,6 +224,7 @@ def release_host_weights(layer: Any) -> None:
         attrs = {k: v for k, v in vars(param).items() if k != "weight_loader"}
         layer.register_parameter(name, released)
         set_weight_attrs(released, {**attrs, "weight_loader": _refuse_reload})
+        drop_replaced(layer, [(name, param)])
 
 
 def release_host_cache() -> None:
@@ -306,6 +330,24 @@ def build_provider(
     ``share_sources``: the pinned host tensors live on as the layer's parameters; a copy would
     hold every MoE weight twice in pinned memory.
     """
+    provider = _build_provider(
+        settings, capacity, w13, w2, w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias
+    )
+    note_layer(provider.stats(), num_experts=w13.shape[0])
+    return provider
+
+
+def _build_provider(
+    settings: CacheSettings,
+    capacity: int,
+    w13: Tensor,
+    w2: Tensor,
+    w13_scale: Tensor | None,
+    w2_scale: Tensor | None,
+    *,
+    w13_bias: Tensor | None,
+    w2_bias: Tensor | None,
+) -> ExpertWeightProvider:
     device = layer_device()
     if settings.provider == "cached":
         return CachedWeightProvider(
@@ -515,6 +557,12 @@ class CachedForward:
             )
         kernel = self.moe_kernel
         assert kernel is not None
+        if self.rowcache_forwards == 0:
+            # A layer's first forward: every layer is built by then (vLLM's profile run).
+            settings = self.rowcache_settings
+            line = take_line(planes=settings is not None and settings.compress_planes)
+            if line is not None:
+                logger.info(line)
         self.rowcache_forwards += 1
         pending_shared = [shared_experts]
         every_row = slice(0, topk_ids.shape[0])

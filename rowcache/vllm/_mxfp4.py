@@ -52,7 +52,7 @@ from rowcache.vllm._method import (
     ReductionTap,
     build_provider,
     check_layer,
-    forget_host_loaders,
+    drop_replaced,
     layer_device,
     pinned_empty,
     release_host_cache,
@@ -144,7 +144,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
 
     _rowcache_capacity: int
     _rowcache_hosts: dict[str, Tensor]
-    _rowcache_raw_params: list[Tensor]
+    _rowcache_raw_params: list[tuple[str, Tensor]]
     _kernel_w: tuple[Any, Any] | None
     _forward_entries: int = 0
     _global_experts: int = 1
@@ -174,7 +174,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
         names = tuple(n for n in RAW if getattr(layer, n, None) is not None)
         # Freed once converted: the transient arena's slabs (rowcache.pinned), collected then.
         self._rowcache_hosts = to_pinned(layer, names, keep_values=set(names), lasting=False)
-        self._rowcache_raw_params = [getattr(layer, n) for n in names]
+        self._rowcache_raw_params = [(n, getattr(layer, n)) for n in names]
 
     def process_weights_after_loading(self, layer: Any) -> None:
         if self.rowcache_provider is not None:
@@ -199,7 +199,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
         # The raw pinned tensors: no longer needed, and their loaders (which vLLM keeps for as
         # long as the model lives) must not keep them pinned.
         self._rowcache_hosts = {}
-        forget_host_loaders(self._rowcache_raw_params)
+        drop_replaced(layer, self._rowcache_raw_params)
         self._rowcache_raw_params = []
         release_host_cache()
         w13, w2 = layer.w13_weight, layer.w2_weight

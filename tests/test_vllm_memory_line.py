@@ -1,0 +1,53 @@
+"""The start-up line of what the cache holds where (``rowcache.vllm.memory_line``), from the
+providers' own stats."""
+
+from __future__ import annotations
+
+import torch
+
+from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.vllm.memory_line import note_layer, take_line
+
+E, HIDDEN, INTER = 16, 64, 32
+
+
+def provider(compress: bool) -> RowCacheWeightProvider:
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, HIDDEN, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(E, HIDDEN, INTER, generator=g).to(torch.bfloat16)
+    return RowCacheWeightProvider(w13, w2, capacity=4, device="cpu", compress=compress)
+
+
+def test_the_line_sums_every_layer_noted_then_starts_again() -> None:
+    take_line(planes=False)  # whatever earlier tests noted
+    stats = [
+        {"capacity": 4, "slot_bytes": 4 * 3 * 2**27, "host_bytes": 16 * 3 * 2**27} for _ in range(8)
+    ]
+    for s in stats:
+        note_layer(s, num_experts=16)
+    line = take_line(planes=False)
+    assert line == (
+        "rowcache: 8 MoE layers cached, 4 of 16 experts a layer in slots: 12.00 GiB of the "
+        "experts' 48.00 GiB on the GPU; 48.00 GiB held in pinned host memory (1.00 of the "
+        "experts' bytes)"
+    )
+    assert take_line(planes=False) is None  # said once: a new tally
+
+
+def test_planes_say_their_share_of_the_bytes() -> None:
+    take_line(planes=False)
+    raw, planes = provider(compress=False), provider(compress=True)
+    note_layer(planes.stats(), num_experts=E)
+    line = take_line(planes=True)
+    assert line is not None
+    ratio = planes.stats()["host_bytes"] / raw.stats()["host_bytes"]
+    assert f"({ratio:.2f} of the experts' bytes, as bf16 planes)" in line
+    assert "1 MoE layer cached, 4 of 16 experts a layer" in line
+
+
+def test_layers_of_different_sizes_are_given_as_a_range() -> None:
+    take_line(planes=False)
+    note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64)
+    note_layer({"capacity": 16, "slot_bytes": 16 * 2**20, "host_bytes": 64 * 2**20}, 64)
+    line = take_line(planes=False)
+    assert line is not None and "8 to 16 of 64 experts a layer" in line
