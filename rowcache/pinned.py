@@ -162,3 +162,19 @@ def collect_transient() -> None:
     """Let go of the transient arena's slabs that nothing views any longer."""
     if _TRANSIENT is not None:
         _TRANSIENT.collect()
+
+
+def pinned_memory() -> dict[str, int | None]:
+    """What this process pins: torch's caching host allocator's blocks (``torch_host_bytes``,
+    None where torch does not count them; every pinned tensor of torch's, vLLM's and the
+    arenas' slabs alike) and of those the two arenas' slabs (``arena_bytes``,
+    ``transient_bytes``)."""
+    stats_of = getattr(torch.cuda, "host_memory_stats", None)
+    stats = stats_of() if stats_of is not None and torch.cuda.is_available() else {}
+    allocated = stats.get("allocated_bytes.current")
+    return {
+        "torch_host_bytes": None if allocated is None else int(allocated),
+        "arena_bytes": 0 if _ARENA is None else _ARENA.reserved_bytes,
+        "transient_bytes": 0 if _TRANSIENT is None else _TRANSIENT.reserved_bytes,
+    }
+

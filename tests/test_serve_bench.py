@@ -130,8 +130,12 @@ def test_every_server_every_level_one_record_and_the_targets(
     assert c32["figures"]["output_throughput"] == 300.0
     assert "ttfts" not in c32["result"] and c32["raw_file"] == "plain-row-c32.json"
     text = (tmp_path / "out" / "serve_bench.txt").read_text()
-    assert "c32: row / UVA output tok/s = 1.200" in text
-    assert "c1: row TTFT p99 <= UVA's: 700.0 / 900.0 ms (met)" in text
+    assert (
+        "plain  c32  row / UVA output tok/s 1.200 (met: >= 1.0), TTFT p99 700.0 / 900.0 ms "
+        "(met: row <= UVA)"
+    ) in text
+    assert "plain  c1   row / UVA output tok/s 1.200, TTFT p99 700.0 / 900.0 ms (met" in text
+    assert servers["row"]["plugin_verdict"] == "ok" and servers["uva"]["plugin_verdict"] == "ok"
     with tarfile.open(tmp_path / "out" / "serve_bench_logs.tar.gz") as tar:
         names = tar.getnames()
     assert "plain-row-c32.json" in names and "server-uva.log" in names
@@ -150,8 +154,10 @@ def test_a_missed_target_and_the_batch_invariant_environment(
     assert "VLLM_BATCH_INVARIANT" not in sb.server_env(_options(tmp_path))
     sb.run(options, client=fake.client, launcher=fake.launcher)
     text = (tmp_path / "out" / "serve_bench.txt").read_text()
-    assert "c32: row / UVA output tok/s = 0.800" in text
-    assert "c32: row TTFT p99 <= UVA's: 700.0 / 500.0 ms (MISSED)" in text
+    assert (
+        "plain  c32  row / UVA output tok/s 0.800 (MISSED: >= 1.0), TTFT p99 700.0 / 500.0 ms "
+        "(MISSED: row <= UVA)"
+    ) in text
 
 
 def test_levels_past_the_deadline_are_recorded_not_run(
@@ -260,10 +266,10 @@ def test_records_of_one_label_merge_and_the_fuller_run_of_a_server_wins() -> Non
     assert [r["label"] for r in merged] == ["plain", "skew"]
     assert [s["name"] for s in merged[0]["servers"]] == ["uva", "row"]
     assert merged[0]["servers"][1] is second["servers"][0]
-    assert plot_serve.ratios(merged[0]) == [
+    assert plot_serve.targets(merged[0]) == [
         "plain  c1   row / UVA output tok/s 1.100, TTFT p99 1900.0 / 2100.0 ms (met: row <= UVA)"
     ]
-    assert plot_serve.ratios(merged[1]) == []
+    assert plot_serve.targets(merged[1]) == []
 
 
 def test_a_level_with_failed_requests_says_so(
@@ -280,3 +286,99 @@ def test_a_level_with_failed_requests_says_so(
     assert levels["c1"]["status"] == "ok"
     assert levels["c32"]["status"] == "4 of 96 requests FAILED (errors in plain-uva-c32.json)"
     assert "4 of 96 requests FAILED" in (tmp_path / "out" / "serve_bench.txt").read_text()
+
+
+def _level(tok_s: float, ttft: float, status: str = "ok") -> dict[str, Any]:
+    return {
+        "status": status,
+        "figures": {"output_throughput": tok_s, "median_tpot_ms": 9.0, "p99_ttft_ms": ttft},
+    }
+
+
+def test_only_runs_of_one_kind_share_a_panel_and_a_skewed_label_has_its_own_target() -> None:
+    """A skewed model or a batch-invariant run under the default label never joins the plain
+    panel; ``skew`` labels are judged at 1.5 x, others at 1.0 x; a level with failed requests
+    is compared with nothing."""
+    from tools.vllm import plot_serve
+
+    def record(label: str, model: str, invariant: bool, row: float) -> dict[str, Any]:
+        return {
+            "label": label,
+            "model": model,
+            "batch_invariant": invariant,
+            "servers": [
+                {"name": "uva", "levels": {"c32": _level(200.0, 900.0), "c8": _level(1, 1)}},
+                {
+                    "name": "row",
+                    "levels": {"c32": _level(row, 800.0), "c8": _level(1, 1, "2 of 32 FAILED")},
+                },
+            ],
+        }
+
+    merged = plot_serve.merge(
+        [
+            record("plain", "/m", False, 260.0),
+            record("plain", "/m-skew", False, 999.0),
+            record("plain", "/m", True, 999.0),
+            record("skew", "/m-skew", False, 260.0),
+        ]
+    )
+    assert [(r["label"], r["model"], r["batch_invariant"]) for r in merged] == [
+        ("plain", "/m", False),
+        ("plain", "/m-skew", False),
+        ("plain", "/m", True),
+        ("skew", "/m-skew", False),
+    ]
+    assert plot_serve.targets(merged[0]) == [
+        "plain  c32  row / UVA output tok/s 1.300 (met: >= 1.0), TTFT p99 800.0 / 900.0 ms "
+        "(met: row <= UVA)"
+    ]
+    assert "(MISSED: >= 1.5)" in plot_serve.targets(merged[3])[0]
+
+
+def test_a_row_server_without_the_caches_lines_is_compared_with_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine without the rowcache wheel serves ``row`` as plain vLLM with every expert on
+    the GPU: far ahead of UVA, a false pass unless the log is read."""
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench({"uva": 250.0, "row": 3000.0}, {"uva": 900, "row": 50})
+
+    def without_plugin(command: list[str], env: dict[str, str], log: Path) -> sc.Process:
+        if "--additional-config" in command:  # the fake then logs no cache line, as vLLM
+            at = command.index("--additional-config")
+            command = command[:at] + command[at + 2 :]
+        return fake.launcher(command, env, log)
+
+    options = _options(tmp_path, servers=tuple(sb.parse_servers("uva,row")))
+    record = sb.run(options, client=fake.client, launcher=without_plugin)
+    assert record["servers"][1]["plugin_verdict"] == "no settings line"
+    text = (tmp_path / "out" / "serve_bench.txt").read_text()
+    assert "row    server log: no settings line (MISSED)" in text
+    assert "plain  row compared with nothing: its log did not show the cache" in text
+    assert "output tok/s 12.000" not in text
+
+
+def test_levels_after_the_server_exits_are_recorded_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench({"row": 300.0}, {"row": 7})
+    launched: list[sc.Process] = []
+
+    def launcher(command: list[str], env: dict[str, str], log: Path) -> sc.Process:
+        launched.append(fake.launcher(command, env, log))
+        return launched[-1]
+
+    def client(command: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
+        code = fake.client(command, env, log, timeout)
+        if log.stem.endswith("-c1"):  # the server dies during c1
+            sc.stop(launched[-1], grace=1.0)
+        return code
+
+    options = _options(tmp_path, servers=(sb.SERVERS["row"],))
+    record = sb.run(options, client=client, launcher=launcher)
+    levels = record["servers"][0]["levels"]
+    assert levels["c1"]["status"] == "ok"
+    assert levels["c32"]["status"].startswith("not run: the server exited (")
+    assert [level for _, level in fake.ran] == ["warmup", "c1"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import tarfile
 import textwrap
@@ -446,3 +448,57 @@ def test_build_checkpoint_marks_a_whole_build_and_leaves_a_partial_one(
     assert len(runs) == 1
     assert sorted(p.name for p in partial.iterdir()) == ["config.json"]
     assert (partial / "config.json").read_text() == '{"half": true}'
+
+
+def test_a_server_left_running_is_reaped_by_the_next_tool(tmp_path: Path) -> None:
+    """A tool killed before its ``finally`` leaves its server's group listed: the next tool
+    kills it; a listed group whose leader is another process now (a pid reused) is left
+    alone; a stopped server is no longer listed."""
+    script = tmp_path / "server.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    left = sc.launch([sys.executable, str(script)], dict(os.environ), tmp_path / "a.log")
+    stopped = sc.launch([sys.executable, str(script)], dict(os.environ), tmp_path / "b.log")
+    sc.stop(stopped, grace=1.0)
+    groups = json.loads(Path(os.environ[sc.GROUPS_ENV]).read_text())
+    assert list(groups) == [str(left.pid)]
+    # A stale entry: the same pid listed with another start time is not killed.
+    Path(os.environ[sc.GROUPS_ENV]).write_text(json.dumps({**groups, str(os.getpid()): "0"}))
+    assert sc.reap_leftovers() == [left.pid]
+    assert left.wait(timeout=10) == -signal.SIGKILL
+    assert not Path(os.environ[sc.GROUPS_ENV]).exists()
+
+
+def test_a_server_dies_with_the_tool_that_started_it(tmp_path: Path) -> None:
+    """Killed however it ends (here SIGKILL, as a device call's limit may), the tool takes
+    its server with it: the server's parent-death signal."""
+    server = tmp_path / "server.py"
+    server.write_text("import time\ntime.sleep(120)\n")
+    tool = tmp_path / "tool.py"
+    tool.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from tools.vllm import serve_check as sc\n"
+        f"p = sc.launch([sys.executable, {str(server)!r}], dict(os.environ), "
+        f"__import__('pathlib').Path({str(tmp_path / 's.log')!r}))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(tool)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    pid = int(proc.stdout.readline())
+    assert _running(pid)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (killed, waiting for its new parent to reap)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

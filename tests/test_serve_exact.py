@@ -11,6 +11,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,7 @@ def test_prompts_and_comparisons() -> None:
     ]
     assert se.growth(samples) == {
         "gpu_mib": 0.0,
+        "torch_host_bytes": None,
         "rss_kib": 20.0,
         "locked_kib": None,
         "pinned_kib": None,
@@ -227,14 +229,15 @@ def test_exact_servers_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         assert command[command.index("--num-gpu-blocks-override") + 1] == "64"
         assert "--skip-tokenizer-init" in command
         assert "--no-enable-prefix-caching" in command
-    # The cache server alone is read back, through the worker extension in dev mode.
+    # Every server has the worker extension in dev mode (a soak reads its pinned memory); the
+    # cache server alone is read back.
     extension = [
         c[c.index("--worker-extension-cls") + 1]
         for c in fleet.commands[-2:]
         if "--worker-extension-cls" in c
     ]
-    assert extension == ["rowcache.vllm.worker_extension.ExpertCacheRpc"]
-    assert [env.get("VLLM_SERVER_DEV_MODE") for env in fleet.envs[-2:]] == [None, "1"]
+    assert extension == ["rowcache.vllm.worker_extension.ExpertCacheRpc"] * 2
+    assert [env.get("VLLM_SERVER_DEV_MODE") for env in fleet.envs[-2:]] == ["1", "1"]
     assert set(fleet.rpcs) == {("row", "rowcache_stats"), ("row", "rowcache_slot_check")}
     assert "row: cache: 32 slots in 1 layers byte-exact, counters consistent" in text
     assert row["cache"]["totals"]["misses"] == 40
@@ -339,21 +342,31 @@ def test_command_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize(
     ("result", "problems"),
     [
-        ({"requests": 500, "failures": [], "growth": {"gpu_mib": 2.0, "locked_kib": 0.0}}, []),
+        ({"requests": 500, "failures": [], "growth": {"gpu_mib": 2.0, "torch_host_bytes": 0}}, []),
+        # One new block of a buffer vLLM grows: within the limit; VmPin is not judged.
+        (
+            {"requests": 5, "growth": {"gpu_mib": 0.0, "torch_host_bytes": 2**25, "pinned_kib": 4}},
+            [],
+        ),
         ({"status": "not run: time"}, ["not run: time"]),
         (
-            {"requests": 500, "failures": ["HTTP 500"], "growth": {"gpu_mib": 0.0}},
+            {
+                "requests": 500,
+                "failures": ["HTTP 500"],
+                "growth": {"gpu_mib": 0.0, "torch_host_bytes": 0.0},
+            },
             ["1 requests failed"],
         ),
         (
-            {"requests": 500, "failures": [], "growth": {"gpu_mib": 300.0, "pinned_kib": 4.0}},
-            ["GPU memory grew 300 MiB (limit 64)", "pinned host memory grew 4 KiB"],
+            {"requests": 500, "growth": {"gpu_mib": 300.0, "torch_host_bytes": 2**30}},
+            ["GPU memory grew 300 MiB (limit 64)", "pinned host memory grew 1024 MiB (limit 64)"],
         ),
         (
             {"requests": 0, "failures": [], "growth": {"gpu_mib": None}},
             [
                 "no request answered",
                 "GPU memory not sampled",
+                "pinned host memory not read (rowcache_pinned)",
             ],
         ),
     ],
@@ -373,3 +386,31 @@ def test_a_failed_soak_fails_the_check(tmp_path: Path, monkeypatch: pytest.Monke
     assert _run(tmp_path, fleet, monkeypatch, servers=servers, soak_s=1.0) == 1
     text = (tmp_path / "out" / "serve_exact.txt").read_text()
     assert "row: soak: " in text and "MISSED: GPU memory grew 500 MiB" in text
+
+
+def test_the_soak_judges_the_workers_pinned_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The soak samples the worker's pinned host bytes through ``rowcache_pinned`` with the
+    rest: memory that grows past the limit fails it; a worker that cannot be read fails it
+    too (never a pass unmeasured)."""
+    monkeypatch.setattr(se, "SAMPLE_EVERY_S", 0.05)
+    options = se.Options("m", tmp_path, (serve_bench.SERVERS["row"],), soak_s=0.4)
+    reads = iter(range(10**6))
+
+    def growing(port: int, method: str) -> dict[str, int]:
+        assert method == "rowcache_pinned"
+        return {"torch_host_bytes": next(reads) * (16 << 20)}  # 16 MiB more each read
+
+    def unreadable(port: int, method: str) -> dict[str, int]:
+        raise OSError("no worker extension")
+
+    def answer(*args: Any) -> list[int]:  # a request's wait, the GIL released as a socket's
+        time.sleep(0.01)
+        return [1]
+
+    done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer, growing)
+    assert len(done["samples"]) >= 6 and done["growth"]["torch_host_bytes"] >= 64 << 20
+    assert any(p.startswith("pinned host memory grew") for p in se.soak_problems(done))
+    done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer, unreadable)
+    assert "pinned host memory not read (rowcache_pinned)" in se.soak_problems(done)

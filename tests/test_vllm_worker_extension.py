@@ -115,3 +115,28 @@ def test_unreadable_counters_are_a_problem_not_a_pass() -> None:
     assert expert_cache_counter_problems([{"layer": "x", "hits": 1}]) == [
         "x: counters unreadable (KeyError: 'misses')"
     ]
+
+
+def test_the_pinned_read_names_torch_s_blocks_and_the_arenas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``rowcache_pinned`` answers with or without a cache: torch's caching host allocator's
+    blocks (None on a machine without CUDA) and the arenas' slabs."""
+    import rowcache.pinned as pinned
+    from rowcache.pinned import PinnedArena
+
+    assert ExpertCacheRpc().rowcache_pinned() == {
+        "torch_host_bytes": None,
+        "arena_bytes": 0 if pinned._ARENA is None else pinned._ARENA.reserved_bytes,
+        "transient_bytes": 0 if pinned._TRANSIENT is None else pinned._TRANSIENT.reserved_bytes,
+    }
+    arena = PinnedArena(slab_bytes=4096, allocate=lambda n: torch.zeros(n, dtype=torch.uint8))
+    kept = arena.empty((10,), torch.uint8)
+    monkeypatch.setattr(pinned, "_TRANSIENT", arena)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.current": 3 << 20}
+    )
+    got = ExpertCacheRpc().rowcache_pinned()
+    assert got["torch_host_bytes"] == 3 << 20 and got["transient_bytes"] == 4096
+    del kept

@@ -2,12 +2,17 @@
 
     python3 tools/vllm/plot_serve.py serve_bench.json [MORE.json ...] --out serve.svg
 
-One panel per label (``plain``, ``skew``, ...: the records of one label merged, so servers run in
-separate calls, ``--servers uva`` then ``--servers row``, share a panel), two rows: median time per
-output token and 99th-percentile time to first token against output tokens a second, one line per
-server through its concurrency levels (``c1`` ... ``c64``, each point labelled), the request rate
-levels as separate points. Prints the points and, where a label has both, ``row`` against UVA at
-every level (output tok/s, TTFT p99). Needs matplotlib (a dev dependency).
+One panel per run kind: the records of one label, model and batch-invariant mode merged (servers
+run in separate calls, ``--servers uva`` then ``--servers row``, share a panel; a skewed model or a
+batch-invariant run never joins a plain one), two rows: median time per output token and
+99th-percentile time to first token against output tokens a second, one line per server through
+its concurrency levels (``c1`` ... ``c64``, each point labelled), the request rate levels as
+separate points. Only levels whose every request was answered are drawn and compared. Prints the
+points and issue 35's targets (``targets``), each met or missed: at concurrency 32 ``row``'s
+output tok/s at least ``TARGET_C32`` times UVA's (1.5 on a label naming the skewed router, 1.0
+otherwise), and ``row``'s TTFT p99 at most UVA's at every level both ran; a ``row`` server whose
+log did not show the cache serving (``plugin_verdict``) is compared with nothing. Needs
+matplotlib (a dev dependency).
 """
 
 from __future__ import annotations
@@ -22,29 +27,51 @@ Point = tuple[str, float, float, float]
 """(level, output tok/s, TPOT p50 ms, TTFT p99 ms)."""
 
 
-def points(record: dict[str, Any]) -> dict[str, list[Point]]:
-    """Per server, the levels with figures (the warm-up left out), in the record's order."""
-    out: dict[str, list[Point]] = {}
-    for server in record["servers"]:
-        found: list[Point] = []
-        for name, entry in server["levels"].items():
-            fig = entry.get("figures") or {}
-            keys = ("output_throughput", "median_tpot_ms", "p99_ttft_ms")
-            if name == "warmup" or not all(isinstance(fig.get(k), int | float) for k in keys):
-                continue
-            found.append((name, *(float(fig[k]) for k in keys)))
-        out[server["name"]] = found
+TARGET_C32 = {"plain": 1.0, "skew": 1.5}
+"""Issue 35: ``row``'s output tok/s over UVA's at concurrency 32, by router."""
+
+
+def complete(server: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
+    """A server's ``keys`` figures at each level whose every request was answered (status
+    ``ok``) and that has them all, the warm-up left out, in the record's order."""
+    out: dict[str, tuple[float, ...]] = {}
+    for name, entry in server["levels"].items():
+        fig = entry.get("figures") or {}
+        if name == "warmup" or entry.get("status", "ok") != "ok":
+            continue
+        if all(isinstance(fig.get(k), int | float) for k in keys):
+            out[name] = tuple(float(fig[k]) for k in keys)
     return out
 
 
+def points(record: dict[str, Any]) -> dict[str, list[Point]]:
+    """Per server, the plotted figures of its complete levels (``complete``)."""
+    keys = ("output_throughput", "median_tpot_ms", "p99_ttft_ms")
+    return {
+        server["name"]: [(name, *fig) for name, fig in complete(server, keys).items()]
+        for server in record["servers"]
+    }
+
+
+def kind(record: dict[str, Any]) -> tuple[str, str, bool]:
+    """What records may share a panel: the same label, model and batch-invariant mode."""
+    return (
+        str(record.get("label", "?")),
+        str(record.get("model", "?")),
+        bool(record.get("batch_invariant", False)),
+    )
+
+
 def merge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per label, in first-seen order: each label's servers from all its records;
-    a server that is in several keeps its entry from the record whose levels have the most
-    figures (a server run again after a call ran out of time replaces its empty entry)."""
-    merged: dict[str, dict[str, Any]] = {}
+    """One record per kind (``kind``), in first-seen order: each kind's servers from all its
+    records; a server that is in several keeps its entry from the record whose levels have the
+    most figures (a server run again after a call ran out of time replaces its empty entry)."""
+    merged: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for record in records:
-        label = str(record.get("label", "?"))
-        into = merged.setdefault(label, {"label": label, "servers": []})
+        label, model, invariant = key = kind(record)
+        into = merged.setdefault(
+            key, {"label": label, "model": model, "batch_invariant": invariant, "servers": []}
+        )
         for server in record["servers"]:
             names = [s["name"] for s in into["servers"]]
             if server["name"] not in names:
@@ -60,19 +87,39 @@ def _figures(server: dict[str, Any]) -> int:
     return sum(1 for entry in server.get("levels", {}).values() if entry.get("figures"))
 
 
-def ratios(record: dict[str, Any]) -> list[str]:
-    """``row`` against UVA at every level both have: output tok/s and TTFT p99."""
-    found = points(record)
-    row = {p[0]: p for p in found.get("row", [])}
-    uva = {p[0]: p for p in found.get("uva", [])}
+def target_c32(label: str) -> float:
+    """The c32 throughput target of a record's label: the skewed router's where the label
+    names it (``skew``, ``skewed``, ``skew-bi``), else the plain one's."""
+    return TARGET_C32["skew" if "skew" in label else "plain"]
+
+
+def targets(record: dict[str, Any]) -> list[str]:
+    """Issue 35's targets (module docstring), each met or missed with its ratio, at every level
+    both ``row`` and UVA answered in full; why there is nothing to compare where there is
+    not."""
+    label = str(record.get("label", "?"))
+    servers = {s["name"]: s for s in record["servers"]}
+    if "row" not in servers or "uva" not in servers:
+        return []
+    verdict = servers["row"].get("plugin_verdict", "ok")
+    if verdict != "ok":
+        return [f"{label:6} row compared with nothing: its log did not show the cache ({verdict})"]
+    keys = ("output_throughput", "p99_ttft_ms")
+    row, uva = complete(servers["row"], keys), complete(servers["uva"], keys)
     lines = []
     for level in [name for name in row if name in uva]:
-        mine, theirs = row[level], uva[level]
+        (mine, mine_ttft), (theirs, theirs_ttft) = row[level], uva[level]
+        ratio = mine / theirs
+        line = f"{label:6} {level:4} row / UVA output tok/s {ratio:.3f}"
+        if level == "c32":
+            goal = target_c32(label)
+            line += f" ({'met' if ratio >= goal else 'MISSED'}: >= {goal:.1f})"
         lines.append(
-            f"{record.get('label', '?'):6} {level:4} row / UVA output tok/s "
-            f"{mine[1] / theirs[1]:.3f}, TTFT p99 {mine[3]:.1f} / {theirs[3]:.1f} ms "
-            f"({'met' if mine[3] <= theirs[3] else 'missed'}: row <= UVA)"
+            f"{line}, TTFT p99 {mine_ttft:.1f} / {theirs_ttft:.1f} ms "
+            f"({'met' if mine_ttft <= theirs_ttft else 'MISSED'}: row <= UVA)"
         )
+    if "c32" in servers["row"]["levels"] and "c32" not in row:
+        lines.append(f"{label:6} c32  row's level not complete: the c32 target not measured")
     return lines
 
 
@@ -106,7 +153,8 @@ def draw(records: list[dict[str, Any]], out: Path) -> None:
                 ax.set_xlabel("output tok/s")
                 ax.set_ylabel(what)
                 ax.set_yscale("log")
-                ax.set_title(f"{record.get('label', '?')}: {what}")
+                mode = ", batch-invariant" if record.get("batch_invariant") else ""
+                ax.set_title(f"{record.get('label', '?')}{mode}: {what}")
                 ax.legend()
     fig.tight_layout()
     fig.savefig(out)
@@ -125,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{record.get('label', '?'):6} {name:5} {level:4} {tok_s:9.1f} tok/s "
                     f"TPOT p50 {tpot:8.2f} ms TTFT p99 {ttft:9.1f} ms"
                 )
-        for line in ratios(record):
+        for line in targets(record):
             print(line)
     draw(records, ns.out)
     return 0

@@ -197,18 +197,89 @@ Launcher = Callable[[list[str], dict[str, str], Path], Process]
 Probe = Callable[[int], bool]
 
 
+PR_SET_PDEATHSIG = 1
+"""``prctl``'s option: the signal a process gets when its parent exits (Linux)."""
+
+
 def _interruptible() -> None:
-    """In the child before it runs the server: SIGINT back to its default action. A shell runs
+    """In the child before it runs the server: SIGINT back to its default action (a shell runs
     background jobs with SIGINT ignored, and a Python started with it ignored never installs
-    its handler, so the server would sit out ``stop``'s graceful SIGINT and be killed."""
+    its handler, so the server would sit out ``stop``'s graceful SIGINT and be killed), and
+    SIGKILL when this tool exits, however it exits (a device call cut at its limit kills the
+    tool; a server left running would hold the GPU's memory and fail the next call's)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+GROUPS_ENV = "ROWCACHE_SERVE_GROUPS"
+"""Where the servers' process groups are listed while they run (default below)."""
+GROUPS_FILE = "/tmp/rowcache-serve-groups.json"
+
+
+def _groups_path() -> Path:
+    return Path(os.environ.get(GROUPS_ENV, GROUPS_FILE))
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat``, field 22):
+    with the pid it names one process, never a later one that got the same pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _groups() -> dict[str, str]:
+    try:
+        found = json.loads(_groups_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
+def _write_groups(groups: dict[str, str]) -> None:
+    path = _groups_path()
+    if groups:
+        path.write_text(json.dumps(groups))
+    else:
+        path.unlink(missing_ok=True)
+
+
+def reap_leftovers() -> list[int]:
+    """Kill the process groups of servers an earlier tool started and did not stop (a call cut
+    at its limit before its ``finally`` ran; the server's engine core outlives the server
+    itself), each only if its leader is still the process that was listed. Returns them."""
+    killed = []
+    for pid, started in _groups().items():
+        if _started_at(int(pid)) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+    _write_groups({})
+    return killed
+
+
+def start_tool() -> None:
+    """What each serving tool does first when run as a script: kill the servers an earlier
+    call left running (``reap_leftovers``, which says so), and let SIGTERM (a device call's
+    time limit) exit through the ``finally`` blocks that stop this tool's servers, instead of
+    ending the process where it stands."""
+    killed = reap_leftovers()
+    if killed:
+        print(f"killed the process groups of servers left running: {killed}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def launch(command: list[str], env: dict[str, str], log: Path) -> Process:
     """A server in a new session (its own process group: stopped as a whole), SIGINT
-    deliverable whatever this process inherited; stdout and stderr into ``log``."""
+    deliverable whatever this process inherited, killed when this process exits; stdout and
+    stderr into ``log``. Its group is listed (``reap_leftovers``) until ``stop``."""
     with open(log, "ab") as out:
-        return subprocess.Popen(
+        process = subprocess.Popen(
             command,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -216,6 +287,10 @@ def launch(command: list[str], env: dict[str, str], log: Path) -> Process:
             start_new_session=True,
             preexec_fn=_interruptible,  # the server process only; no threads run here
         )
+    started = _started_at(process.pid)
+    if started is not None:
+        _write_groups({**_groups(), str(process.pid): started})
+    return process
 
 
 def healthy(port: int) -> bool:
@@ -238,6 +313,9 @@ def stop(process: Process, grace: float = 15.0) -> int | None:
             process.wait(timeout=wait)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+    groups = _groups()
+    if groups.pop(str(process.pid), None) is not None:
+        _write_groups(groups)
     return process.poll()
 
 
@@ -646,4 +724,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    start_tool()
     raise SystemExit(main())

@@ -24,15 +24,18 @@ Every request is greedy (``temperature`` 0), ``max_tokens`` long (``ignore_eos``
 ``alone`` request by request (first divergence), and ``row``'s ``alone`` with ``none``'s. Prefix
 caching is off (``--no-enable-prefix-caching``): a request sent again must be computed again, its
 prompt's experts loaded again, not served from the KV cache of its first sending. A cache server is
-started with the plugin's worker extension (``rowcache.vllm.worker_extension``) and
-``VLLM_SERVER_DEV_MODE=1``, and read through ``POST /collective_rpc`` after ``after`` (and after the
-soak): every layer's counters must be consistent (``rowcache.vllm.expert_cache_counter_problems``)
-and every resident slot's bytes equal to its expert's host bytes. ``--kv-blocks N`` starts the
+Every server is started with the plugin's worker extension (``rowcache.vllm.worker_extension``) and
+``VLLM_SERVER_DEV_MODE=1``; a cache server is read through ``POST /collective_rpc`` after ``after``
+(and after the soak): every layer's counters must be consistent
+(``rowcache.vllm.expert_cache_counter_problems``) and every resident slot's bytes equal to its
+expert's host bytes. ``--kv-blocks N`` starts the
 servers with ``--num-gpu-blocks-override N`` (a KV cache too small for every request at once: vLLM
 preempts and recomputes), and the number of preemptions is read from the server's ``/metrics``
 (``vllm:num_preemptions``). ``--soak S`` then keeps 32 requests in flight for S seconds, sampling
-the GPU's memory in use (``nvidia-smi``) and the server's resident and pinned host memory (``VmRSS``
-and ``VmLck`` of its processes) every ten seconds. The server log is searched for errors. Writes
+every ten seconds the GPU's memory in use (``nvidia-smi``), the worker's pinned host memory as
+torch's caching host allocator counts it (``rowcache_pinned``: CUDA's pinned pages show in neither
+``VmLck`` nor ``VmPin``) and, recorded but not judged, the server's ``VmRSS``, ``VmLck`` and
+``VmPin``. The server log is searched for errors. Writes
 ``$OUT/serve_exact.json`` (one record), ``$OUT/serve_exact.txt`` (the verdicts) and
 ``$OUT/serve_exact_logs.tar.gz``, rewritten after each server (a run cut short keeps the servers it
 finished); exit status 0 only when every comparison is exact, every cache read back consistent and
@@ -253,9 +256,8 @@ class Checked:
 
 
 def server_args(options: Options, server: serve_bench.BenchServer) -> list[str]:
-    extra = [*server.args, "--no-enable-prefix-caching"]
-    if server.caches:
-        extra += ["--worker-extension-cls", WORKER_EXTENSION]
+    # Every server: the pinned-memory read of a soak answers with or without the cache.
+    extra = [*server.args, "--no-enable-prefix-caching", "--worker-extension-cls", WORKER_EXTENSION]
     if options.kv_blocks is not None:
         extra += ["--num-gpu-blocks-override", str(options.kv_blocks)]
     if not (Path(options.model) / "tokenizer.json").exists():
@@ -311,8 +313,21 @@ def memory_sample(pid: int) -> dict[str, Any]:
     return sample
 
 
+def pinned_sample(port: int, rpc: Rpc) -> int | None:
+    """The worker's pinned host bytes (``rowcache_pinned``); None when it cannot be read."""
+    with contextlib.suppress(Exception):
+        value = rpc(port, "rowcache_pinned").get("torch_host_bytes")
+        return int(value) if isinstance(value, int) else None
+    return None
+
+
 def soak(
-    port: int, pid: int, options: Options, batch: list[list[int]], complete_: Complete
+    port: int,
+    pid: int,
+    options: Options,
+    batch: list[list[int]],
+    complete_: Complete,
+    rpc: Rpc = collective_rpc,
 ) -> dict[str, Any]:
     """``SOAK_CONCURRENCY`` requests in flight for ``options.soak_s`` seconds; memory sampled
     every ``SAMPLE_EVERY_S``."""
@@ -332,13 +347,16 @@ def soak(
             with lock:
                 done[0] += 1
 
-    samples = [memory_sample(pid)]
+    def sample() -> dict[str, Any]:
+        return {**memory_sample(pid), "torch_host_bytes": pinned_sample(port, rpc)}
+
+    samples = [sample()]
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(SOAK_CONCURRENCY)]
     for thread in threads:
         thread.start()
     while any(t.is_alive() for t in threads):
         time.sleep(min(SAMPLE_EVERY_S, max(0.1, stop_at - time.monotonic())))
-        samples.append(memory_sample(pid))
+        samples.append(sample())
     return {
         "seconds": options.soak_s,
         "requests": done[0],
@@ -348,20 +366,29 @@ def soak(
     }
 
 
+GROWTH_KEYS = ("gpu_mib", "torch_host_bytes", "rss_kib", "locked_kib", "pinned_kib")
+
+
 def growth(samples: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Last sample over the second (the first is before any load): GPU MiB and host KiB."""
+    """Last sample over the second (the first is before any load): GPU MiB, the worker's
+    pinned host bytes, host KiB; None where either sample lacks the figure."""
     if len(samples) < 3:
-        return {"gpu_mib": None, "rss_kib": None, "locked_kib": None, "pinned_kib": None}
+        return dict.fromkeys(GROWTH_KEYS)
     first, last = samples[1], samples[-1]
-    return {
-        key: (float(last[key]) - float(first[key])) if key in first and key in last else None
-        for key in ("gpu_mib", "rss_kib", "locked_kib", "pinned_kib")
-    }
+
+    def grown(key: str) -> float | None:
+        if first.get(key) is None or last.get(key) is None:
+            return None
+        return float(last[key]) - float(first[key])
+
+    return {key: grown(key) for key in GROWTH_KEYS}
 
 
 SOAK_GPU_GROWTH_MIB = 64
-"""GPU memory a soak may add between its first loaded sample and its last (allocator noise);
-pinned and locked host memory may add nothing."""
+"""GPU memory a soak may add between its first loaded sample and its last (allocator noise)."""
+SOAK_PINNED_GROWTH_BYTES = 64 << 20
+"""Pinned host memory it may add (torch's host allocator caches blocks in power-of-two sizes:
+one new block of a buffer vLLM grows is not a leak; a leak grows without bound)."""
 
 
 def soak_problems(result: dict[str, Any]) -> list[str]:
@@ -379,10 +406,14 @@ def soak_problems(result: dict[str, Any]) -> list[str]:
         problems.append("GPU memory not sampled")
     elif gpu > SOAK_GPU_GROWTH_MIB:
         problems.append(f"GPU memory grew {gpu:g} MiB (limit {SOAK_GPU_GROWTH_MIB})")
-    for key in ("locked_kib", "pinned_kib"):
-        value = growth.get(key)
-        if value is not None and value > 0:
-            problems.append(f"{key.removesuffix('_kib')} host memory grew {value:g} KiB")
+    pinned = growth.get("torch_host_bytes")
+    if pinned is None:
+        problems.append("pinned host memory not read (rowcache_pinned)")
+    elif pinned > SOAK_PINNED_GROWTH_BYTES:
+        problems.append(
+            f"pinned host memory grew {pinned / 2**20:g} MiB "
+            f"(limit {SOAK_PINNED_GROWTH_BYTES >> 20})"
+        )
     return problems
 
 
@@ -406,8 +437,7 @@ def check_server(
     env = dict(os.environ)
     if options.batch_invariant:
         env["VLLM_BATCH_INVARIANT"] = "1"
-    if server.caches:
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /collective_rpc, to read the cache
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /collective_rpc: the cache, pinned memory
     started = time.monotonic()
     process = launcher(command, env, log)
     handle = serve_check.Server(
@@ -438,8 +468,9 @@ def check_server(
             record.cache = read_cache(port, rpc)
         if options.kv_blocks is not None and not record.preemptions:
             record.errors.append("--kv-blocks set but the server counted no preemption")
-        if options.soak_s > 0 and time.monotonic() + options.soak_s < deadline:
-            record.soak = soak(port, process.pid, options, batch, complete_)
+        # The soak, then its reads and the server's stop: a minute.
+        if options.soak_s > 0 and time.monotonic() + options.soak_s + 60 < deadline:
+            record.soak = soak(port, process.pid, options, batch, complete_, rpc)
             if server.caches:
                 record.cache_after_soak = read_cache(port, rpc)
         elif options.soak_s > 0:
@@ -585,4 +616,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    serve_check.start_tool()
     sys.exit(main())

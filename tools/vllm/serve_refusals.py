@@ -138,4 +138,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    serve_check.start_tool()
     sys.exit(main())
