@@ -177,4 +177,3 @@ def pinned_memory() -> dict[str, int | None]:
         "arena_bytes": 0 if _ARENA is None else _ARENA.reserved_bytes,
         "transient_bytes": 0 if _TRANSIENT is None else _TRANSIENT.reserved_bytes,
     }
-

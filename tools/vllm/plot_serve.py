@@ -48,7 +48,10 @@ def points(record: dict[str, Any]) -> dict[str, list[Point]]:
     """Per server, the plotted figures of its complete levels (``complete``)."""
     keys = ("output_throughput", "median_tpot_ms", "p99_ttft_ms")
     return {
-        server["name"]: [(name, *fig) for name, fig in complete(server, keys).items()]
+        server["name"]: [
+            (name, tok_s, tpot, ttft)
+            for name, (tok_s, tpot, ttft) in complete(server, keys).items()
+        ]
         for server in record["servers"]
     }
 
