@@ -52,6 +52,27 @@ def mark_built(directory: Path) -> None:
     (directory / BUILT).touch()
 
 
+def with_sources(needed: list[Checkpoint], known: list[Checkpoint]) -> list[Checkpoint]:
+    """``needed`` with, before each checkpoint whose experts are another's
+    (``experts_from``: a skewed twin links the plain checkpoint's shards), that other one
+    from ``known``: a skewed phase run alone on a fresh machine builds its source first."""
+    by_directory = {c.directory: c for c in known}
+    out: list[Checkpoint] = []
+    for checkpoint in needed:
+        if checkpoint.experts_from is not None:
+            source = by_directory.get(checkpoint.experts_from)
+            if source is None:
+                raise ValueError(
+                    f"{checkpoint.directory} takes its experts from {checkpoint.experts_from}, "
+                    "which no phase builds"
+                )
+            if source not in out:
+                out.append(source)
+        if checkpoint not in out:
+            out.append(checkpoint)
+    return out
+
+
 def missing(work: Path, checkpoints: list[Checkpoint]) -> list[Checkpoint]:
     return [c for c in checkpoints if not is_built(location(work, c))]
 

@@ -829,17 +829,16 @@ def controls(budget: ModelBudget) -> tuple[str, ...]:
 
 
 def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list[ModelEngine]:
-    """The engines of one model, in run order: no offload, its control (no offload again: a
-    token comparison at b8 means something only beside one), then ``row`` and UVA at a
-    quarter, then at a half; where UVA runs on another backend (``budget.baseline``) that
-    backend's own no-offload engine comes after the control, the reference of its UVA engines'
-    tokens, and that engine's control comes last."""
+    """The engines of one model, in run order: no offload, then ``row`` and UVA at a quarter
+    (issue 34's targets: next to each other, so that a pair is measured in one call, on one
+    machine, wherever the calls end), then the control (no offload again: a token comparison
+    at b8 means something only beside one), then ``row`` and UVA at a half; where UVA runs on
+    another backend (``budget.baseline``) that backend's own no-offload engine comes right
+    after the first, the reference of its UVA engines' tokens, and that engine's control comes
+    last."""
     roles = model_roles(budget)
     reference = "none.full"
-    out = [
-        ModelEngine(reference, None, None, cache_backend, None),
-        ModelEngine(CONTROL, None, None, cache_backend, reference),
-    ]
+    out = [ModelEngine(reference, None, None, cache_backend, None)]
     uva_backend, uva_reference = cache_backend, reference
     if budget.baseline is not None:
         uva_backend = budget.baseline.backend
@@ -862,6 +861,8 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
             ModelEngine(row, knob, None, cache_backend, reference),
             ModelEngine(uva, None, offload, uva_backend, uva_reference),
         ]
+        if fraction == QUARTER:
+            out.append(ModelEngine(CONTROL, None, None, cache_backend, reference))
     # The baseline's control last: it tells noise from UVA's own effect, not a target.
     return out + extra_controls
 
@@ -912,6 +913,8 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
                 # Every engine of a model on the runner where UVA offload works (specs), so
                 # that its engines compare like with like.
                 model_runner_v1=True,
+                # FP8 models: DeepGEMM's start-up warm-up at 2,048 tokens (specs).
+                skip_deep_gemm_warmup=checkpoint.fp8_block or checkpoint.arch == "deepseek_v3",
                 moe_backend=engine.backend,
                 # The builder's Qwen3 shapes say 2,048 positions; a 2,048-token prompt and its
                 # tokens need more (the other architectures' configs say more).

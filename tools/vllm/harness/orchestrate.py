@@ -610,6 +610,8 @@ def run(
     needed: list[Checkpoint] = []
     for phase in selected:
         needed += [c for c in phase.checkpoints() if c not in needed]
+    known = [c for phase in phases.PHASES for c in phase.checkpoints()]
+    needed = checkpoints.with_sources(needed, known)
     t = time.time()
     checkpoints.build_foreground(work, needed)
     meta["tiny_ckpt_s"] = round(time.time() - t, 1)

@@ -326,6 +326,12 @@ class EngineSpec:
     which never sets the weight offloader (only ``v1/worker/gpu_model_runner.py`` calls
     ``set_offloader``): ``cpu_offload_gb`` is then silently ignored, every expert stays on the
     GPU, and a UVA engine measures no offload (seen on the H200, 2026-12-03)."""
+    skip_deep_gemm_warmup: bool = False
+    """``VLLM_DEEP_GEMM_WARMUP=skip``: vLLM 0.25.0 otherwise compiles DeepGEMM's FP8 GEMMs for
+    every dense FP8 layer shape and every token count up to ``max_num_batched_tokens`` at start-up
+    (76 shapes at 512 tokens took 49 s on the H200; at 2,048 tokens the full-depth Qwen3 needs
+    207, the reduced DeepSeek-V3 685); the sizes an engine runs compile in its untimed warm-ups
+    instead (every batch size and the long prompt are warmed up before they are timed)."""
     time_once_s: float = 0.0
     """Estimated seconds to start and run every measurement once (an engine is not started
     with less time left; 0: no estimate)."""
@@ -356,6 +362,8 @@ class EngineSpec:
             out["VLLM_LOGGING_LEVEL"] = "DEBUG"
         if self.model_runner_v1:
             out["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if self.skip_deep_gemm_warmup:
+            out["VLLM_DEEP_GEMM_WARMUP"] = "skip"
         return out
 
     def to_json(self) -> Json:
