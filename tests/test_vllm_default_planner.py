@@ -236,6 +236,16 @@ def test_every_record_backs_its_claim(evidence: Evidence) -> None:
     assert backs_its_claim(evidence) >= 1
 
 
+def _rewritten(evidence: Evidence, records: dict[str, dict[str, Any]], folder: Path) -> Evidence:
+    """``evidence`` pointing at ``records`` (changed copies of its own) written in ``folder``."""
+    import json
+
+    folder.mkdir(exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in records.values())
+    (folder / "records.jsonl").write_text(text)
+    return Evidence(**{**vars(evidence), "record": str(folder)})
+
+
 def test_the_claim_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) -> None:
     """The check fails on a run whose cached engine's tokens diverge, and on one whose steps
     all fit in one pass."""
@@ -243,13 +253,9 @@ def test_the_claim_check_rejects_a_record_that_does_not_back_it(tmp_path: Path) 
 
     piecewise = next(e for e in EVIDENCE if e.modes == ("piecewise",))
     records = _records(piecewise.record)
-    bad = tmp_path / "bad"
-    bad.mkdir()
 
     def write(changed: dict[str, dict[str, Any]]) -> Evidence:
-        text = "".join(json.dumps(r) + "\n" for r in changed.values())
-        (bad / "records.jsonl").write_text(text)
-        return Evidence(**{**vars(piecewise), "record": str(bad)})
+        return _rewritten(piecewise, changed, tmp_path / "bad")
 
     diverging = json.loads(json.dumps(records))
     diverging["steps.plain.row32dev.piecewise"]["steps"]["decode"]["8"]["tokens"][3][17] += 1
@@ -273,13 +279,9 @@ def test_the_claim_check_takes_the_models_engines_of_its_quantization(tmp_path: 
     records = _records(gpt_oss.record)
     assert not records["steps.plain.row32dev.full"]["ok"]  # another quantization's engine
     assert backs_its_claim(gpt_oss) == 1  # the skewed one's reference ran in another call
-    bad = tmp_path / "bad"
-    bad.mkdir()
 
     def write(changed: dict[str, dict[str, Any]]) -> Evidence:
-        text = "".join(json.dumps(r) + "\n" for r in changed.values())
-        (bad / "records.jsonl").write_text(text)
-        return Evidence(**{**vars(gpt_oss), "record": str(bad)})
+        return _rewritten(gpt_oss, changed, tmp_path / "bad")
 
     engine = "models.gptoss20b.row8dev.full"
     prompt = json.loads(json.dumps(records))
@@ -303,13 +305,9 @@ def test_the_planes_check_rejects_a_record_that_does_not_back_it(tmp_path: Path)
 
     planes = next(e for e in EVIDENCE if e.claim == PLANES_FASTER)
     records = _records(planes.record)
-    bad = tmp_path / "bad"
-    bad.mkdir()
 
     def write(changed: dict[str, dict[str, Any]]) -> Evidence:
-        text = "".join(json.dumps(r) + "\n" for r in changed.values())
-        (bad / "records.jsonl").write_text(text)
-        return Evidence(**{**vars(planes), "record": str(bad)})
+        return _rewritten(planes, changed, tmp_path / "bad")
 
     def changed() -> dict[str, dict[str, Any]]:
         copy: dict[str, dict[str, Any]] = json.loads(json.dumps(records))
