@@ -1405,6 +1405,8 @@ def test_a_device_view_of_memory_that_is_not_pinned_is_refused(
     with pytest.raises(RowcacheError, match=r"shape \(2, 3\) that is not pinned"):
         method.device_view(torch.ones(2, 3))
     assert given == []
+    method.device_view(torch.ones(0, 3))  # nothing to pin: as it is
+    assert len(given) == 1
 
 
 def test_only_a_replaced_parameter_lets_go_of_its_host_view(fake_vllm: Any) -> None:

@@ -179,9 +179,9 @@ def device_view(host: Tensor) -> Tensor:
     (an arena's slab, ``rowcache.pinned``) is cut from the view of its whole storage, so that
     the driver is asked for the device address of an allocation's start, not of a pointer
     inside it; that view holds the storage for as long as the piece lives."""
-    if torch.cuda.is_available() and not host.is_pinned():
+    if torch.cuda.is_available() and host.numel() and not host.is_pinned():
         # vLLM's op copies a tensor that is not pinned: the loader's writes would never reach
-        # the view.
+        # the view. (An empty tensor has no memory to pin, nor to miss.)
         raise RowcacheError(
             f"rowcache: a device view of host memory needs pinned memory; got a tensor of "
             f"shape {tuple(host.shape)} that is not pinned"

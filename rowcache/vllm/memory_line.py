@@ -6,7 +6,7 @@ first cached forward (vLLM's profile run, after every layer is built) logs the t
 starts a new tally, so that a second engine in the same process gets a line of its own:
 
     rowcache: 8 MoE layers cached, 32 of 128 experts a layer in slots: 2.25 GiB of the
-    experts' 9.00 GiB on the GPU; 6.76 GiB held in pinned host memory (0.75 of the experts'
+    experts' 9.00 GiB on the GPU; 6.29 GiB held in pinned host memory (0.70 of the experts'
     bytes, as bf16 planes)
 
 The figures are the providers' own (``stats()``: ``slot_bytes``, ``host_bytes``); an expert's
