@@ -333,6 +333,7 @@ def test_command_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         (["--requests", "4"], "--requests must be at least 8, got 4"),
         (["--aborts", "1.5"], "--aborts is a fraction of --requests in [0, 1], got 1.5"),
         (["--servers", "row,x"], "--servers: unknown ['x']"),
+        (["--kv-blocks", "100"], "--kv-blocks 100: vLLM refuses to start with fewer than 160"),
     ):
         with pytest.raises(SystemExit):
             se.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), *args])

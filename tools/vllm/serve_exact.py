@@ -76,6 +76,8 @@ AFTER = 8
 """Requests sent alone again after the concurrent round."""
 ABORT_CHUNKS = 3
 """Streamed chunks an aborting client reads before it closes the connection."""
+KV_BLOCK_TOKENS = 16
+"""vLLM's default KV-cache block size (``--block-size``)."""
 SOAK_CONCURRENCY = 32
 SAMPLE_EVERY_S = 10.0
 ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|CUDA error|RowcacheError")
@@ -599,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--requests must be at least {AFTER}, got {ns.requests}")
     if not 0 <= ns.aborts <= 1:
         ap.error(f"--aborts is a fraction of --requests in [0, 1], got {ns.aborts}")
+    least = -(-serve_bench.MAX_MODEL_LEN // KV_BLOCK_TOKENS)
+    if ns.kv_blocks is not None and ns.kv_blocks < least:
+        ap.error(
+            f"--kv-blocks {ns.kv_blocks}: vLLM refuses to start with fewer than {least} blocks "
+            f"of {KV_BLOCK_TOKENS} tokens (one {serve_bench.MAX_MODEL_LEN}-token context)"
+        )
     ns.out.mkdir(parents=True, exist_ok=True)
     options = Options(
         ns.model,
