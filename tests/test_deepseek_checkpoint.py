@@ -323,3 +323,33 @@ def test_literals_against_the_wheel() -> None:
     source = vllm_wheels.read("0.25.0", path)[path]
     for fragment in SOURCE_FRAGMENTS:
         assert fragment in source, fragment
+
+
+def test_a_build_the_disk_cannot_hold_stops_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's bytes (less the shards a skewed twin links) against the disk's free space,
+    before any shard is written."""
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    config = _small("deepseek_v3")
+    needed = sum(shards.nbytes(*v) for v in mk.sharded_plan("deepseek_v3", config).values())
+    free = needed + mk.DISK_MARGIN_BYTES - 1
+    monkeypatch.setattr(mk.shutil, "disk_usage", lambda p: usage(0, 0, free))
+    with pytest.raises(SystemExit, match=r"needs 0\.\d GiB and 1 GiB to spare"):
+        mk.build_sharded(tmp_path / "a", "deepseek_v3", config, 0, 0.0, device=CPU)
+    assert not (tmp_path / "a").exists() or not list((tmp_path / "a").iterdir())
+    monkeypatch.setattr(mk.shutil, "disk_usage", lambda p: usage(0, 0, free + 1))
+    mk.build_sharded(tmp_path / "a", "deepseek_v3", config, 0, 0.0, device=CPU)
+    (tmp_path / "a" / ".rowcache-built").touch()
+    # The skewed twin writes its routers' shard only: the links take no space.
+    routers = sum(
+        shards.nbytes(*mk.sharded_plan("deepseek_v3", config)[n]) for n in dl.router_tensors(config)
+    )
+    monkeypatch.setattr(
+        mk.shutil, "disk_usage", lambda p: usage(0, 0, routers + mk.DISK_MARGIN_BYTES)
+    )
+    mk.build_sharded(
+        tmp_path / "b", "deepseek_v3", config, 0, 1.0, experts_from=tmp_path / "a", device=CPU
+    )

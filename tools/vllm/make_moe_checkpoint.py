@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -549,6 +550,27 @@ def sharded_routers(arch: str, config: dict[str, Any]) -> tuple[list[str], list[
     return layout.router_names(config), layout.router_tensors(config)
 
 
+DISK_MARGIN_BYTES = 1 << 30
+"""Free disk a build leaves at the least (vLLM's and torch's caches, logs)."""
+
+
+def check_disk(out: Path, needed: int) -> None:
+    """Stop before writing anything when the disk of ``out`` has less free space than the
+    ``needed`` bytes and ``DISK_MARGIN_BYTES``: a build that fills the disk halfway costs its
+    time and leaves the engines nothing (a 64 GiB machine holds the full-depth Qwen3 or
+    DeepSeek-V2-Lite, not both beside the 8-layer checkpoints)."""
+    where = out
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < needed + DISK_MARGIN_BYTES:
+        raise SystemExit(
+            f"make_moe_checkpoint: {out} needs {needed / 2**30:.1f} GiB and "
+            f"{DISK_MARGIN_BYTES / 2**30:.0f} GiB to spare, the disk has {free / 2**30:.1f} "
+            "GiB free: remove other checkpoints or build on another machine"
+        )
+
+
 def build_sharded(
     out: Path,
     arch: str,
@@ -575,6 +597,8 @@ def build_sharded(
     linked: list[str] = []
     if experts_from is not None:
         linked = _link_experts(experts_from, out, config, record, files)
+    written = {name: spec for name, spec in plan.items() if files[name] not in linked}
+    check_disk(out, sum(shards.nbytes(*spec) for spec in written.values()))
     shards.write_checkpoint(
         out,
         plan,
