@@ -452,20 +452,24 @@ def test_build_checkpoint_marks_a_whole_build_and_leaves_a_partial_one(
 
 def test_a_server_left_running_is_reaped_by_the_next_tool(tmp_path: Path) -> None:
     """A tool killed before its ``finally`` leaves its server's group listed: the next tool
-    kills it; a listed group whose leader is another process now (a pid reused) is left
-    alone; a stopped server is no longer listed."""
+    kills it; a server whose tool still runs, and a listed group whose leader is another
+    process now (a pid reused), are left alone; a stopped server is no longer listed."""
     script = tmp_path / "server.py"
     script.write_text("import time\ntime.sleep(120)\n")
     left = sc.launch([sys.executable, str(script)], dict(os.environ), tmp_path / "a.log")
     stopped = sc.launch([sys.executable, str(script)], dict(os.environ), tmp_path / "b.log")
     sc.stop(stopped, grace=1.0)
-    groups = json.loads(Path(os.environ[sc.GROUPS_ENV]).read_text())
+    path = Path(os.environ[sc.GROUPS_ENV])
+    groups = json.loads(path.read_text())
     assert list(groups) == [str(left.pid)]
-    # A stale entry: the same pid listed with another start time is not killed.
-    Path(os.environ[sc.GROUPS_ENV]).write_text(json.dumps({**groups, str(os.getpid()): "0"}))
+    assert sc.reap_leftovers() == [] and left.poll() is None  # its tool (this test) runs
+    assert json.loads(path.read_text()) == groups
+    # Its tool gone (another start time listed for it); a stale entry (a pid reused).
+    groups[str(left.pid)][2] = "0"
+    path.write_text(json.dumps({**groups, str(os.getpid()): ["0", "1", "0"]}))
     assert sc.reap_leftovers() == [left.pid]
     assert left.wait(timeout=10) == -signal.SIGKILL
-    assert not Path(os.environ[sc.GROUPS_ENV]).exists()
+    assert not path.exists()
 
 
 def test_a_server_dies_with_the_tool_that_started_it(tmp_path: Path) -> None:

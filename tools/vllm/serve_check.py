@@ -233,15 +233,26 @@ def _started_at(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _groups() -> dict[str, str]:
+Groups = dict[str, list[str]]
+"""A server's process group (its leader's pid) -> its leader's start time, the pid and the
+start time of the tool that started it."""
+
+
+def _groups() -> Groups:
     try:
         found = json.loads(_groups_path().read_text())
     except (OSError, ValueError):
         return {}
-    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    return {
+        str(k): [str(x) for x in v]
+        for k, v in found.items()
+        if isinstance(v, list) and len(v) == 3
+    }
 
 
-def _write_groups(groups: dict[str, str]) -> None:
+def _write_groups(groups: Groups) -> None:
     path = _groups_path()
     if groups:
         path.write_text(json.dumps(groups))
@@ -249,17 +260,27 @@ def _write_groups(groups: dict[str, str]) -> None:
         path.unlink(missing_ok=True)
 
 
+def _alive(pid: str, started: str) -> bool:
+    """Whether process ``pid`` is the one that started at ``started`` (not a reused pid)."""
+    return _started_at(int(pid)) == started
+
+
 def reap_leftovers() -> list[int]:
-    """Kill the process groups of servers an earlier tool started and did not stop (a call cut
-    at its limit before its ``finally`` ran; the server's engine core outlives the server
-    itself), each only if its leader is still the process that was listed. Returns them."""
-    killed = []
-    for pid, started in _groups().items():
-        if _started_at(int(pid)) == started:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), signal.SIGKILL)
-                killed.append(int(pid))
-    _write_groups({})
+    """Kill the process groups of servers whose tool has ended without stopping them (a call
+    cut at its limit before its ``finally`` ran; the server's engine core outlives the server
+    itself), each only if its leader is still the process that was listed; a running tool's
+    servers are left alone. Returns the groups killed."""
+    killed, kept = [], {}
+    for pid, (started, owner, owner_started) in _groups().items():
+        if not _alive(pid, started):
+            continue
+        if _alive(owner, owner_started):
+            kept[pid] = [started, owner, owner_started]
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+    _write_groups(kept)
     return killed
 
 
@@ -287,9 +308,9 @@ def launch(command: list[str], env: dict[str, str], log: Path) -> Process:
             start_new_session=True,
             preexec_fn=_interruptible,  # the server process only; no threads run here
         )
-    started = _started_at(process.pid)
-    if started is not None:
-        _write_groups({**_groups(), str(process.pid): started})
+    started, me = _started_at(process.pid), _started_at(os.getpid())
+    if started is not None and me is not None:
+        _write_groups({**_groups(), str(process.pid): [started, str(os.getpid()), me]})
     return process
 
 
