@@ -246,9 +246,7 @@ def _groups() -> Groups:
     if not isinstance(found, dict):
         return {}
     return {
-        str(k): [str(x) for x in v]
-        for k, v in found.items()
-        if isinstance(v, list) and len(v) == 3
+        str(k): [str(x) for x in v] for k, v in found.items() if isinstance(v, list) and len(v) == 3
     }
 
 
