@@ -54,7 +54,7 @@ SLOW="staging_reuse_without_event or forward_reuse_event_on_copy"
 # measured) as about half of bf16's two. The machine parts run a planes cell too since
 # 2026-12-04 (a quarter of the examples, not yet measured): 15 and 20 s more. suite.rest,
 # measured at 55 s in attempt K, gained the one-miss decode cases and the host planner's
-# planes (not yet measured). On one GPU: two calls.
+# planes (not yet measured). On one GPU: 1,370 s in all, three calls (sanitizer.rest alone).
 PARTS=(
   "suite.rest|90|not $MACHINE and not $LOCKSTEP"
   "suite.lockstep-bf16|75|$LOCKSTEP and bf16 and not bf16_scaled"

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rowcache.backends.cuda import DECODE_PROGRAMS_PER_SM
 from rowcache.compress import Bf16Planes, encode
 from rowcache.compress.bf16_planes import CODE_WIDTHS
 from rowcache.device_plan.kernels import GATHER_PROGRAMS_PER_SM
@@ -110,10 +111,14 @@ def measure(
     warmup: int,
     code_bits: int | None = HELD_CODE_BITS,
     configs: tuple[tuple[int, int], ...] | None = None,
+    on_row: Callable[[dict[str, Any]], None] = lambda result: None,
 ) -> dict[str, Any]:
     """Each row's decode figures at ``configs[0]`` (warps a program, programs an SM: the
     providers' launch; None: that one alone), and every config's under ``configs``; the copy
-    once a row."""
+    once a row. ``on_row`` gets the result so far after each row (the bench writes it, so that
+    a run cut short keeps its rows). A launch of the sweep that decodes wrong bytes is recorded
+    as such (``exact`` false) and not timed; a wrong decode of the providers' launches stops
+    the bench (``SystemExit``)."""
     from rowcache.compress.triton_decode import SlotDecoder, decode_into_slots
 
     configs = configs or launches(sweep=False)
@@ -131,10 +136,28 @@ def measure(
     expert_bytes = sum(w[0].numel() * w.element_size() for w in (w13, w2))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
     timed = _timer(device)
+    # The host planner's decoders, launched as its CUDA backend launches them.
     decoders = [
-        SlotDecoder(p, s, grid=sms * PROGRAMS_PER_SM) for p, s in zip(planes, slots, strict=True)
+        SlotDecoder(p, s, grid=sms * DECODE_PROGRAMS_PER_SM)
+        for p, s in zip(planes, slots, strict=True)
     ]
     rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "shape": shape,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "code_bits": code_bits,
+        "held_code_bits": {"w13": planes[0].code_bits, "w2": planes[1].code_bits},
+        "planes_ratio": {"w13": planes[0].ratio, "w2": planes[1].ratio},
+        "encode_host": encode_host,
+        "encode_device": encode_device,
+        "repeats": repeats,
+        "configs": [list(c) for c in configs],
+        "rows": rows,
+    }
     for misses in (m for m in MISSES if m <= capacity):
         chosen = torch.randperm(experts, generator=gen)[:misses]
         miss_experts = torch.full((capacity,), -1, dtype=torch.int32)
@@ -144,8 +167,11 @@ def measure(
         lists = [t.to(device) for t in (miss_experts, miss_slots)]
         count = torch.tensor(misses, dtype=torch.int32, device=device)
 
-        def check_exact(run: Callable[[], None], launch: str, chosen: Tensor = chosen) -> None:
-            """Run ``run`` once into zeroed slots; stop unless they hold the chosen experts."""
+        def check_exact(
+            run: Callable[[], None], launch: str, stop: bool = True, chosen: Tensor = chosen
+        ) -> bool:
+            """Run ``run`` once into zeroed slots: whether they hold the chosen experts (with
+            ``stop``, stop the bench unless they do)."""
             for s in slots:
                 s.zero_()
             run()
@@ -154,10 +180,15 @@ def measure(
             m = len(chosen)
             for s, w in zip(slots, (w13, w2), strict=True):
                 if not torch.equal(s[:m].cpu().view(torch.int16), w[chosen].view(torch.int16)):
-                    raise SystemExit(f"decode_gather: {m} misses decoded wrong bytes ({launch})")
+                    message = f"decode_gather: {m} misses decoded wrong bytes ({launch})"
+                    if stop:
+                        raise SystemExit(message)
+                    print(message, file=sys.stderr, flush=True)
+                    return False
+            return True
 
         timings: list[dict[str, Any]] = []
-        for warps, per_sm in configs:
+        for index, (warps, per_sm) in enumerate(configs):
 
             def decode(
                 lists: list[Tensor] = lists,
@@ -176,12 +207,16 @@ def measure(
                 with torch.cuda.graph(graph):
                     decode()
                 run = graph.replay
-            check_exact(run, f"{warps} warps, {per_sm} programs an SM")  # each launch its own
+            # Each launch checked before it is timed; the providers' (the first) stops the bench.
+            exact = check_exact(run, f"{warps} warps, {per_sm} programs an SM", stop=index == 0)
             timings.append(
                 {
                     "num_warps": warps,
                     "programs_per_sm": per_sm,
-                    "decode_s": [timed(run) for _ in range(warmup + repeats)][warmup:],
+                    "exact": exact,
+                    "decode_s": [timed(run) for _ in range(warmup + repeats)][warmup:]
+                    if exact
+                    else [],
                 }
             )
         # The host planner's decode: one eager launch a miss and tensor, the miss as the
@@ -206,6 +241,8 @@ def measure(
         decoded = misses * expert_bytes
         moved = sum(p.expert_nbytes(int(e)) for p in planes for e in chosen)
         for timing in timings:
+            if not timing["exact"]:
+                continue
             median = statistics.median(timing["decode_s"])
             timing["decode_s_median"] = median
             timing["decode_gb_per_s"] = decoded / median / 1e9
@@ -229,22 +266,8 @@ def measure(
                 "one_by_one_over_copy": statistics.median(copy_s) / statistics.median(one_s),
             }
         )
-    return {
-        "shape": shape,
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "code_bits": code_bits,
-        "held_code_bits": {"w13": planes[0].code_bits, "w2": planes[1].code_bits},
-        "planes_ratio": {"w13": planes[0].ratio, "w2": planes[1].ratio},
-        "encode_host": encode_host,
-        "encode_device": encode_device,
-        "repeats": repeats,
-        "configs": [list(c) for c in configs],
-        "rows": rows,
-    }
+        on_row(result)
+    return result
 
 
 def format_rows(result: dict[str, Any]) -> str:
@@ -273,7 +296,10 @@ def format_rows(result: dict[str, Any]) -> str:
         )
         for i, (warps, per_sm) in enumerate(result["configs"]):
             ratios = "".join(
-                f"{r['configs'][i]['decode_over_copy']:>7.2f}x" for r in result["rows"]
+                f"{r['configs'][i]['decode_over_copy']:>7.2f}x"
+                if r["configs"][i]["exact"]
+                else f"{'WRONG':>8}"
+                for r in result["rows"]
             )
             lines.append(f"{warps:>7}{per_sm:>8}{ratios}")
     return "\n".join(lines)
@@ -305,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_gather: --device cuda needs a CUDA device (none here)", file=sys.stderr)
         return 2
     quick = args.quick or device.type != "cuda"
+    path = args.out / "decode_gather.json"
+
+    def write(result: dict[str, Any]) -> None:  # after every row: a run cut short keeps them
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+
     result = measure(
         QUICK if quick else QWEN3,
         device,
@@ -312,10 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         warmup=1 if quick else 5,
         code_bits=args.code_bits,
         configs=launches(args.sweep),
+        on_row=write,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_gather.json").write_text(json.dumps(result, indent=1))
+    write(result)
     print(format_rows(result))
+    wrong = sum(not t["exact"] for r in result["rows"] for t in r["configs"])
+    if wrong:
+        print(f"decode_gather: {wrong} launches decoded wrong bytes (WRONG above)", file=sys.stderr)
+        return 1
     return 0
 
 
