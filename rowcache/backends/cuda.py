@@ -82,7 +82,8 @@ from rowcache.backends.batched_copy import (
     RowLayout,
     load_runtime,
 )
-from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers
+from rowcache.device_plan.kernels import GATHER_PROGRAMS_PER_SM
+from rowcache.sources import SOURCE_NAMES, ExpertSources, SlotBuffers, planes_and_slots
 from rowcache.torch_seams import (
     RAW_CURRENT_STREAM,
     SANITIZER,
@@ -211,9 +212,9 @@ def _sanitizer_write(
         raise lookup(SANITIZER_ERRORS, csan)(errors)
 
 
-DECODE_PROGRAMS_PER_SM = 8
+DECODE_PROGRAMS_PER_SM = GATHER_PROGRAMS_PER_SM
 """Programs an SM of a miss's decode, at most (cut to the expert's blocks): the device
-planner's (``rowcache.device_plan.kernels.GATHER_PROGRAMS_PER_SM``)."""
+planner's launch."""
 
 
 class CudaBackend:
@@ -249,8 +250,8 @@ class CudaBackend:
             for name in EVENTS
         }
         self._pairs: list[tuple[Tensor, Tensor, str]] = []
-        self._decoders: list[tuple[str, Tensor, Any]] = []
-        """(name, slot buffer, ``SlotDecoder``) of each source held as bf16 planes."""
+        self._decoders: list[tuple[Tensor, Any]] = []
+        """(slot buffer, ``SlotDecoder``) of each source held as bf16 planes."""
         self._logged: list[tuple[str, bool]] = []
         """Each present source in ``SOURCE_NAMES`` order, and whether a miss decodes it: the
         call log's copies of a miss, one a source, each on the stream it really went to."""
@@ -285,23 +286,20 @@ class CudaBackend:
             from rowcache.compress.triton_decode import SlotDecoder
 
             sms = torch.cuda.get_device_properties(self._device).multi_processor_count
-            names = dict(zip(SOURCE_NAMES, slots.tensors(), strict=True))
-            for name, planes in sources.planes.items():
-                buf = names[name]
-                assert buf is not None  # allocate_slot_buffers gives every source a buffer
+            for planes, target in planes_and_slots(sources, slots):
                 # The 16-byte codebook on the device (every value reads it); the planes stay in
                 # pinned host memory, read through unified addressing.
                 codebooks.append(planes.codebook.to(self._device))
                 decoder = SlotDecoder(
-                    planes, buf, grid=sms * DECODE_PROGRAMS_PER_SM, codebook=codebooks[-1]
+                    planes, target, grid=sms * DECODE_PROGRAMS_PER_SM, codebook=codebooks[-1]
                 )
-                self._decoders.append((name, buf, decoder))
-        decoded = {name for name, _, _ in self._decoders}
+                self._decoders.append((target, decoder))
+        decoded = set(sources.planes)
         present = {name for _, _, name in self._pairs} | decoded
         self._logged = [(n, n in decoded) for n in SOURCE_NAMES if n in present]
         layout = RowLayout(self._pairs)
         self._expert_bytes = layout.expert_bytes + sum(
-            buf[0].numel() * buf.element_size() for _, buf, _ in self._decoders
+            buf[0].numel() * buf.element_size() for buf, _ in self._decoders
         )
         if self._runtime is not None:
             self._batched = BatchedCopier(self._runtime, layout, self._device)
@@ -435,14 +433,14 @@ class CudaBackend:
         if torch.cuda.current_stream().cuda_stream != stream.cuda_stream:
             with torch.cuda.stream(stream):
                 return self._decode(stream, copies)
+        decoders = self._decoders
         for expert, slot in copies:
-            for _, _, decoder in self._decoders:
+            for _, decoder in decoders:
                 decoder.decode_one(expert, slot)
-        decoded = self._decoders
         issued: int = torch.cuda.current_stream().cuda_stream
         _sanitizer_write(
             issued,
-            lambda: [buf[slot].data_ptr() for _, buf, _ in decoded for _, slot in copies],
+            lambda: [buf[slot].data_ptr() for buf, _ in decoders for _, slot in copies],
             "rowcache decode of bf16 planes (slot rows)",
         )
         return issued
