@@ -1,7 +1,9 @@
 """tools/policy_study.py: its few-line LRU is the providers' policy (both planners, on the
-same skewed steps), its bound bounds every policy it prints, and a frequency-aware choice
-beats LRU on skewed routing where steps are large, also when a step larger than the slots
-must keep its last pass, not on uniform routing."""
+same skewed steps), and so is its slot cache with LRU victims, exactly, on every model's
+routing; its bound bounds every policy it prints; a frequency-aware choice beats LRU on skewed
+routing where steps are large, also when a step larger than the slots must keep its last pass,
+not on uniform routing; and the same choice in a slot cache, which must admit every miss,
+gains at batch 1 and little at 8."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools import policy_study as study
 
@@ -38,6 +41,45 @@ def test_frequency_beats_lru_on_skewed_routing_and_the_bound_bounds_all(rows: in
     # free choice.
     assert lru < passes <= lfu
     assert bound >= max(lru, lfu, passes, static)
+
+
+@pytest.mark.parametrize("model", sorted(study.MODELS))
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_the_slot_cache_with_lru_victims_is_the_providers_policy(model: str, alpha: float) -> None:
+    geometry = study.MODELS[model]
+    for rows in (1, 8, 32):
+        steps, _ = study.skewed_steps(alpha, rows, 60, geometry=geometry)
+        lru = study.slot_cache_hit_rate(steps, 20, geometry, counted=False)
+        for planner in ("host", "device"):
+            assert study.provider_hit_rate(planner, steps, 20, geometry) == lru
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gpt-oss-20b", "deepseek-v2-lite"])
+def test_counted_victims_in_a_slot_cache_gain_at_batch_1_on_skewed_routing(model: str) -> None:
+    geometry = study.MODELS[model]
+    steps, _ = study.skewed_steps(1.0, 1, STEPS, geometry=geometry)
+    lru = study.slot_cache_hit_rate(steps, WARM, geometry, counted=False)
+    counted = study.slot_cache_hit_rate(steps, WARM, geometry)
+    assert counted > lru + 0.02
+    assert study.bound_hit_rate(steps, WARM, geometry.capacity) >= counted
+    uniform, _ = study.skewed_steps(0.0, 1, STEPS, geometry=geometry)
+    rates = [study.slot_cache_hit_rate(uniform, WARM, geometry, counted=c) for c in (True, False)]
+    assert rates[0] == pytest.approx(rates[1], abs=0.05)
+
+
+def test_counts_choose_the_victim_and_halve_when_they_saturate() -> None:
+    """Two slots; expert 1 requested eight times, then expert 0 twice, then expert 2, then 1
+    again. Victim of expert 2: LRU takes 1 (the older); raw counts take 0 (two requests
+    against eight); counts saturating at 3 and halved whenever one would pass it have forgotten
+    part of 1's requests (2 against 0's 2: a tie, which goes to the older) and take 1, where
+    counts that only saturated would hold 3 against 2 and take 0."""
+    geometry = study.Geometry(experts=3, top_k=1, capacity=2)
+    ids = [1] * 8 + [0] * 2 + [2, 1]
+    steps = [torch.tensor([[e]]) for e in ids]
+    last = len(steps) - 1  # the hit rate of the last step alone: 1.0 when 1 stayed
+    assert study.slot_cache_hit_rate(steps, last, geometry, counted=False) == 0.0
+    assert study.slot_cache_hit_rate(steps, last, geometry, count_max=100) == 1.0
+    assert study.slot_cache_hit_rate(steps, last, geometry, count_max=3) == 0.0
 
 
 def test_uniform_routing_has_the_static_ceiling_for_every_policy() -> None:
