@@ -114,6 +114,10 @@ def _pool_map(jobs: list[Job]) -> list[Result | Column]:
         return list(pool.map(_run_job, jobs))
 
 
+def _z3_checks(check: Check) -> bool:
+    return check.model == "hb" and check.bounds.policy == "lru"
+
+
 def _schedule(
     checks: Sequence[Check], device: Sequence[Check] = ()
 ) -> list[tuple[str, Check | None]]:
@@ -124,12 +128,14 @@ def _schedule(
         (c for c in checks if c.model == "hb"),
         key=lambda c: (-c.bounds.num_experts, -c.bounds.capacity, -c.depth),
     )
-    rest: list[tuple[str, Check | None]] = [("z3", c) for c in checks if c.model == "hb"]
+    # z3 encodes the LRU victim order only (`z3.host._sym_plan_prepare`): the other policies'
+    # bounds are the explicit searches'.
+    rest: list[tuple[str, Check | None]] = [("z3", c) for c in checks if _z3_checks(c)]
     rest += [("explore", c) for c in checks if c.model != "hb"]
     rest.append(("machine", None))
     rest += [("explore", c) for c in hb[1:]]
     if device:
-        rest += [("device_z3", c) for c in device if c.model == "hb"]
+        rest += [("device_z3", c) for c in device if _z3_checks(c)]
         rest += [("device_explore", c) for c in device]
         rest.append(("device_machine", None))
 

@@ -27,11 +27,15 @@ class Check:
     def key(self) -> str:
         b = self.bounds
         prefix = "" if self.path == "host" else f"{self.path}/"
-        return f"{prefix}{self.model}/{b.num_experts}e{b.capacity}c/d{self.depth}"
+        policy = "" if b.policy == "lru" else f"-{b.policy}{b.count_max}"
+        return f"{prefix}{self.model}/{b.num_experts}e{b.capacity}c{policy}/d{self.depth}"
 
 
 B32 = Bounds(num_experts=3, capacity=2)
 B43 = Bounds(num_experts=4, capacity=3)
+# Victims by request count, counts halved past 2: within these depths a count saturates and
+# every count is halved, and a victim other than the least recently used is taken.
+B32_LFU = Bounds(num_experts=3, capacity=2, policy="lfu", count_max=2)
 
 CHECKS: tuple[Check, ...] = (
     # Every host-call sequence to the full bounds, all interleavings decided by happens-before.
@@ -41,6 +45,10 @@ CHECKS: tuple[Check, ...] = (
     # summary, and the checker for P7.
     Check("interleavings", B32, 3),
     Check("interleavings", B43, 2),
+    # The victim policy by request counts (the orderings are the same; P3 to P5 and the
+    # counts' convergence are the policy's).
+    Check("hb", B32_LFU, 6),
+    Check("interleavings", B32_LFU, 3),
 )
 
 # Mutants are searched at these bounds: every one is killed well within them.

@@ -30,6 +30,7 @@ from rowcache.backends.base import Backend
 from rowcache.errors import InvalidInputError
 from rowcache.guard import CallGuard
 from rowcache.packing import Layout
+from rowcache.policy import COUNT_MAX, Policy
 from rowcache.surface import SlotSurface
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
 
@@ -49,6 +50,8 @@ SURFACE: tuple[str, ...] = (
     "lru_order",
     "slot_of",
     "forward_pairs",
+    "policy",
+    "request_counts",
 )
 """The methods and properties a provider of a planner defines for itself."""
 
@@ -58,8 +61,10 @@ imports both)."""
 
 
 class RowCacheWeightProvider(SlotSurface):
-    """LRU expert-weight cache with ``capacity`` device slots: the base of the host-planned and
-    the device-planned providers, and the constructor of either.
+    """Expert-weight cache with ``capacity`` device slots: the base of the host-planned and
+    the device-planned providers, and the constructor of either. A miss evicts the least
+    recently used resident, or with ``policy="lfu"`` the one of fewest requests
+    (``rowcache.policy``).
 
     ``RowCacheWeightProvider(w13, w2, ..., capacity=..., device=..., planner="host")`` builds a
     ``rowcache.row_provider.HostPlannedProvider`` (planning on the host, its device work ordered
@@ -166,6 +171,8 @@ class RowCacheWeightProvider(SlotSurface):
         share_sources: bool = False,
         compress: bool = False,
         planner: Literal["host"] = "host",
+        policy: Policy = "lru",
+        count_max: int = COUNT_MAX,
     ) -> RowCacheWeightProvider: ...
 
     @overload
@@ -188,6 +195,8 @@ class RowCacheWeightProvider(SlotSurface):
         split: Split = "expert",
         compress: bool = False,
         planner: Literal["device"],
+        policy: Policy = "lru",
+        count_max: int = COUNT_MAX,
     ) -> RowCacheWeightProvider: ...
 
     def __new__(cls, *args: Any, planner: object = "host", **kwargs: Any) -> RowCacheWeightProvider:
@@ -242,6 +251,15 @@ class RowCacheWeightProvider(SlotSurface):
 
     def slot_of(self) -> tuple[int, ...]:
         """The resident map: the slot of every expert, -1 when not resident."""
+        raise NotImplementedError
+
+    @property
+    def policy(self) -> Policy:
+        """The victim policy: ``lru`` or ``lfu`` (``rowcache.policy``)."""
+        raise NotImplementedError
+
+    def request_counts(self) -> tuple[int, ...]:
+        """Every expert's request count under policy ``lfu``; () under ``lru``."""
         raise NotImplementedError
 
     @property

@@ -41,6 +41,7 @@ from rowcache.backends.base import Backend, Plan, Roles
 from rowcache.backends.cpu import CpuBackend
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout
+from rowcache.policy import COUNT_MAX, Policy, RequestCounts, check_policy
 from rowcache.provider_base import PLANNERS, Planner, RowCacheWeightProvider
 from rowcache.schedules import run_invalidate, run_prepare
 from rowcache.types import ExpertWeightResult, Split, UniqueIds
@@ -69,8 +70,10 @@ def default_backend(device: torch.device) -> Backend[Any]:
 
 
 class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
-    """LRU expert-weight cache with ``capacity`` device slots, planned on the host and ordered
+    """Expert-weight cache with ``capacity`` device slots, planned on the host and ordered
     by the table; what ``RowCacheWeightProvider(..., planner="host")`` (the default) builds.
+    A miss evicts the least recently used resident, or with ``policy="lfu"`` the one of fewest
+    requests (``rowcache.policy``; ``count_max`` the counts' saturation, 1 to 15).
 
     Same surface as ``rowcache.cached.CachedWeightProvider``. Host calls must be sequential
     (a concurrent call raises ``ConcurrentCallError``). Every consumer read of the buffers a
@@ -115,9 +118,12 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
         share_sources: bool = False,
         compress: bool = False,
         planner: Planner = "host",
+        policy: Policy = "lru",
+        count_max: int = COUNT_MAX,
     ) -> None:
         if planner != "host":  # RowCacheWeightProvider builds a DevicePlannedProvider then
             raise InvalidInputError(f"{type(self).__name__} plans on the host, got {planner!r}")
+        self._policy, count_max = check_policy(policy, count_max)
         target = torch.device(device)
         check_layout(layout)  # before the backend, which allocates a stream and events
         # Chosen first: an unsupported device is rejected before any allocation.
@@ -145,6 +151,7 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
         self._run_invalidate = run_invalidate
 
         self._lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._counts = RequestCounts(num_experts, count_max) if self._policy == "lfu" else None
         # The host mirrors of both maps are int32 arrays with tensor views over the same
         # memory: a call updates O(requested) entries in place and stages a whole map with one
         # memory copy, with no loop over all E experts.
@@ -253,6 +260,15 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
         """Resident experts, least recently used first."""
         return tuple(self._lru)
 
+    @property
+    def policy(self) -> Policy:
+        """The victim policy (``rowcache.policy``)."""
+        return self._policy
+
+    def request_counts(self) -> tuple[int, ...]:
+        """Every expert's request count under policy ``lfu``; () under ``lru``."""
+        return () if self._counts is None else self._counts.snapshot()
+
     def slot_of(self) -> tuple[int, ...]:
         """The resident-map host mirror: the slot of every expert, -1 when not resident."""
         return tuple(self._slot_of)
@@ -284,8 +300,14 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
         return [sorted(order[i : i + cap]) for i in range(0, len(order), cap)]
 
     def _victims(self, count: int, requested: set[int], step: set[int]) -> list[int]:
-        """The ``count`` least recently used residents that this call does not request:
-        those outside its step first, then the step's experts that other calls expose."""
+        """The ``count`` residents that this call does not request, those outside its step
+        first, then the step's experts that other calls expose; within each the least recently
+        used first, or under ``lfu`` the fewest requests first (ties to the least recent)."""
+        counts = self._counts
+        if counts is not None:
+            candidates = [e for e in self._lru if e not in requested]
+            candidates.sort(key=lambda e: (e in step, counts[e]))  # stable: LRU among ties
+            return candidates[:count]
         victims: list[int] = []
         for outside in (True, False):
             for expert in self._lru:
@@ -304,6 +326,8 @@ class HostPlannedProvider(RowCacheWeightProvider, planner="host"):
         """Commit the host side of an accepted ``prepare`` and return its plan. ``step``: every
         expert of the step this call is a group of (victims are taken outside it first)."""
         slot_of, lru, free = self._slot_of, self._lru, self._free
+        if self._counts is not None:
+            self._counts.add(requested)
         misses = [e for e in requested if slot_of[e] < 0]
         copies: list[tuple[int, int]] = []
         if misses:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -52,6 +52,7 @@ from rowcache import HostPlannedProvider, InvalidInputError, RowCacheWeightProvi
 from rowcache import row_provider as row_provider_module
 from rowcache.backends import RecordingBackend
 from rowcache.backends.base import Plan, Roles
+from rowcache.policy import RequestCounts
 from rowcache.schedules import _generated
 
 E = 5
@@ -101,14 +102,31 @@ class Conformance(RuleBasedStateMachine):
 
     # -- setup -------------------------------------------------------------
 
-    @initialize(capacity=st.integers(1, E))
-    def setup(self, capacity: int) -> None:
+    @initialize(
+        capacity=st.integers(1, E),
+        policy=st.sampled_from(["lru", "lfu"]),
+        count_max=st.integers(1, 3),
+    )
+    def setup(self, capacity: int, policy: str = "lru", count_max: int = 15) -> None:
+        """``count_max`` small: within a run's 30 steps counts saturate and are halved."""
         self.capacity = capacity
-        self.bounds = Bounds(num_experts=E, capacity=capacity, consumer_streams=STREAMS)
+        self.bounds = Bounds(
+            num_experts=E,
+            capacity=capacity,
+            consumer_streams=STREAMS,
+            policy=policy,
+            count_max=count_max,
+        )
         self.backend = RecordingBackend(STREAMS, {s: s for s in range(STREAMS)})
         w13, w2 = sources()
         self.provider = RowCacheWeightProvider(
-            w13, w2, capacity=capacity, device="cpu", backend=self.backend
+            w13,
+            w2,
+            capacity=capacity,
+            device="cpu",
+            backend=self.backend,
+            policy="lfu" if policy == "lfu" else "lru",
+            count_max=count_max,
         )
         self.state: State = initial_state(self.bounds)
         self.counters = Counters()
@@ -260,6 +278,8 @@ class Conformance(RuleBasedStateMachine):
             return
         p, host = self.provider, self.state.host
         assert p.lru_order() == host.lru, f"LRU order {p.lru_order()}, model {host.lru}"
+        counts = p.request_counts()
+        assert counts == host.counts, f"request counts {counts}, model {host.counts}"
         assert p.slot_of() == host.slot_of, f"slots {p.slot_of()}, model {host.slot_of}"
         assert p.forward_pairs == host.forward, f"forward {p.forward_pairs}, model {host.forward}"
         forward = [-1] * E
@@ -329,6 +349,20 @@ def call_only_victims(
     return [e for e in self.lru_order() if e not in requested][:count]
 
 
+def recency_victims(
+    self: HostPlannedProvider, count: int, requested: set[int], step: set[int]
+) -> list[int]:
+    """Counts ignored: the least recently used outside the step first, whatever the policy."""
+    order = [e for e in self.lru_order() if e not in requested]
+    return sorted(order, key=lambda e: e in step)[:count]
+
+
+def add_without_halving(self: RequestCounts, experts: Iterable[int]) -> None:
+    counts = self._counts
+    for e in experts:
+        counts[e] += 1
+
+
 def forward_from_resident(
     self: HostPlannedProvider, requested: list[int]
 ) -> tuple[tuple[int, int], ...]:
@@ -342,6 +376,10 @@ def mutant(name: str) -> Iterator[None]:
             patch.setattr(HostPlannedProvider, "_victims", unprotected_victims)
         elif name == "protection_limited_to_the_call":
             patch.setattr(HostPlannedProvider, "_victims", call_only_victims)
+        elif name == "lfu_victims_by_recency":
+            patch.setattr(HostPlannedProvider, "_victims", recency_victims)
+        elif name == "lfu_counts_never_halved":
+            patch.setattr(RequestCounts, "add", add_without_halving)
         elif name == "forward_from_resident":
             patch.setattr(HostPlannedProvider, "_forward_pairs", forward_from_resident)
         elif name == "ready_before_copies":
@@ -358,6 +396,8 @@ def mutant(name: str) -> Iterator[None]:
 MUTANTS = [
     "victim_not_protected",
     "protection_limited_to_the_call",
+    "lfu_victims_by_recency",
+    "lfu_counts_never_halved",
     "forward_from_resident",
     "ready_before_copies",
     "no_release_wait",
@@ -365,6 +405,8 @@ MUTANTS = [
 CAUGHT_BY = {
     "victim_not_protected": "trace: provider",  # its copies go to other slots than the model's
     "protection_limited_to_the_call": "trace: provider",
+    "lfu_victims_by_recency": "trace: provider",
+    "lfu_counts_never_halved": "request counts",
     "forward_from_resident": "forward",
     "ready_before_copies": "trace: provider",
     "no_release_wait": "trace: provider",
@@ -380,6 +422,14 @@ COUNTEREXAMPLES: dict[str, tuple[int, list[tuple[str, Any, int]]]] = {
         2,
         [("prepare", [0], 0), ("prepare", [1], 0), ("group", ([2], [0]), 0)],
     ),
+    # Under lfu, 1 has two requests and 0 one when 2 misses: 0 is evicted, though 1 is the
+    # least recently used; the mutant evicts 1.
+    "lfu_victims_by_recency": (
+        2,
+        [("prepare", [1], 0), ("prepare", [1], 0), ("prepare", [0], 0), ("prepare", [2], 0)],
+    ),
+    # count_max 1: the second request of 0 halves its count first (1, not 2).
+    "lfu_counts_never_halved": (1, [("prepare", [0], 0), ("prepare", [0], 0)]),
     # 0 stays resident; the second forward must expose only 1.
     "forward_from_resident": (2, [("prepare", [0], 0), ("prepare", [1], 0)]),
     "ready_before_copies": (1, [("prepare", [0], 0)]),
@@ -397,8 +447,17 @@ class Fixed:
         return self.values[label]
 
 
-def replay(machine: Conformance, capacity: int, calls: list[tuple[str, Any, int]]) -> None:
-    machine.setup(capacity=capacity)
+# The policy a counterexample runs under (policy, count_max); lru otherwise.
+POLICY_OF = {"lfu_victims_by_recency": ("lfu", 15), "lfu_counts_never_halved": ("lfu", 1)}
+
+
+def replay(
+    machine: Conformance,
+    capacity: int,
+    calls: list[tuple[str, Any, int]],
+    policy: tuple[str, int] = ("lru", 15),
+) -> None:
+    machine.setup(capacity=capacity, policy=policy[0], count_max=policy[1])
     for op, arg, stream in calls:
         if op == "prepare":
             machine.prepare(ids=arg, stream=stream, form=1, data=None)
@@ -410,15 +469,15 @@ def replay(machine: Conformance, capacity: int, calls: list[tuple[str, Any, int]
 
 
 def test_counterexamples_pass_on_the_real_provider() -> None:
-    for capacity, calls in COUNTEREXAMPLES.values():
-        replay(Conformance(), capacity, calls)
+    for name, (capacity, calls) in COUNTEREXAMPLES.items():
+        replay(Conformance(), capacity, calls, POLICY_OF.get(name, ("lru", 15)))
 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught_by_its_counterexample(name: str) -> None:
     capacity, calls = COUNTEREXAMPLES[name]
     with mutant(name), pytest.raises(AssertionError, match=CAUGHT_BY[name]):
-        replay(Conformance(), capacity, calls)
+        replay(Conformance(), capacity, calls, POLICY_OF.get(name, ("lru", 15)))
 
 
 @pytest.mark.parametrize("name", MUTANTS)

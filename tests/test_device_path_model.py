@@ -446,7 +446,7 @@ def test_full_run_schedules_the_device_checks_too() -> None:
     assert jobs[0][0] == "explore" and jobs[0][1] is not None and jobs[0][1].path == "host"
     keys = sorted(c.key for kind, c in jobs if kind == "device_explore" and c is not None)
     assert keys == sorted(c.key for c in DEVICE_CHECKS)
-    assert sum(1 for kind, _ in jobs if kind == "device_z3") == 2
+    assert sum(1 for kind, _ in jobs if kind == "device_z3") == 2  # the LRU bounds
     assert sum(1 for kind, _ in jobs if kind == "device_machine") == 1
     assert _schedule(CHECKS) == [j for j in jobs if not j[0].startswith("device_")]
 
@@ -472,3 +472,20 @@ def test_pass_only_protection_is_equivalent_once_the_hits_come_first(fn: str) ->
     table = _steps(FORWARDS, _fn("plan", fn))(TABLE)
     for check in DEVICE_MUTANT_CHECKS:
         assert explore(table, check).violation is None, check.key
+
+
+def test_a_planner_that_ignores_the_counts_fails_convergence_under_lfu() -> None:
+    """The seeded bug of policy lfu on the device path (counts kept, victims by recency):
+    harmless under lru, where it is the planner, and caught at the lfu bounds the check
+    explores (`config.B32_LFU`) by both models, as a forward map or a cache state other than
+    the reference's (P2 or P4, whichever a search meets first)."""
+    from model_check.config import B32_LFU
+    from model_check.table.mutants import FORWARDS, _fn, _steps
+
+    mutated = _steps(FORWARDS, _fn("plan", "plan_pass_by_recency"))(TABLE)
+    assert explore(mutated, Check("hb", B32, 4, "device")).violation is None
+    for model, depth in (("hb", 6), ("interleavings", 3)):
+        found = explore(mutated, Check(model, B32_LFU, depth, "device")).violation
+        assert found is not None, model
+        assert found.prop in ("P2_no_stale_read", "P4_map_convergence"), (model, found)
+    assert explore(TABLE, Check("interleavings", B32_LFU, 3, "device")).violation is None

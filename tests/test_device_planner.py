@@ -4,10 +4,11 @@ the model's reference, step by step.
 A hypothesis machine drives three things with the same forwards and invalidations: a
 ``DevicePlannedProvider`` (every pass planned and copied by ``rowcache.device_plan``), a
 ``RowCacheWeightProvider`` (the host planner, one ``prepare`` per expert group) and the model's
-reference effects (``model_check.table.reference.plan_prepare`` / ``plan_invalidate``).
-Routings hold ``-1`` padding. After every pass: the forward maps of all three are equal,
-every slot the map names holds exactly its expert's rows, and the LRU order, the resident map
-and the counters agree; so the victim choice of every step is the reference's.
+reference effects (``model_check.table.reference.plan_prepare`` / ``plan_invalidate``), under
+either victim policy (``lru``, or ``lfu`` with counts that saturate within a run). Routings
+hold ``-1`` padding. After every pass: the forward maps of all three are equal, every slot the
+map names holds exactly its expert's rows, and the LRU order, the request counts, the resident
+map and the counters agree; so the victim choice of every step is the reference's.
 
 Then the device's error path: ids outside ``[-1, E)`` are ignored (nothing written for them,
 the maps keep their size), counted, and raised once by ``stats()`` as ``DeviceInputError``.
@@ -38,6 +39,7 @@ from rowcache.device_plan.forward import run_passes
 from rowcache.device_plan.passes import num_passes
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.device_plan.state import DeviceInputError
+from rowcache.policy import Policy
 from rowcache.vllm import expert_cache_counter_problems
 
 E, C, K = 6, 3, 2
@@ -109,8 +111,10 @@ class Lockstep(RuleBasedStateMachine):
     @initialize(
         layout=st.sampled_from(["separate", "packed"]),
         geometry=st.sampled_from(["f32", "fp8_block", "mxfp4", "compressed"]),
+        policy=st.sampled_from(["lru", "lfu"]),
+        count_max=st.integers(1, 3),
     )
-    def start(self, layout: str, geometry: str) -> None:
+    def start(self, layout: str, geometry: str, policy: Policy, count_max: int) -> None:
         self.w = weights(geometry=geometry)
         compress = geometry == "compressed"
         self.device = DevicePlannedProvider(
@@ -119,10 +123,19 @@ class Lockstep(RuleBasedStateMachine):
             device="cpu",
             layout="separate" if compress else layout,  # type: ignore[arg-type]
             compress=compress,
+            policy=policy,
+            count_max=count_max,
         )
         assert bool(self.device._sources.planes) == compress
-        self.host = RowCacheWeightProvider(**self.w, capacity=C, device="cpu", split="expert")
-        self.bounds = Bounds(E, C)
+        self.host = RowCacheWeightProvider(
+            **self.w,
+            capacity=C,
+            device="cpu",
+            split="expert",
+            policy=policy,
+            count_max=count_max,
+        )
+        self.bounds = Bounds(E, C, policy=policy, count_max=count_max)
         self.model = initial_host(self.bounds)
         self.counters = Counters()
 
@@ -178,6 +191,8 @@ class Lockstep(RuleBasedStateMachine):
         model_slots = tuple(-1 if s == NO_SLOT else s for s in self.model.slot_of)
         assert self.device.slot_of() == self.host.slot_of() == model_slots
         assert self.device.lru_order() == self.host.lru_order() == self.model.lru
+        counts = self.device.request_counts()
+        assert counts == self.host.request_counts() == self.model.counts, counts
         stats = self.device.stats()
         for name in ("hits", "misses", "evictions", "prepare_calls", "invalidations"):
             assert stats[name] == getattr(self.counters, name) == self.host.stats()[name], name

@@ -45,13 +45,20 @@ def test_frequency_beats_lru_on_skewed_routing_and_the_bound_bounds_all(rows: in
 
 @pytest.mark.parametrize("model", sorted(study.MODELS))
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
-def test_the_slot_cache_with_lru_victims_is_the_providers_policy(model: str, alpha: float) -> None:
+def test_the_slot_cache_is_the_providers_policy_under_both_policies(
+    model: str, alpha: float
+) -> None:
     geometry = study.MODELS[model]
     for rows in (1, 8, 32):
         steps, _ = study.skewed_steps(alpha, rows, 60, geometry=geometry)
         lru = study.slot_cache_hit_rate(steps, 20, geometry, counted=False)
+        lfu = study.slot_cache_hit_rate(steps, 20, geometry, count_max=3)
         for planner in ("host", "device"):
             assert study.provider_hit_rate(planner, steps, 20, geometry) == lru
+            by_count = study.provider_hit_rate(
+                planner, steps, 20, geometry, policy="lfu", count_max=3
+            )
+            assert by_count == lfu, (planner, rows)
 
 
 @pytest.mark.parametrize("model", ["qwen3", "gpt-oss-20b", "deepseek-v2-lite"])

@@ -12,26 +12,30 @@ import torch
 from torch import Tensor
 
 from rowcache import HostPlannedProvider
+from rowcache.policy import Policy
 from rowcache.provider_base import Planner
-from tools.policy_study import provider_hit_rate
+from tools.policy_study import Geometry, provider_hit_rate
 
 E, C, K = 128, 32, 8
 WARM, MEASURED = 50, 150
 TARGET = 0.24
 
 
-def hit_rate(planner: Planner, rows: int, seed: int = 0) -> float:
+def hit_rate(planner: Planner, rows: int, seed: int = 0, policy: Policy = "lru") -> float:
     rng = random.Random(seed)
     steps = [
         torch.tensor([rng.sample(range(E), K) for _ in range(rows)]) for _ in range(WARM + MEASURED)
     ]
-    return provider_hit_rate(planner, steps, WARM, capacity=C)
+    return provider_hit_rate(planner, steps, WARM, Geometry(E, K, C), policy=policy)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("rows", [8, 32])
 @pytest.mark.parametrize("planner", ["host", "device"])
-def test_steps_larger_than_the_cache_keep_the_static_hit_rate(planner: Planner, rows: int) -> None:
-    rate = hit_rate(planner, rows)
+def test_steps_larger_than_the_cache_keep_the_static_hit_rate(
+    planner: Planner, rows: int, policy: Policy
+) -> None:
+    rate = hit_rate(planner, rows, policy=policy)
     assert rate >= TARGET, f"{planner} planner, {rows} rows: hit rate {rate:.3f} < {TARGET}"
 
 

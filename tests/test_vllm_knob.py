@@ -231,3 +231,29 @@ def test_compress_on_with_the_cached_provider_is_refused() -> None:
 def test_compress_takes_auto_on_off_only() -> None:
     with pytest.raises(KnobError, match="'zstd' is not allowed; allowed values: auto, on, off"):
         parse_settings(cfg(moe_expert_cache_compress="zstd"), {})
+
+
+def test_policy_defaults_to_lru_and_takes_lfu_from_either_source() -> None:
+    assert parse_settings(cfg(moe_expert_cache_size=8), {}).policy == "lru"
+    settings = parse_settings(cfg(moe_expert_cache_size=8, moe_expert_cache_policy="lfu"), {})
+    assert settings.policy == "lfu"
+    assert settings.describe().endswith("planned on the host, victims by request count")
+    env = {SIZE_ENV: "8", "ROWCACHE_MOE_EXPERT_CACHE_POLICY": " LFU "}
+    assert ENV["moe_expert_cache_policy"] == "ROWCACHE_MOE_EXPERT_CACHE_POLICY"
+    assert parse_settings(None, env).policy == "lfu"
+    device = cfg(
+        moe_expert_cache_size=8, moe_expert_cache_policy="lfu", moe_expert_cache_planner="device"
+    )
+    assert parse_settings(device, {}).policy == "lfu"
+
+
+def test_policy_takes_lru_lfu_only_and_lfu_needs_the_row_provider() -> None:
+    with pytest.raises(KnobError, match="'arc' is not allowed; allowed values: lru, lfu"):
+        parse_settings(cfg(moe_expert_cache_policy="arc"), {})
+    with pytest.raises(KnobError) as caught:
+        parse_settings(cfg(moe_expert_cache_policy="lfu", moe_expert_cache_provider="cached"), {})
+    assert (
+        "additional_config['rowcache']['moe_expert_cache_policy']: 'lfu' needs "
+        "moe_expert_cache_provider='row' ('cached' evicts by its own frequency over age); "
+        "allowed values with it: lru"
+    ) in str(caught.value)

@@ -1486,3 +1486,30 @@ def test_a_device_view_of_an_arena_piece_is_cut_from_its_slab_s_view(
     assert method.device_view(plain) is plain and given[-1] is plain
     strided = plain.t()  # not contiguous: as it is (no piece of an arena is)
     assert method.device_view(strided) is strided
+
+
+@pytest.mark.parametrize("planner", ["host", "device"])
+def test_the_plugin_builds_the_policy_it_is_given(fake_vllm: Any, planner: str) -> None:
+    """``moe_expert_cache_policy`` reaches the provider of either planner (and ``lru`` when
+    absent)."""
+    import torch
+
+    from rowcache.vllm._method import build_provider
+    from rowcache.vllm.knob import parse_settings
+
+    w13 = torch.randn(4, 8, 16)
+    w2 = torch.randn(4, 16, 4)
+    for section, policy in (({}, "lru"), ({"moe_expert_cache_policy": "lfu"}, "lfu")):
+        settings = parse_settings(
+            {
+                "rowcache": {
+                    "moe_expert_cache_size": 2,
+                    "moe_expert_cache_planner": planner,
+                    **section,
+                }
+            },
+            {},
+        )
+        provider = build_provider(settings, 2, w13, w2)
+        assert provider.planner == planner and provider.policy == policy  # type: ignore[attr-defined]
+        assert len(provider.request_counts()) == (4 if policy == "lfu" else 0)  # type: ignore[attr-defined]

@@ -18,11 +18,11 @@ of:
   the host planner's expert split and the device planner), driven through
   ``run_with_expert_cache`` as the engine drives them: LRU, the whole step protected, hits
   served first;
-* ``lfu slots``: what a slot cache can do with request counts: the providers' passes and
-  protection (``slot_cache_hit_rate``), every miss copied into a slot as they must be, the
-  victims the residents of fewest requests (ties to the least recently used), counts that
-  saturate at ``COUNT_MAX`` and are halved when one would pass it: integer state a device
-  planner could keep;
+* ``lfu slots``: the providers with ``policy="lfu"`` (``rowcache.policy``: victims the
+  residents of fewest requests, ties to the least recently used, 4-bit counts halved when one
+  would pass ``COUNT_MAX``), as ``slot_cache_hit_rate`` computes them in a few lines (equal to
+  both planners exactly, tests/test_policy_study.py): every miss copied into a slot, as a slot
+  cache must;
 * ``static``: the ``capacity`` most popular experts (by the model's scales), never evicted:
   what a resident set chosen from the routing's statistics would reach;
 * ``lfu``: after each step the cache keeps the ``capacity`` experts of highest decayed
@@ -52,12 +52,12 @@ from torch import Tensor
 
 from rowcache import RowCacheWeightProvider
 from rowcache.bench.steps import hit_rate_over
+from rowcache.policy import COUNT_MAX, Policy
 from rowcache.provider_base import Planner
 from tools.vllm.router_skew import lru_hit_rate as router_lru
 from tools.vllm.router_skew import zipf_scales
 
 __all__ = [
-    "COUNT_MAX",
     "MODELS",
     "Geometry",
     "bound_hit_rate",
@@ -98,9 +98,6 @@ UVA_FRACTION = 0.75
 """The routed experts vLLM's UVA offload reads over PCIe at 6.75 of 9.0 GiB offloaded: those
 of the first six of eight layers (it fills its budget in layer order)."""
 
-COUNT_MAX = 15
-"""Where ``lfu slots``'s request counts saturate (4 bits)."""
-
 
 def skewed_steps(
     alpha: float, rows: int, steps: int, seed: int = 0, geometry: Geometry = QWEN3
@@ -133,9 +130,16 @@ def _rate(steps: Sequence[Tensor], warm: int, hits_of: Callable[[int, list[int]]
 
 
 def provider_hit_rate(
-    planner: Planner, steps: Sequence[Tensor], warm: int, geometry: Geometry = QWEN3
+    planner: Planner,
+    steps: Sequence[Tensor],
+    warm: int,
+    geometry: Geometry = QWEN3,
+    *,
+    policy: Policy = "lru",
+    count_max: int = COUNT_MAX,
 ) -> float:
-    """The cache's provider (``planner`` "host": the expert split; "device") over ``steps``."""
+    """The cache's provider (``planner`` "host": the expert split; "device") over ``steps``,
+    its victims by ``policy``."""
     provider = RowCacheWeightProvider(
         torch.zeros(geometry.experts, 2, 1),
         torch.zeros(geometry.experts, 1, 1),
@@ -143,6 +147,8 @@ def provider_hit_rate(
         device="cpu",
         split="expert",
         planner=planner,
+        policy=policy,
+        count_max=count_max,
     )
     return hit_rate_over(provider, steps, warm)
 
@@ -166,9 +172,9 @@ def slot_cache_hit_rate(
     the victims: residents outside the step before the step's experts of other passes, never
     the pass's own; the pass's experts become the most recently used, in id order. Victims:
     the least recently used (``counted`` False: the providers' LRU, which this must equal), or
-    the fewest requests, ties to the least recently used (``counted``: a step adds one to each
-    of its experts' counts, which saturate at ``count_max``; when one would pass it every count
-    is halved first)."""
+    the fewest requests, ties to the least recently used (``counted``: a pass adds one to the
+    count of each expert it exposes, after halving every count if one of them is at
+    ``count_max``: ``rowcache.policy``)."""
     capacity = geometry.capacity
     stamp: dict[int, int] = {}  # the residents' last use
     counts = [0] * geometry.experts
@@ -176,17 +182,17 @@ def slot_cache_hit_rate(
 
     def hits_of(_index: int, wanted: list[int]) -> int:
         nonlocal clock, counts
-        if counted:
-            if any(counts[e] >= count_max for e in wanted):
-                counts = [c // 2 for c in counts]
-            for e in wanted:
-                counts[e] = min(counts[e] + 1, count_max)
         order = [e for e in wanted if e in stamp] + [e for e in wanted if e not in stamp]
         step = set(wanted)
         hits = 0
         for start in range(0, len(order), capacity):
             group = sorted(order[start : start + capacity])
             own = set(group)
+            if counted:
+                if any(counts[e] >= count_max for e in group):
+                    counts = [c // 2 for c in counts]
+                for e in group:
+                    counts[e] += 1
             for e in group:
                 if e in stamp:  # resident when its pass runs
                     hits += 1
@@ -318,9 +324,9 @@ def uva_ratio(hit_rate: float) -> float:
     return UVA_FRACTION / max(1e-9, 1.0 - hit_rate)
 
 
-Policy = Callable[[Sequence[Tensor], Tensor, int, Geometry], float]
+Study = Callable[[Sequence[Tensor], Tensor, int, Geometry], float]
 
-POLICIES: dict[str, Policy] = {
+POLICIES: dict[str, Study] = {
     "host": lambda steps, _s, warm, g: provider_hit_rate("host", steps, warm, g),
     "device": lambda steps, _s, warm, g: provider_hit_rate("device", steps, warm, g),
     "lfu slots": lambda steps, _s, warm, g: slot_cache_hit_rate(steps, warm, g),

@@ -48,6 +48,7 @@ from model_check.table.properties import (
     DEVICE_PROPERTIES,
     DEVICE_REACHABILITY,
     Violation,
+    with_policy_tags,
 )
 from model_check.table.reference import Bounds
 from model_check.table.schema import DeviceTable
@@ -124,6 +125,7 @@ class DeviceQueueModel:
     def __init__(self, table: DeviceTable, bounds: Bounds, only: str | None = None) -> None:
         self.table, self.bounds, self.only = table, bounds, only
         self.calls = host_actions(table, bounds)
+        self.expected_tags = with_policy_tags(self.expected_tags, bounds.policy)
         self._index = {a: i for i, a in enumerate(self.calls)}
         self.interpret = Interpreter(table, bounds)
         # The capture stream is a third one: the two consumer streams stay interchangeable.
@@ -294,6 +296,7 @@ class DeviceHbModel(SummaryModel):
     def __init__(self, table: DeviceTable, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
         self.calls = [a for a in host_actions(table, bounds) if a.op != "device_synchronize"]
+        self.expected_tags = with_policy_tags(self.expected_tags, bounds.policy)
         self.summary = Summary(table, bounds)
         self.interpret = Interpreter(table, bounds)
         self.symmetric = len(table.consumer_streams) == 2

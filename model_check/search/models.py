@@ -56,7 +56,13 @@ from model_check.streams.queues import (
     runnable,
 )
 from model_check.table.host import Accepted, Rejected, begin_call
-from model_check.table.properties import DEADLOCK, PROPERTIES, REACHABILITY, Violation
+from model_check.table.properties import (
+    DEADLOCK,
+    PROPERTIES,
+    REACHABILITY,
+    Violation,
+    with_policy_tags,
+)
 from model_check.table.reference import Bounds, HostState
 from model_check.table.schema import Table
 
@@ -113,6 +119,7 @@ class QueueModel:
     def __init__(self, table: Table, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
         self.host_calls = host_actions(bounds)
+        self.expected_tags = with_policy_tags(self.expected_tags, bounds.policy)
         self.plans = Plans(table, bounds)
 
     def initial(self) -> State:
@@ -225,6 +232,7 @@ class HbModel(SummaryModel):
     def __init__(self, table: Table, bounds: Bounds) -> None:
         self.table, self.bounds = table, bounds
         self.calls = [a for a in host_actions(bounds) if a.op not in ("read", "synchronize")]
+        self.expected_tags = with_policy_tags(self.expected_tags, bounds.policy)
         self.pk = packing(bounds)
         # Reads ordered before every stream matter only to P8, i.e. only if some provider
         # operation can block the host.

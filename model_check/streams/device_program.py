@@ -258,6 +258,8 @@ class DataInterp:
         out = plan_fn(step.fn)(self.shadow, ids, p, passes, self.bounds)
         if out.victims:
             self.tags.add("eviction")
+        if out.by_count:
+            self.tags.add("victim_by_count")
         found = plan_verdict(out, ids)
         if found is not None:
             self.flag_data(*found)

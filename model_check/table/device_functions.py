@@ -28,6 +28,7 @@ from model_check.table.reference import (
     HostState,
     _plan_prepare,
     expert_outside,
+    initial_host,
     plan_invalidate,
 )
 
@@ -47,7 +48,7 @@ class Dev(NamedTuple):
 
 
 def empty_cache(bounds: Bounds) -> HostState:
-    return HostState(lru=(), slot_of=(NO_SLOT,) * bounds.num_experts, owner=NO_STREAM, forward=None)
+    return initial_host(bounds)
 
 
 def initial_dev(bounds: Bounds) -> Dev:
@@ -129,6 +130,7 @@ class PlanOut(NamedTuple):
     out_of_bounds: tuple[int, ...]  # ids the planner used as an index outside [0, E)
     step: tuple[int, ...]  # the step's experts the reference protects (P5)
     spared: tuple[int, ...]  # residents outside the step that the pass left resident
+    by_count: bool = False  # policy "lfu": a victim least recent use would not have chosen
 
 
 @cache
@@ -145,15 +147,23 @@ def _plan(
     keep_forward: bool = False,
     accumulate_errors: bool = True,
     checked: bool = True,
+    by_count: bool = True,
 ) -> PlanOut:
     sel = select(ids, p, passes, bounds, dev.cache, checked=checked, hits_first=hits_first)
     oob = tuple(e for e in sel.group if not 0 <= e < bounds.num_experts)
     group = tuple(e for e in sel.group if 0 <= e < bounds.num_experts)
     step = sel.step if protect_step else ()
     eff = _plan_prepare(
-        dev.cache, Counters(), bounds, group, NO_STREAM, step=step, protect_requested=protect
+        dev.cache,
+        Counters(),
+        bounds,
+        group,
+        NO_STREAM,
+        step=step,
+        protect_requested=protect,
+        victims_by_count=by_count,
     )
-    cache = HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None, sel.order)
+    cache = eff.host._replace(owner=NO_STREAM, forward=None, step=sel.order)
     assert eff.host.forward is not None
     fwd = eff.host.forward
     if keep_forward:
@@ -170,6 +180,7 @@ def _plan(
         oob,
         reference.step,
         spared,
+        eff.by_count,
     )
 
 
@@ -212,6 +223,14 @@ def plan_pass_unprotected_victim(
     # Any resident, oldest first: with the step's tiers kept, the hits-first order would never
     # reach a selected expert, and the bug would not show.
     return _plan(dev, ids, p, passes, bounds, protect=False, protect_step=False)
+
+
+def plan_pass_by_recency(
+    dev: Dev, ids: tuple[int, ...], p: int, passes: int, bounds: Bounds
+) -> PlanOut:
+    """Policy lfu's counts kept but never read: victims by recency alone (the same as
+    `plan_pass` under lru)."""
+    return _plan(dev, ids, p, passes, bounds, by_count=False)
 
 
 def plan_pass_stale_forward(
@@ -269,6 +288,7 @@ FUNCTIONS: dict[str, dict[str, object]] = {
         "plan_pass_protects_pass_only_hits_first": plan_pass_protects_pass_only_hits_first,
         "plan_pass_hits_not_first": plan_pass_hits_not_first,
         "plan_pass_stale_forward": plan_pass_stale_forward,
+        "plan_pass_by_recency": plan_pass_by_recency,
         "plan_pass_resets_errors": plan_pass_resets_errors,
         "plan_pass_unchecked_ids": plan_pass_unchecked_ids,
     },
@@ -317,7 +337,7 @@ def reference_pass(
     sel = select(ids, p, passes, bounds, ghost)
     eff = _plan_prepare(ghost, Counters(), bounds, sel.group, NO_STREAM, step=sel.step)
     assert eff.host.forward is not None
-    state = HostState(eff.host.lru, eff.host.slot_of, NO_STREAM, None, sel.order)
+    state = eff.host._replace(owner=NO_STREAM, forward=None, step=sel.order)
     return state, eff.host.forward, sel.error
 
 
@@ -407,14 +427,23 @@ def pairs_text(pairs: Pairs) -> str:
     return "{" + ", ".join(f"{e}->slot{s}" for e, s in pairs) + "}"
 
 
+def _counts_text(state: HostState) -> str:
+    return f", counts {list(state.counts)}" if state.counts else ""
+
+
 @cache
 def converged(dev: Dev, ghost: HostState) -> str | None:
     """P4: the device state equals the reference applied in host-call order, and every mapped
     slot holds its expert. None when it does."""
-    if dev.cache.slot_of != ghost.slot_of or dev.cache.lru != ghost.lru:
+    if (
+        dev.cache.slot_of != ghost.slot_of
+        or dev.cache.lru != ghost.lru
+        or dev.cache.counts != ghost.counts
+    ):
         return (
-            f"the device state (resident {list(dev.cache.slot_of)}, LRU {list(dev.cache.lru)}) "
-            f"is not the reference's (resident {list(ghost.slot_of)}, LRU {list(ghost.lru)})"
+            f"the device state (resident {list(dev.cache.slot_of)}, LRU {list(dev.cache.lru)}"
+            f"{_counts_text(dev.cache)}) is not the reference's (resident "
+            f"{list(ghost.slot_of)}, LRU {list(ghost.lru)}{_counts_text(ghost)})"
         )
     for expert, slot in enumerate(ghost.slot_of):
         if slot != NO_SLOT and dev.slots[slot] != expert:

@@ -72,6 +72,8 @@ def begin_call(
         tags.add("prepare_all_hits" if not effect.copies else "prepare_with_misses")
         if effect.victims:
             tags.add("eviction")
+        if effect.by_count:
+            tags.add("victim_by_count")
         if host.owner not in (NO_STREAM, stream):
             tags.add("owner_change")
     if op.name == "invalidate" and effect.changed:

@@ -42,6 +42,18 @@ REACHABILITY: dict[str, str] = {
 }
 
 
+# Seen only under a policy other than LRU (both paths): the searches of such bounds expect it.
+POLICY_REACHABILITY: dict[str, str] = {
+    "victim_by_count": "a victim is not the one least recent use would choose (policy lfu)",
+}
+
+
+def with_policy_tags(tags: frozenset[str], policy: str) -> frozenset[str]:
+    """The tags a search at bounds of ``policy`` must see: ``tags``, and under "lfu" the
+    policy's own."""
+    return tags | frozenset(POLICY_REACHABILITY) if policy == "lfu" else tags
+
+
 # The device-planned path's ([device] in spec/table.toml): P6 has no counterpart (no staging
 # buffers); P10 is its race property on the device cache state.
 DEVICE_PROPERTIES: dict[str, str] = {

@@ -19,6 +19,12 @@ NO_SLOT = -1
 NO_STREAM = -1
 
 
+POLICIES = ("lru", "lfu")
+"""Victim policies: ``lru`` takes the least recently used; ``lfu`` the fewest requests (counts
+that saturate at ``Bounds.count_max`` and are all halved when one would pass it), ties to the
+least recently used."""
+
+
 @dataclass(frozen=True)
 class Bounds:
     """The parameters of one model configuration."""
@@ -27,12 +33,18 @@ class Bounds:
     capacity: int
     consumer_streams: int = 2
     staging_buffers: int = 1
+    policy: str = "lru"
+    count_max: int = 15
 
     def __post_init__(self) -> None:
         if not 0 < self.capacity <= self.num_experts:
             raise ValueError(
                 f"capacity {self.capacity} must be in 1..num_experts ({self.num_experts})"
             )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
+        if self.count_max < 1:
+            raise ValueError(f"count_max {self.count_max} must be >= 1")
 
 
 class HostState(NamedTuple):
@@ -45,6 +57,8 @@ class HostState(NamedTuple):
     # The order in which the passes of the current step expose its experts (`step_order`),
     # fixed by the step's first pass; () on the host path, whose calls are one pass each.
     step: tuple[int, ...] = ()
+    # Policy "lfu": every expert's request count (resident or not); () under "lru".
+    counts: tuple[int, ...] = ()
 
 
 class Counters(NamedTuple):
@@ -65,10 +79,37 @@ class Effect(NamedTuple):
     hits: tuple[int, ...]
     changed: bool  # the resident map changed
     counters: Counters
+    # Policy "lfu": a victim other than the one least recent use would have chosen.
+    by_count: bool = False
+
+
+def initial_counts(bounds: Bounds) -> tuple[int, ...]:
+    """The request counts a cache starts with: one 0 an expert under "lfu", none under "lru"."""
+    return (0,) * bounds.num_experts if bounds.policy == "lfu" else ()
 
 
 def initial_host(bounds: Bounds) -> HostState:
-    return HostState(lru=(), slot_of=(NO_SLOT,) * bounds.num_experts, owner=NO_STREAM, forward=None)
+    return HostState(
+        lru=(),
+        slot_of=(NO_SLOT,) * bounds.num_experts,
+        owner=NO_STREAM,
+        forward=None,
+        counts=initial_counts(bounds),
+    )
+
+
+def counted(counts: Sequence[int], ids: Collection[int], count_max: int) -> tuple[int, ...]:
+    """Policy "lfu": the counts after a pass that exposes ``ids``: each of them one more; when
+    one of them is already at ``count_max``, every count is halved (rounded down) first, so a
+    count never passes ``count_max`` and old requests weigh less than new ones."""
+    if not counts:
+        return ()
+    new = list(counts)
+    if any(new[e] >= count_max for e in ids):
+        new = [c // 2 for c in new]
+    for e in ids:
+        new[e] += 1
+    return tuple(new)
 
 
 Args = tuple[object, ...]
@@ -136,27 +177,33 @@ def _plan_prepare(
     protect_requested: bool = True,
     forward_from_resident: bool = False,
     clear_victim_entry: bool = True,
+    victims_by_count: bool = True,
 ) -> Effect:
     """One pass: expose `ids` (the pass's group). `step` is every expert the step that this pass
     belongs to requests (its other passes' groups too; the group alone when empty): victims are
-    taken from the residents outside the step first, least recently used first, and from the
-    step's experts that other passes expose only when none is left (P5 for the whole step)."""
+    taken from the residents outside the step first, and from the step's experts that other
+    passes expose only when none is left (P5 for the whole step); within each, the policy's
+    order: least recently used first ("lru"), or fewest requests first, ties to the least
+    recently used ("lfu", counted after this pass: `counted`)."""
     ids = sorted(ids)
     requested = set(ids)
     slot_of = list(host.slot_of)
     used = {s for s in slot_of if s != NO_SLOT}
     free = [s for s in range(bounds.capacity) if s not in used]
     lru = list(host.lru)
+    counts = counted(host.counts, ids, bounds.count_max)
     hits = tuple(e for e in ids if slot_of[e] != NO_SLOT)
     # Slots are looked up for hits before misses are placed, as an implementation would.
     placed = {e: slot_of[e] for e in hits}
     misses = [e for e in ids if slot_of[e] == NO_SLOT]
-    # Victims: least recently used first, never one this call asks for; outside the step first.
+    # Victims: never one this call asks for; outside the step first; then the policy's order
+    # (stable sorts of the LRU order: ties stay least recently used first).
     in_step = set(step)
     candidates = [e for e in lru if e not in requested] if protect_requested else list(lru)
-    candidates = [e for e in candidates if e not in in_step] + [
-        e for e in candidates if e in in_step
-    ]
+    candidates.sort(key=lambda e: e in in_step)
+    by_recency = tuple(candidates)
+    if counts and victims_by_count:
+        candidates.sort(key=lambda e: (e in in_step, counts[e]))
     copies: list[tuple[int, int]] = []
     victims: list[int] = []
     for e in misses:
@@ -187,6 +234,7 @@ def _plan_prepare(
             owner=host.owner,
             forward=forward,
             step=host.step,
+            counts=counts,
         ),
         copies=tuple(copies),
         victims=tuple(victims),
@@ -199,6 +247,7 @@ def _plan_prepare(
             prepare_calls=counters.prepare_calls + 1,
             owner_changes=counters.owner_changes + int(owner_change),
         ),
+        by_count=tuple(victims) != by_recency[: len(victims)],
     )
 
 

@@ -234,6 +234,9 @@ def _sym_plan_prepare(
     """reference._plan_prepare: misses take free slots lowest first (in id order), then the
     slots of victims, least recently used first among the candidates; with `step` (the experts
     the pass's step requests), candidates outside the step first."""
+    if bounds.policy != "lru":
+        # The victim order is the LRU rank alone here; the explicit searches check "lfu".
+        raise ValueError(f"the z3 encoding models policy 'lru' only, got {bounds.policy!r}")
     n, cap = bounds.num_experts, bounds.capacity
     req, slot, inlru, rank = args.req, host.slot, host.inlru, host.rank
     miss = tuple(conj(req[e], slot[e] == NO_SLOT) for e in range(n))

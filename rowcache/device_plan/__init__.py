@@ -5,8 +5,9 @@ owners, last-use stamps, counters). One pass of a forward is a planner launch, w
 ``topk_ids`` on the device and writes the forward map and a miss list, and a gather launch,
 which copies the listed experts from pinned host memory into their slots. Both have fixed shapes
 and never synchronize with the host, so a whole forward, misses included, is captured once and
-replayed. The policy is the host path's (``rowcache.row_provider``): LRU with in-call victim
-protection and the same victim choice, so the model's reference decides every step of both.
+replayed. The policy is the host path's (``rowcache.row_provider``): victim protection over
+the step and the same victim choice (least recently used, or with ``policy="lfu"`` fewest
+requests: ``rowcache.policy``), so the model's reference decides every step of both.
 
 Modules, one job each:
 

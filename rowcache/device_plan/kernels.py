@@ -19,7 +19,7 @@ from rowcache.device_plan.state import DeviceCacheState
 from rowcache.device_plan.torch_planner import invalidate_expert, plan_pass
 from rowcache.sources import ExpertSources, SlotBuffers, planes_and_slots
 
-__all__ = ["Kernels", "TorchKernels", "TritonKernels", "kernels_for"]
+__all__ = ["Kernels", "TorchKernels", "TritonKernels", "kernels_for", "launch_plan"]
 
 
 class Kernels(Protocol):
@@ -77,6 +77,48 @@ def _block(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
+def launch_plan(
+    state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int, mutant: int = 0
+) -> None:
+    """One launch of the fused planner (``triton_kernels.plan_kernel``) for a pass: what
+    ``TritonKernels.plan`` runs, and what the CPU tests run under Triton's interpreter.
+    ``mutant`` (tests only) selects a seeded bug of the kernel."""
+    from rowcache.device_plan.triton_kernels import plan_kernel
+
+    ids = topk_ids.reshape(-1)
+    plan_kernel[(1,)](
+        ids,
+        ids.numel(),
+        state.resident,
+        state.owners,
+        state.stamps,
+        state.clock,
+        state.forward,
+        state.miss_experts,
+        state.miss_slots,
+        state.miss_count,
+        state.counters,
+        state.first_bad,
+        state.marks,
+        state.order,
+        state.step_rank,
+        state.counts,
+        state.count_max,
+        pass_index,
+        num_passes,
+        state.num_experts,
+        state.capacity,
+        BLOCK_E=_block(state.num_experts),
+        BLOCK_C=_block(state.capacity),
+        BLOCK_N=_block(min(ids.numel(), 1024), 16),
+        FIRST_PASS=pass_index == 0,
+        LAST_PASS=pass_index == num_passes - 1,
+        COUNTED=state.count_max > 0,
+        MUTANT=mutant,
+        num_warps=4,
+    )
+
+
 MAX_LANES = 4096
 """Largest E or C the one-program planner takes (its vectors live in registers)."""
 
@@ -110,7 +152,6 @@ class TritonKernels:
                 "the device planner on CUDA launches Triton kernels, and triton is not "
                 "importable here (pip install triton; PyTorch's CUDA wheels bring it)"
             ) from error
-        capacity = slots.capacity
         if num_experts > MAX_LANES:
             raise InvalidInputError(
                 f"the fused device planner takes at most {MAX_LANES} experts, got {num_experts}"
@@ -123,8 +164,6 @@ class TritonKernels:
         self._gather_block = chunk_bytes // 8
         self._gather_warps = gather_warps
         self._num_chunks = int(self._table.shape[0])
-        self._block_e = _block(num_experts)
-        self._block_c = _block(capacity)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._gather_grid = (sms * programs_per_sm,)
         # Sources held as bf16 planes: decoded into their slots after the copies, by the same
@@ -142,37 +181,7 @@ class TritonKernels:
     def plan(
         self, state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int
     ) -> None:
-        from rowcache.device_plan.triton_kernels import plan_kernel
-
-        ids = topk_ids.reshape(-1)
-        plan_kernel[(1,)](
-            ids,
-            ids.numel(),
-            state.resident,
-            state.owners,
-            state.stamps,
-            state.clock,
-            state.forward,
-            state.miss_experts,
-            state.miss_slots,
-            state.miss_count,
-            state.counters,
-            state.first_bad,
-            state.marks,
-            state.order,
-            state.step_rank,
-            pass_index,
-            num_passes,
-            state.num_experts,
-            state.capacity,
-            BLOCK_E=self._block_e,
-            BLOCK_C=self._block_c,
-            BLOCK_N=_block(min(ids.numel(), 1024), 16),
-            FIRST_PASS=pass_index == 0,
-            LAST_PASS=pass_index == num_passes - 1,
-            MUTANT=self._mutant,
-            num_warps=4,
-        )
+        launch_plan(state, topk_ids, pass_index, num_passes, self._mutant)
 
     def gather(self, state: DeviceCacheState) -> None:
         from rowcache.device_plan.triton_kernels import gather_kernel

@@ -55,6 +55,7 @@ from rowcache.device_plan.state import (
 from rowcache.device_plan.streams import CudaStreams, Streams
 from rowcache.errors import InvalidInputError
 from rowcache.packing import Layout, check_layout
+from rowcache.policy import COUNT_MAX, Policy, check_policy
 from rowcache.provider_base import Planner, RowCacheWeightProvider
 from rowcache.schedules._device_generated import (
     Events,
@@ -75,8 +76,10 @@ Handoff = Callable[[Events[Any], Any, Any], Takeover[Any]]
 
 
 class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
-    """LRU expert-weight cache planned on the device (see the module docstring); what
-    ``RowCacheWeightProvider(..., planner="device")`` builds.
+    """Expert-weight cache planned on the device (see the module docstring); what
+    ``RowCacheWeightProvider(..., planner="device")`` builds. A miss evicts the least recently
+    used resident, or with ``policy="lfu"`` the one of fewest requests (``rowcache.policy``;
+    ``count_max`` the counts' saturation, 1 to 15), as the host planner does.
 
     ``kernels``: ``"triton"`` (the fused launches; the default on CUDA) or ``"torch"`` (torch
     operations; the default on the CPU). ``compress=True`` holds bf16 ``w13`` and ``w2`` as
@@ -108,9 +111,12 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
         split: Split = "expert",
         compress: bool = False,
         planner: Planner = "device",
+        policy: Policy = "lru",
+        count_max: int = COUNT_MAX,
     ) -> None:
         target = torch.device(device)
         check_layout(layout)
+        self._policy, count_max = check_policy(policy, count_max)
         if planner != "device":
             raise InvalidInputError(f"{type(self).__name__} plans on the device, got {planner!r}")
         if check_split(split) != "expert":
@@ -137,7 +143,9 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
             compress=compress,
         )
         self._kernels: Kernels = kernels_for(self._sources, self._slots, self._num_experts, kernels)
-        self._state: DeviceCacheState = new_state(self._num_experts, capacity, target)
+        self._state: DeviceCacheState = new_state(
+            self._num_experts, capacity, target, count_max if self._policy == "lfu" else 0
+        )
         self._expert_bytes = self._sources.expert_bytes  # what a miss writes into its slots
         self._cuda = target.type == "cuda"
         # The streams the handoff runs on (none on the CPU: no handoff, no owner).
@@ -287,6 +295,15 @@ class DevicePlannedProvider(RowCacheWeightProvider, planner="device"):
     def slot_of(self) -> tuple[int, ...]:
         """The resident map: the slot of every expert, -1 when not resident."""
         return tuple(self._state.resident.tolist())
+
+    @property
+    def policy(self) -> Policy:
+        """The victim policy (``rowcache.policy``)."""
+        return self._policy
+
+    def request_counts(self) -> tuple[int, ...]:
+        """Every expert's request count under policy ``lfu``; () under ``lru``."""
+        return tuple(self._state.counts.tolist()) if self._state.count_max else ()
 
     @property
     def forward_pairs(self) -> tuple[tuple[int, int], ...] | None:

@@ -9,6 +9,8 @@ the cache's lifetime (a captured graph holds these addresses):
 * ``stamps`` ``[C]`` int64: the last-use stamp of every slot's expert (LRU order: smaller is
   older); meaningless for a free slot;
 * ``clock`` ``[1]`` int64: the next stamp;
+* ``counts`` ``[E]`` int32: every expert's request count under policy ``lfu``
+  (``rowcache.policy``; all 0 and unused under ``lru``, ``count_max`` 0);
 * ``forward`` ``[E]`` int32: the forward map of the last pass, the ``expert_map`` a kernel
   reads: the slot of every expert this pass exposes, -1 elsewhere;
 * ``miss_experts`` / ``miss_slots`` ``[C]`` int32 and ``miss_count`` ``[1]`` int32: the copies
@@ -82,6 +84,7 @@ class DeviceCacheState:
     owners: Tensor
     stamps: Tensor
     clock: Tensor
+    counts: Tensor
     forward: Tensor
     miss_experts: Tensor
     miss_slots: Tensor
@@ -91,10 +94,15 @@ class DeviceCacheState:
     marks: Tensor
     order: Tensor
     step_rank: Tensor
+    count_max: int = 0
+    """Policy ``lfu``: the counts' saturation (``rowcache.policy``); 0: policy ``lru``."""
 
 
-def new_state(num_experts: int, capacity: int, device: torch.device) -> DeviceCacheState:
-    """An empty cache: every slot free, every map entry -1, counters zero."""
+def new_state(
+    num_experts: int, capacity: int, device: torch.device, count_max: int = 0
+) -> DeviceCacheState:
+    """An empty cache: every slot free, every map entry -1, counters zero; victims by request
+    count when ``count_max`` (policy ``lfu``), else least recently used."""
 
     def full(n: int, value: int, dtype: torch.dtype) -> Tensor:
         return torch.full((n,), value, dtype=dtype, device=device)
@@ -106,6 +114,7 @@ def new_state(num_experts: int, capacity: int, device: torch.device) -> DeviceCa
         owners=full(capacity, -1, torch.int32),
         stamps=full(capacity, 0, torch.int64),
         clock=full(1, 0, torch.int64),
+        counts=full(num_experts, 0, torch.int32),
         forward=full(num_experts, -1, torch.int32),
         miss_experts=full(capacity, -1, torch.int32),
         miss_slots=full(capacity, -1, torch.int32),
@@ -115,6 +124,7 @@ def new_state(num_experts: int, capacity: int, device: torch.device) -> DeviceCa
         marks=full(num_experts, 0, torch.int32),
         order=full(capacity, 0, torch.int32),
         step_rank=full(num_experts, -1, torch.int32),
+        count_max=count_max,
     )
 
 

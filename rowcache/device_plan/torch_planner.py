@@ -11,9 +11,11 @@ it is also capturable on CUDA. One call plans one pass of one step:
    experts of rank ``[p*C, (p+1)*C)`` (``model_check.table.reference.step_order``); so the
    first pass serves every hit before any copy can evict it, and later passes only copy;
 3. hits keep their slots; misses, in ascending id order, take the free slots in ascending slot
-   order, then the slots of the least recently used residents outside the step, then those of
-   the step's experts that other passes expose, never one this pass selects (the model's
-   ``_plan_prepare`` with the step: victim protection over the whole step);
+   order, then the slots of the residents outside the step, then those of the step's experts
+   that other passes expose, never one this pass selects (the model's ``_plan_prepare`` with
+   the step: victim protection over the whole step); within each the least recently used
+   first, or under policy ``lfu`` the fewest requests first (the selected experts counted
+   first, ``rowcache.policy``), ties to the least recently used;
 4. the selected experts become the most recently used, in ascending id order (stamps
    ``clock + rank``);
 5. the forward map exposes exactly the selected experts; the miss list names the copies.
@@ -42,6 +44,9 @@ __all__ = ["invalidate_expert", "plan_pass"]
 
 _NEVER = 1 << 62  # sort key of a slot that must not be taken (its expert is selected)
 _STEP_TIER = 1 << 50  # added to the key of a slot whose expert the step requests: taken last
+# Under lfu, a slot's key holds its expert's count above the stamps (below 2**44: a stamp
+# a pass a layer for centuries) and below the step's tier (counts are at most 15).
+COUNT_SHIFT = 44
 
 
 def _exclusive_rank(mask: Tensor) -> Tensor:
@@ -98,6 +103,13 @@ def plan_pass(state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_pa
         over = requested.sum() - num_passes * capacity
         counters[OVERFLOW] += over.clamp(min=0)
 
+    if state.count_max:
+        # Policy lfu: the selected experts' requests, every count halved first when one of
+        # them is at the maximum.
+        full = (selected & (state.counts >= state.count_max)).any()
+        halved = torch.where(full, state.counts // 2, state.counts)
+        state.counts.copy_(halved + selected.to(torch.int32))
+
     experts = torch.arange(num_experts, device=device)
     slots = torch.arange(capacity, device=device)
     slot_of = state.resident.to(torch.int64)
@@ -113,6 +125,8 @@ def plan_pass(state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_pa
     owned = owners.clamp(min=0)
     owner_selected = selected[owned] & ~free
     tier = torch.where(in_step[owned], _STEP_TIER, 0)
+    if state.count_max:
+        tier = tier + (state.counts[owned].to(torch.int64) << COUNT_SHIFT)
     key = torch.where(
         free, slots, torch.where(owner_selected, _NEVER, capacity + tier + state.stamps)
     )

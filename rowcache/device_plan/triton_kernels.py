@@ -21,7 +21,10 @@ import triton
 import triton.language as tl
 
 NEVER = tl.constexpr(1 << 50)  # sort key of a slot never taken; times BLOCK_C (<= 4096) fits int64
-STEP_TIER = tl.constexpr(1 << 44)  # added to the key of a slot whose expert the step requests
+STEP_TIER = tl.constexpr(1 << 48)  # added to the key of a slot whose expert the step requests
+# Policy lfu: the expert's request count (<= 15) sits in the key between the stamp (below
+# 2**44) and the step's tier.
+COUNT_SHIFT = tl.constexpr(44)
 
 
 @triton.jit
@@ -41,6 +44,8 @@ def plan_kernel(
     marks_ptr,
     order_ptr,
     step_rank_ptr,
+    counts_ptr,
+    count_max,
     pass_index,
     num_passes,
     E,
@@ -50,6 +55,7 @@ def plan_kernel(
     BLOCK_N: tl.constexpr,
     FIRST_PASS: tl.constexpr,
     LAST_PASS: tl.constexpr,
+    COUNTED: tl.constexpr = False,
     MUTANT: tl.constexpr = 0,
 ):
     e = tl.arange(0, BLOCK_E)
@@ -81,7 +87,7 @@ def plan_kernel(
     req_i = requested.to(tl.int32)
     slot_of = tl.load(resident_ptr + e, mask=e_in, other=0)
     if FIRST_PASS:
-        if MUTANT >= 5:  # noqa: SIM108 (constexpr branch) seeded bugs 5 and 6: id order
+        if (MUTANT == 5) or (MUTANT == 6):
             hit = requested & (slot_of < -1)
         else:
             hit = requested & (slot_of >= 0)
@@ -118,9 +124,21 @@ def plan_kernel(
     n_selected = tl.sum(selected.to(tl.int64), axis=0)
     n_miss = tl.sum(miss_i, axis=0)
 
-    # 3. Victim order: free slots by number, then residents outside the step oldest first,
-    #    then the step's other experts oldest first; never a selected expert's slot. The
-    #    marks now hold 2 for a selected expert, 1 for another of the step's, 0 elsewhere.
+    # Policy lfu: the selected experts' requests counted, every count halved first when one
+    # of them is at the maximum (seeded bug 8: never halved, the counts only saturate).
+    if COUNTED:
+        count = tl.load(counts_ptr + e, mask=e_in, other=0)
+        full = tl.sum((selected & (count >= count_max)).to(tl.int32), axis=0) > 0
+        if MUTANT == 8:
+            count = tl.minimum(count + selected.to(tl.int32), count_max)
+        else:
+            count = tl.where(full, count >> 1, count) + selected.to(tl.int32)
+        tl.store(counts_ptr + e, count, mask=e_in)
+
+    # 3. Victim order: free slots by number, then residents outside the step, then the step's
+    #    other experts, each oldest first (lfu: fewest requests first, then oldest); never a
+    #    selected expert's slot. The marks now hold 2 for a selected expert, 1 for another of
+    #    the step's, 0 elsewhere.
     tl.debug_barrier()
     tl.store(marks_ptr + e, selected.to(tl.int32) + in_step.to(tl.int32), mask=e_in)
     tl.debug_barrier()
@@ -129,6 +147,9 @@ def plan_kernel(
     owner_mark = tl.load(marks_ptr + owners, mask=s_in & ~free, other=0)
     owner_selected = owner_mark > 1
     tier = tl.where(owner_mark > 0, STEP_TIER, 0).to(tl.int64)
+    if COUNTED and MUTANT != 7:  # seeded bug 7: the counts are kept but never read
+        owner_count = tl.load(counts_ptr + owners, mask=s_in & ~free, other=0)
+        tier += owner_count.to(tl.int64) << COUNT_SHIFT
     stamps = tl.load(stamps_ptr + s, mask=s_in, other=0)
     s64 = s.to(tl.int64)
     if MUTANT == 1:  # seeded bug: any resident's slot may be taken, oldest first

@@ -376,6 +376,7 @@ def _build_provider(
             w2_bias=w2_bias,
             compress=settings.compress_planes,
             planner="device",
+            policy=settings.policy,
         )
         if settings.compress_planes and device.type == "cuda":
             # The planes were encoded on the GPU; hand the encode's temporaries back to the
@@ -394,6 +395,7 @@ def _build_provider(
         w13_bias=w13_bias,
         w2_bias=w2_bias,
         compress=settings.compress_planes,
+        policy=settings.policy,
     )
     if settings.compress_planes and device.type == "cuda":
         torch.cuda.empty_cache()  # as for the device planner: the encode's temporaries

@@ -5,7 +5,12 @@ Two sources, in order of precedence:
 1. ``--additional-config '{"rowcache": {...}}'`` (vLLM's ``VllmConfig.additional_config``),
 2. the environment: ``ROWCACHE_MOE_EXPERT_CACHE_SIZE``, ``ROWCACHE_MOE_EXPERT_CACHE_PROVIDER``,
    ``ROWCACHE_MOE_EXPERT_CACHE_SPLIT``, ``ROWCACHE_MOE_EXPERT_CACHE_PLANNER``,
-   ``ROWCACHE_MOE_EXPERT_CACHE_COMPRESS``.
+   ``ROWCACHE_MOE_EXPERT_CACHE_COMPRESS``, ``ROWCACHE_MOE_EXPERT_CACHE_POLICY``.
+
+``moe_expert_cache_policy`` (``lru``, ``lfu``; default ``lru``) is the row provider's victim
+choice (``rowcache.policy``): the least recently used, or the fewest requests. ``lfu`` needs the
+row provider (``cached`` evicts by its own frequency over age) and has no record yet, so it is
+never a default.
 
 ``moe_expert_cache_compress`` (``auto``, ``on``, ``off``; default ``auto``) holds bf16 experts
 as lossless bf16 planes in host memory and decodes each miss on the GPU
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypeAlias
 
 from rowcache.errors import InvalidInputError
+from rowcache.policy import POLICIES, Policy
 from rowcache.row_provider import Planner
 from rowcache.types import Split
 
@@ -93,7 +99,8 @@ SPLIT = "moe_expert_cache_split"
 EAGER = "moe_eager_between_graphs"
 PLANNER = "moe_expert_cache_planner"
 COMPRESS = "moe_expert_cache_compress"
-KEYS = (SIZE, PROVIDER, SPLIT, EAGER, PLANNER, COMPRESS)
+POLICY = "moe_expert_cache_policy"
+KEYS = (SIZE, PROVIDER, SPLIT, EAGER, PLANNER, COMPRESS, POLICY)
 ENV = {key: "ROWCACHE_" + key.upper() for key in KEYS}
 PLANNER_CHOSEN = "moe_expert_cache_planner_chosen"
 """Written by the plugin, not by users: ``{"planner": ..., "reason": ...}``, the default chosen
@@ -127,6 +134,7 @@ class CacheSettings:
     eager_between_graphs: bool = False
     planner: Planner = "host"
     compress: Compress = "auto"
+    policy: Policy = "lru"
     # Provenance, not part of what the cache is (equal settings serve alike):
     planner_source: PlannerSource = field(default="unset", compare=False)
     planner_reason: str = field(default="", compare=False)
@@ -159,6 +167,8 @@ class CacheSettings:
         if not self.cache_on:
             return "expert cache off, MoE op eager between graph pieces"
         planes = ", experts held as bf16 planes" if self.compress_planes else ""
+        if self.policy == "lfu":
+            planes += ", victims by request count"
         if self.planner == "device":
             return f"{self.size} slots per MoE layer, provider 'row', planned on the device{planes}"
         where = ", planned on the host" if self.provider == "row" else ""
@@ -291,6 +301,14 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
             f"planes, with either planner), and {PROVIDER} is 'cached'; allowed values with "
             "it: auto, off"
         )
+    policy_raw = pick(POLICY)
+    policy = _choice(*policy_raw, POLICIES) if policy_raw is not None else "lru"
+    if policy == "lfu" and provider == "cached":
+        assert policy_raw is not None
+        raise KnobError(
+            f"{policy_raw[1]}: 'lfu' needs {PROVIDER}='row' ('cached' evicts by its own "
+            "frequency over age); allowed values with it: lru"
+        )
     if planner == "device" and split_raw is not None and split == "token":
         raise KnobError(
             f"{split_raw[1]}: 'token' is not allowed with {PLANNER}='device', which splits a "
@@ -335,6 +353,7 @@ def parse_settings(additional_config: object, environ: Mapping[str, str]) -> Cac
         eager_between_graphs=eager,
         planner="device" if planner == "device" else "host",
         compress="on" if compress == "on" else "off" if compress == "off" else "auto",
+        policy="lfu" if policy == "lfu" else "lru",
         planner_source=source,
         planner_reason=reason,
         split_source=split_source,

@@ -230,6 +230,7 @@ STEPS_LABELS = (
     "none2.full",
     "row32dev.full",
     "row32planes.full",
+    "row32lfu.full",
     "uva675.full",
     "none.eager",
     "row32dev.eager",
@@ -270,6 +271,8 @@ _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "row32dev.full": ((170, 280), (110, 150)),
     # Not run yet: as row32dev.full, plus the encode of 9 GiB of experts at start-up.
     "row32planes.full": ((200, 310), (140, 180)),
+    # Not run yet: as row32planes.full (the victim policy costs the planner a few lanes).
+    "row32lfu.full": ((200, 310), (140, 180)),
     "none.eager": ((80, 100), (70, 90)),
     "row32dev.eager": ((140, 250), (90, 140)),
     "row32host.eager": ((130, 240), (90, 140)),
@@ -305,6 +308,9 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
     row32 = Knob(size=32, provider=Provider.ROW, planner=Planner.DEVICE, compress="off")
     # The same, with bf16 w13 and w2 held as lossless bf16 planes (rowcache.compress).
     row32planes = replace(row32, compress="on")
+    # The same, its victims by request count (rowcache.policy): what the policy gains over
+    # row32planes, most on the skewed checkpoint (docs/POLICY.md).
+    row32lfu = replace(row32planes, policy="lfu")
     # The host planner's expert split: a step cut by experts copies each routed expert once
     # and is exact (the unreduced route); the plugin's default for the host planner, the token
     # split, cuts a 2,048-token prompt into hundreds of row ranges of at most 32 experts each,
@@ -346,6 +352,7 @@ def steps(checkpoint: Checkpoint = QWEN8, only: tuple[str, ...] = ()) -> list[En
         # runs out of time keeps what decides the most.
         engine("row32dev.full", Mode.DEFAULT, knob=row32),
         engine("row32planes.full", Mode.DEFAULT, knob=row32planes),
+        engine("row32lfu.full", Mode.DEFAULT, knob=row32lfu),
         engine("uva675.full", Mode.DEFAULT, offload=UVA_OFFLOAD),
         # Profiled with ``run --profile``: the host time of an eager decode step, by planner.
         engine("none.eager", Mode.EAGER, profiled=True),

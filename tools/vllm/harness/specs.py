@@ -71,6 +71,8 @@ class Knob:
     """``moe_expert_cache_planner``."""
     compress: str | None = None
     """``moe_expert_cache_compress`` (``auto``, ``on``, ``off``)."""
+    policy: str | None = None
+    """``moe_expert_cache_policy`` (``lru``, ``lfu``)."""
 
     @property
     def caches(self) -> bool:
@@ -92,6 +94,8 @@ class Knob:
             out["moe_expert_cache_planner"] = self.planner.value
         if self.compress is not None:
             out["moe_expert_cache_compress"] = self.compress
+        if self.policy is not None:
+            out["moe_expert_cache_policy"] = self.policy
         return out
 
     @classmethod
