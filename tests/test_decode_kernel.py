@@ -5,26 +5,18 @@ listed slots or past the miss count, and each seeded bug of the kernel caught
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from triton_interpreter import interpreted as run_interpreted
 
 CHECKS = Path(__file__).resolve().parent / "decode_kernel_checks.py"
 
 
 def interpreted(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run(
-        [sys.executable, str(CHECKS), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    return run_interpreted(CHECKS, *args)
 
 
 @pytest.mark.parametrize("mode", [[], ["--one-miss"]], ids=["miss_list", "one_miss"])
