@@ -60,6 +60,7 @@ def test_models_phase_engines() -> None:
         "models.ds2lite.none2.full",  # the control
         "models.ds2lite.row32dev.full",
         "models.ds2lite.uva1341.full",
+        "models.ds2lite.row16devlfu.full",  # the quarter's cache, victims by count: last
     ]
     # Skewed: the quarter's pair first (the targets), then its token reference.
     assert [s.name.split(".", 2)[2] for s in skew] == [
@@ -69,6 +70,7 @@ def test_models_phase_engines() -> None:
         "none2.full",
         "row32dev.full",
         "uva1341.full",
+        "row16devlfu.full",
     ]
     for spec in plain + skew:
         prefix = engines.MODELS_PREFIX[spec.checkpoint]
@@ -83,8 +85,11 @@ def test_models_phase_engines() -> None:
             assert spec.offload.backend is OffloadBackend.UVA
             assert spec.offload.cpu_offload_params == ("experts",)
         assert EngineSpec.from_json(spec.to_json()) == spec
-    for label in ("row16dev.full", "uva1959.full", "uva1341.full"):
+    for label in ("row16dev.full", "uva1959.full", "uva1341.full", "row16devlfu.full"):
         assert label in engines.BUDGETED_LABELS
+    lfu = plain[-1].knob
+    assert lfu is not None and lfu.size == 16 and lfu.planner is Planner.DEVICE
+    assert lfu.config()["moe_expert_cache_policy"] == "lfu"
     [plain_phase, skew_phase] = phases.select(["deepseek", "deepseek_skew"])
     assert plain_phase.budgeted and skew_phase.budgeted
     assert [c.directory for c in skew_phase.checkpoints()] == ["deepseek-v2-lite-skew"]
@@ -229,6 +234,7 @@ def test_reduced_deepseek_v3_phases() -> None:
         "models.ds3.none2.full",  # the control
         "models.ds3.row128dev.full",
         "models.ds3.uva450.full",
+        "models.ds3.row64devlfu.full",
     ]
     for spec in engines.models(engines.DS3) + engines.models(engines.DS3_SKEW):
         assert spec.quantized  # the run checks for vLLM's quantization packages first
@@ -254,6 +260,7 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
         "models.qwen48fp8.none2.full",  # the control
         "models.qwen48fp8.row64dev.full",
         "models.qwen48fp8.uva1350.full",
+        "models.qwen48fp8.row32devlfu.full",
     ]
     for spec in engines.models(engines.QWEN48_FP8) + engines.models(engines.QWEN48_FP8_SKEW):
         assert spec.quantized and spec.model_runner_v1
@@ -313,7 +320,8 @@ def test_gpt_oss_phases() -> None:
         "none2.full",
         "row16dev.full",
         "uva516marlin.full",
-        "nonemarlin2.full",  # the baseline's control, last
+        "nonemarlin2.full",  # the baseline's control, after the targets
+        "row8devlfu.full",  # the quarter's cache with victims by request count
     ]
     for spec in specs + engines.models(engines.GPT_OSS_SKEW):
         assert spec.quantized and spec.model_runner_v1

@@ -416,6 +416,11 @@ def row_label(slots: int) -> str:
     return f"row{slots}dev.full"
 
 
+def lfu_label(slots: int) -> str:
+    """The label of ``row_label``'s engine with ``moe_expert_cache_policy: lfu``."""
+    return f"row{slots}devlfu.full"
+
+
 # (label, UVA GiB offloaded or slots, (start and everything once, with every repeat) seconds),
 # in run order: the line and the two recorded points first, then the ends, then the rest. A
 # compiled engine starts in 70 to 95 s (UVA 70 to 95 s too); a b1 generation of 256 tokens
@@ -870,8 +875,14 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
         ]
         if fraction == QUARTER:
             out.append(ModelEngine(CONTROL, None, None, cache_backend, reference))
-    # The baseline's control last: it tells noise from UVA's own effect, not a target.
-    return out + extra_controls
+    # Last, after every target and control: the quarter's cache with victims by request
+    # count (rowcache.policy), what the policy gains where routing is skewed (docs/POLICY.md).
+    lfu = Knob(
+        size=budget.slots(QUARTER), provider=Provider.ROW, planner=Planner.DEVICE, policy="lfu"
+    )
+    by_count = ModelEngine(lfu_label(budget.slots(QUARTER)), lfu, None, cache_backend, reference)
+    # The baseline's control after the targets: it tells noise from UVA's own effect.
+    return [*out, *extra_controls, by_count]
 
 
 def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
