@@ -4,11 +4,14 @@ Both planners take victims among the residents that the pass does not expose, th
 the step first (``spec/README.md``, P5); within each, in the policy's order:
 
 * ``lru`` (the default): the least recently used first;
-* ``lfu``: the fewest requests first, ties to the least recently used. Every pass adds one to
-  the count of each expert it exposes (so a step counts each of its experts once); when one of
-  them is already at ``count_max``, every expert's count is halved (rounded down) first, so old
+* ``lfu``: the fewest requests first, ties to the least recently used. Every pass (a host
+  planner's ``prepare``) adds one to the count of each expert it exposes; when one of them is
+  already at ``count_max``, every expert's count is halved (rounded down) first, so old
   requests weigh less than new ones and a count fits in 4 bits. Counts are kept for every
-  expert, resident or not, and ``invalidate`` leaves them alone.
+  expert, resident or not, and ``invalidate`` leaves them alone. With the device planner and
+  with the expert split a step counts each of its experts once (its passes expose disjoint
+  groups); the token split's calls are chunks of rows, so there an expert counts once per
+  chunk that routes to it.
 
 The policy is ``model_check.table.reference._plan_prepare``'s (``Bounds.policy``), which the
 model check explores and the conformance tests hold both planners to. ``docs/POLICY.md`` says
@@ -34,14 +37,14 @@ sort key above the last-use stamp."""
 
 def check_policy(policy: object, count_max: object) -> tuple[Policy, int]:
     """``(policy, count_max)`` checked, or ``InvalidInputError`` naming the value and the
-    limit."""
+    limit (``count_max`` is checked whatever the policy)."""
     for known in POLICIES:
         if policy == known:
             break
     else:
         raise InvalidInputError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
     if isinstance(count_max, bool) or not isinstance(count_max, int):
-        raise InvalidInputError(f"count_max must be an int, got {count_max!r}")
+        raise InvalidInputError(f"count_max must be an int in [1, {COUNT_MAX}], got {count_max!r}")
     if not 1 <= count_max <= COUNT_MAX:
         raise InvalidInputError(f"count_max must be in [1, {COUNT_MAX}], got {count_max}")
     return known, count_max

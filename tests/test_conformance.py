@@ -428,8 +428,12 @@ COUNTEREXAMPLES: dict[str, tuple[int, list[tuple[str, Any, int]]]] = {
         2,
         [("prepare", [1], 0), ("prepare", [1], 0), ("prepare", [0], 0), ("prepare", [2], 0)],
     ),
-    # count_max 1: the second request of 0 halves its count first (1, not 2).
-    "lfu_counts_never_halved": (1, [("prepare", [0], 0), ("prepare", [0], 0)]),
+    # count_max 2: the third request of 0 halves its count first, then adds one (2; never
+    # halved: 3; added first, then halved: 1).
+    "lfu_counts_never_halved": (
+        1,
+        [("prepare", [0], 0), ("prepare", [0], 0), ("prepare", [0], 0)],
+    ),
     # 0 stays resident; the second forward must expose only 1.
     "forward_from_resident": (2, [("prepare", [0], 0), ("prepare", [1], 0)]),
     "ready_before_copies": (1, [("prepare", [0], 0)]),
@@ -448,7 +452,7 @@ class Fixed:
 
 
 # The policy a counterexample runs under (policy, count_max); lru otherwise.
-POLICY_OF = {"lfu_victims_by_recency": ("lfu", 15), "lfu_counts_never_halved": ("lfu", 1)}
+POLICY_OF = {"lfu_victims_by_recency": ("lfu", 15), "lfu_counts_never_halved": ("lfu", 2)}
 
 
 def replay(

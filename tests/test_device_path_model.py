@@ -489,3 +489,13 @@ def test_a_planner_that_ignores_the_counts_fails_convergence_under_lfu() -> None
         assert found is not None, model
         assert found.prop in ("P2_no_stale_read", "P4_map_convergence"), (model, found)
     assert explore(TABLE, Check("interleavings", B32_LFU, 3, "device")).violation is None
+
+
+def test_the_device_path_s_lfu_searches_see_the_policy_at_work() -> None:
+    from model_check.config import B32_LFU
+
+    for model, depth in (("hb", 6), ("interleavings", 3)):
+        result = explore(TABLE, Check(model, B32_LFU, depth, "device"))
+        assert result.violation is None
+        assert {"victim_by_count", "counts_halved"} <= set(result.expected_tags)
+        assert not result.missing_reachability(), (model, result.missing_reachability())

@@ -354,3 +354,16 @@ def test_the_check_says_whether_it_ran_every_column(
     )
     assert cli.parse_args(["check", "--complete"]).complete
     assert not cli.parse_args(["check"]).complete
+
+
+def test_the_lfu_searches_see_a_victim_by_count_and_the_counts_halved() -> None:
+    """Under policy lfu both models must see the policy at work (config.B32_LFU), or a pass
+    says nothing about it; at lru bounds they expect neither."""
+    from model_check.config import B32_LFU
+
+    for model, depth in (("hb", 6), ("interleavings", 3)):
+        result = explore(TABLE, B32_LFU, depth, model=model)
+        assert result.violation is None
+        assert {"victim_by_count", "counts_halved"} <= set(result.expected_tags)
+        assert not result.missing_reachability(), (model, result.missing_reachability())
+    assert "counts_halved" not in explore(TABLE, BOUNDS, 3, model="hb").expected_tags

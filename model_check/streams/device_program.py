@@ -260,6 +260,8 @@ class DataInterp:
             self.tags.add("eviction")
         if out.by_count:
             self.tags.add("victim_by_count")
+        if out.halved:
+            self.tags.add("counts_halved")
         found = plan_verdict(out, ids)
         if found is not None:
             self.flag_data(*found)

@@ -131,6 +131,7 @@ class PlanOut(NamedTuple):
     step: tuple[int, ...]  # the step's experts the reference protects (P5)
     spared: tuple[int, ...]  # residents outside the step that the pass left resident
     by_count: bool = False  # policy "lfu": a victim least recent use would not have chosen
+    halved: bool = False  # policy "lfu": every count was halved
 
 
 @cache
@@ -181,6 +182,7 @@ def _plan(
         reference.step,
         spared,
         eff.by_count,
+        eff.halved,
     )
 
 

@@ -74,6 +74,8 @@ def begin_call(
             tags.add("eviction")
         if effect.by_count:
             tags.add("victim_by_count")
+        if effect.halved:
+            tags.add("counts_halved")
         if host.owner not in (NO_STREAM, stream):
             tags.add("owner_change")
     if op.name == "invalidate" and effect.changed:

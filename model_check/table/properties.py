@@ -45,6 +45,7 @@ REACHABILITY: dict[str, str] = {
 # Seen only under a policy other than LRU (both paths): the searches of such bounds expect it.
 POLICY_REACHABILITY: dict[str, str] = {
     "victim_by_count": "a victim is not the one least recent use would choose (policy lfu)",
+    "counts_halved": "a pass halves every request count (policy lfu)",
 }
 
 

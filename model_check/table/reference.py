@@ -81,6 +81,8 @@ class Effect(NamedTuple):
     counters: Counters
     # Policy "lfu": a victim other than the one least recent use would have chosen.
     by_count: bool = False
+    # Policy "lfu": every count was halved (one of the pass's experts was at count_max).
+    halved: bool = False
 
 
 def initial_counts(bounds: Bounds) -> tuple[int, ...]:
@@ -248,6 +250,7 @@ def _plan_prepare(
             owner_changes=counters.owner_changes + int(owner_change),
         ),
         by_count=tuple(victims) != by_recency[: len(victims)],
+        halved=any(host.counts[e] >= bounds.count_max for e in ids) if host.counts else False,
     )
 
 

@@ -44,8 +44,10 @@ __all__ = ["invalidate_expert", "plan_pass"]
 
 _NEVER = 1 << 62  # sort key of a slot that must not be taken (its expert is selected)
 _STEP_TIER = 1 << 50  # added to the key of a slot whose expert the step requests: taken last
-# Under lfu, a slot's key holds its expert's count above the stamps (below 2**44: a stamp
-# a pass a layer for centuries) and below the step's tier (counts are at most 15).
+# Under lfu, a slot's key holds its expert's count above the stamps and below the step's tier
+# (counts are at most 15). The clock advances by at most C a pass: at C = 32 and 1,000 passes
+# a second a layer, stamps reach 2**44 after 17 years (past it lfu's order would be wrong, and
+# only past 2**48 in the fused planner, 2**50 here, LRU's; no write ever goes out of bounds).
 COUNT_SHIFT = 44
 
 
