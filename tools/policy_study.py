@@ -52,7 +52,7 @@ from torch import Tensor
 
 from rowcache import RowCacheWeightProvider
 from rowcache.bench.steps import hit_rate_over
-from rowcache.policy import COUNT_MAX, Policy
+from rowcache.policy import COUNT_MAX, Policy, RequestCounts
 from rowcache.provider_base import Planner
 from tools.vllm.router_skew import lru_hit_rate as router_lru
 from tools.vllm.router_skew import zipf_scales
@@ -177,11 +177,11 @@ def slot_cache_hit_rate(
     ``count_max``: ``rowcache.policy``)."""
     capacity = geometry.capacity
     stamp: dict[int, int] = {}  # the residents' last use
-    counts = [0] * geometry.experts
+    counts = RequestCounts(geometry.experts, count_max)
     clock = 0
 
     def hits_of(_index: int, wanted: list[int]) -> int:
-        nonlocal clock, counts
+        nonlocal clock
         order = [e for e in wanted if e in stamp] + [e for e in wanted if e not in stamp]
         step = set(wanted)
         hits = 0
@@ -189,10 +189,7 @@ def slot_cache_hit_rate(
             group = sorted(order[start : start + capacity])
             own = set(group)
             if counted:
-                if any(counts[e] >= count_max for e in group):
-                    counts = [c // 2 for c in counts]
-                for e in group:
-                    counts[e] += 1
+                counts.add(group)
             for e in group:
                 if e in stamp:  # resident when its pass runs
                     hits += 1

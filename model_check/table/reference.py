@@ -100,18 +100,22 @@ def initial_host(bounds: Bounds) -> HostState:
     )
 
 
-def counted(counts: Sequence[int], ids: Collection[int], count_max: int) -> tuple[int, ...]:
+def counted(
+    counts: Sequence[int], ids: Collection[int], count_max: int
+) -> tuple[tuple[int, ...], bool]:
     """Policy "lfu": the counts after a pass that exposes ``ids``: each of them one more; when
     one of them is already at ``count_max``, every count is halved (rounded down) first, so a
-    count never passes ``count_max`` and old requests weigh less than new ones."""
+    count never passes ``count_max`` and old requests weigh less than new ones. With whether
+    they were halved."""
     if not counts:
-        return ()
+        return (), False
     new = list(counts)
-    if any(new[e] >= count_max for e in ids):
+    halved = any(new[e] >= count_max for e in ids)
+    if halved:
         new = [c // 2 for c in new]
     for e in ids:
         new[e] += 1
-    return tuple(new)
+    return tuple(new), halved
 
 
 Args = tuple[object, ...]
@@ -193,7 +197,7 @@ def _plan_prepare(
     used = {s for s in slot_of if s != NO_SLOT}
     free = [s for s in range(bounds.capacity) if s not in used]
     lru = list(host.lru)
-    counts = counted(host.counts, ids, bounds.count_max)
+    counts, halved = counted(host.counts, ids, bounds.count_max)
     hits = tuple(e for e in ids if slot_of[e] != NO_SLOT)
     # Slots are looked up for hits before misses are placed, as an implementation would.
     placed = {e: slot_of[e] for e in hits}
@@ -250,7 +254,7 @@ def _plan_prepare(
             owner_changes=counters.owner_changes + int(owner_change),
         ),
         by_count=tuple(victims) != by_recency[: len(victims)],
-        halved=any(host.counts[e] >= bounds.count_max for e in ids) if host.counts else False,
+        halved=halved,
     )
 
 

@@ -9,8 +9,8 @@ Two sources, in order of precedence:
 
 ``moe_expert_cache_policy`` (``lru``, ``lfu``; default ``lru``) is the row provider's victim
 choice (``rowcache.policy``): the least recently used, or the fewest requests. ``lfu`` needs the
-row provider (``cached`` evicts by its own frequency over age) and has no record yet, so it is
-never a default.
+row provider (``cached`` evicts by its own frequency over age); one GPU run of single
+generations is its only record, so it is never a default.
 
 ``moe_expert_cache_compress`` (``auto``, ``on``, ``off``; default ``auto``) holds bf16 experts
 as lossless bf16 planes in host memory and decodes each miss on the GPU

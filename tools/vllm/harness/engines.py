@@ -271,7 +271,8 @@ _TIMES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
     "row32dev.full": ((170, 280), (110, 150)),
     # Not run yet: as row32dev.full, plus the encode of 9 GiB of experts at start-up.
     "row32planes.full": ((200, 310), (140, 180)),
-    # Not run yet: as row32planes.full (the victim policy costs the planner a few lanes).
+    # As row32planes.full (the victim policy costs the planner a few lanes); skewed, run once
+    # with --repeats 1 on 2026-12-05, three engines in 211 s.
     "row32lfu.full": ((200, 310), (140, 180)),
     "none.eager": ((80, 100), (70, 90)),
     "row32dev.eager": ((140, 250), (90, 140)),
