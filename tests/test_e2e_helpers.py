@@ -515,5 +515,8 @@ def test_the_pinned_memory_probe_counts_released_layers() -> None:
     assert found["released_layers"] == 1
     if not torch.cuda.is_available():
         assert found["host_pinned_bytes"] in (None, 0)
+    # The arenas' share, so that a record can tell their slabs from vLLM's and torch's blocks.
+    assert isinstance(found["host_pinned_arena_bytes"], int)
+    assert isinstance(found["host_pinned_transient_bytes"], int)
     kept.w13_weight = torch.nn.Parameter(torch.empty(2, 3, device="meta"))
     assert pinned_host_memory(model)["released_layers"] == 2

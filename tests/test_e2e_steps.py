@@ -719,6 +719,24 @@ def test_report_table_and_targets() -> None:
     )
 
 
+def test_the_host_memory_line_splits_the_arenas_from_the_rest() -> None:
+    """Where the probe read the arenas, the line says how much of the pinned bytes are their
+    slabs and how much is the rest (vLLM's, torch's, or a block cached after a slab)."""
+    results = _results()
+    results["steps.plain.row32planes.full"]["probe"] = {
+        "expert_host_bytes": 6_760_000_000,
+        "host_pinned_bytes": 9_672_160_172,
+        "host_pinned_arena_bytes": 7_516_192_768,
+        "host_pinned_transient_bytes": 2_147_483_648,
+        "released_layers": 8,
+    }
+    text = "\n".join(steps_report.targets(results, "steps.plain"))
+    assert (
+        "  host memory of row32planes.full: experts 6.76 GB, pinned in all 9.67 GB (arena slabs "
+        "7.52 GB, transient slabs 2.15 GB, other 0.01 GB), layers released 8 (no target)"
+    ) in text
+
+
 def test_the_planes_engine_is_held_to_issue_36s_targets() -> None:
     results = _results()
     planes = results["steps.plain.row32planes.full"]

@@ -401,7 +401,8 @@ def test_the_soak_judges_the_workers_pinned_memory(
 
     def growing(port: int, method: str) -> dict[str, int]:
         assert method == "rowcache_pinned"
-        return {"torch_host_bytes": next(reads) * (16 << 20)}  # 16 MiB more each read
+        # 16 MiB more each read, none of it the arenas'
+        return {"torch_host_bytes": next(reads) * (16 << 20), "arena_bytes": 7 << 30}
 
     def unreadable(port: int, method: str) -> dict[str, int]:
         raise OSError("no worker extension")
@@ -413,5 +414,8 @@ def test_the_soak_judges_the_workers_pinned_memory(
     done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer, growing)
     assert len(done["samples"]) >= 6 and done["growth"]["torch_host_bytes"] >= 64 << 20
     assert any(p.startswith("pinned host memory grew") for p in se.soak_problems(done))
+    # The arenas' share is recorded beside it, None where the worker did not say.
+    assert {s["arena_bytes"] for s in done["samples"]} == {7 << 30}
+    assert {s["transient_bytes"] for s in done["samples"]} == {None}
     done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer, unreadable)
     assert "pinned host memory not read (rowcache_pinned)" in se.soak_problems(done)

@@ -315,12 +315,22 @@ def memory_sample(pid: int) -> dict[str, Any]:
     return sample
 
 
-def pinned_sample(port: int, rpc: Rpc) -> int | None:
-    """The worker's pinned host bytes (``rowcache_pinned``); None when it cannot be read."""
+PINNED_KEYS = ("torch_host_bytes", "arena_bytes", "transient_bytes")
+"""What ``rowcache_pinned`` answers: every pinned byte as torch's host allocator counts it
+(judged), and of those the plugin's arenas' slabs (recorded: they tell the cache's own share
+from vLLM's and torch's)."""
+
+
+def pinned_sample(port: int, rpc: Rpc) -> dict[str, int | None]:
+    """The worker's pinned host bytes (``rowcache_pinned``); None for each figure that cannot be
+    read."""
+    found: dict[str, int | None] = dict.fromkeys(PINNED_KEYS)
     with contextlib.suppress(Exception):
-        value = rpc(port, "rowcache_pinned").get("torch_host_bytes")
-        return int(value) if isinstance(value, int) else None
-    return None
+        answer = rpc(port, "rowcache_pinned")
+        for key in PINNED_KEYS:
+            value = answer.get(key)
+            found[key] = int(value) if isinstance(value, int) else None
+    return found
 
 
 def soak(
@@ -350,7 +360,7 @@ def soak(
                 done[0] += 1
 
     def sample() -> dict[str, Any]:
-        return {**memory_sample(pid), "torch_host_bytes": pinned_sample(port, rpc)}
+        return {**memory_sample(pid), **pinned_sample(port, rpc)}
 
     samples = [sample()]
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(SOAK_CONCURRENCY)]

@@ -83,7 +83,8 @@ def torch_tensor(value: Any) -> Any:
 
 def pinned_host_memory(model: Any) -> dict[str, Any]:
     """What the process pins, as PyTorch's caching host allocator counts it (where the
-    plugin's and vLLM's pinned tensors come from), and how many MoE layers hold their
+    plugin's and vLLM's pinned tensors come from), of that what the plugin's two arenas hold
+    (``rowcache.pinned``), and how many MoE layers hold their
     ``w13_weight`` on the meta device (released: the cache's planes hold the experts)."""
     import torch
 
@@ -94,9 +95,16 @@ def pinned_host_memory(model: Any) -> dict[str, Any]:
         for _name, module in model.named_modules()
         if getattr(getattr(module, "w13_weight", None), "is_meta", False)
     )
+    from rowcache.pinned import pinned_memory
+
+    # The arenas' slabs are part of the allocator's bytes: what they do not hold is vLLM's and
+    # torch's own (or a block the allocator cached after an arena let go of it).
+    arenas = pinned_memory()
     return {
         "host_pinned_bytes": stats.get("allocated_bytes.current"),
         "host_pinned_active_bytes": stats.get("active_bytes.current"),
+        "host_pinned_arena_bytes": arenas["arena_bytes"],
+        "host_pinned_transient_bytes": arenas["transient_bytes"],
         "released_layers": released,
     }
 

@@ -543,6 +543,16 @@ def host_memory_lines(results: Results, prefix: str) -> list[str]:
         line = f"  host memory of {label}: experts {probe['expert_host_bytes'] / 1e9:.2f} GB"
         if probe.get("host_pinned_bytes") is not None:
             line += f", pinned in all {probe['host_pinned_bytes'] / 1e9:.2f} GB"
+            arena, transient = (
+                probe.get("host_pinned_arena_bytes"),
+                probe.get("host_pinned_transient_bytes"),
+            )
+            if arena is not None and transient is not None:
+                line += (
+                    f" (arena slabs {arena / 1e9:.2f} GB, transient slabs "
+                    f"{transient / 1e9:.2f} GB, other "
+                    f"{(probe['host_pinned_bytes'] - arena - transient) / 1e9:.2f} GB)"
+                )
         if "released_layers" in probe:
             line += f", layers released {probe['released_layers']}"
         out.append(line + " (no target)")
