@@ -729,9 +729,7 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         assert self._host is not None and self.rowcache_settings is not None
         # No name here for the host tensors: with planes, release_host_cache must find them
         # dead, or their transient slab outlives the layer (the last layer's, the engine).
-        self.rowcache_provider = build_provider(
-            self.rowcache_settings, self._capacity, *self._host
-        )
+        self.rowcache_provider = build_provider(self.rowcache_settings, self._capacity, *self._host)
         if self.rowcache_settings.compress_planes:
             release_host_weights(layer)
             self._host = None
