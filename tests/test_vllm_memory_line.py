@@ -51,3 +51,17 @@ def test_layers_of_different_sizes_are_given_as_a_range() -> None:
     note_layer({"capacity": 16, "slot_bytes": 16 * 2**20, "host_bytes": 64 * 2**20}, 64)
     line = take_line(planes=False)
     assert line is not None and "8 to 16 of 64 experts a layer" in line
+
+
+def test_pinned_memory_left_from_loading_is_called_a_leak() -> None:
+    """Transient slabs still held once every layer is built are memory nothing will free: the
+    line says how much; none, and it says nothing of it."""
+    take_line(planes=False)
+    note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64)
+    line = take_line(planes=True, load_time_bytes=2 * 2**30)
+    assert line is not None and line.endswith(
+        "; 2.00 GiB of pinned memory from loading the checkpoint still held (expected none: a leak)"
+    )
+    note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64)
+    line = take_line(planes=True, load_time_bytes=0)
+    assert line is not None and "loading" not in line

@@ -1392,6 +1392,51 @@ def test_a_layer_s_host_tensors_are_dead_when_its_release_collects_them(
     assert alive_at_release == [[False, False]]
 
 
+def test_the_first_forward_warns_of_pinned_memory_left_from_loading(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once every layer is built, a transient slab still held is memory nothing will free: the
+    start-up line becomes a warning that names it (2 GiB went unseen on the H200 until a probe
+    read it)."""
+    import torch
+
+    import rowcache.vllm._method as method_module
+
+    section = {
+        "moe_expert_cache_size": 3,
+        "moe_expert_cache_planner": "device",
+        "moe_expert_cache_compress": "on",
+    }
+    method = _method(fake_vllm, section)
+    weights, _, x, ids, topk_weights = _bf16_layer_and_inputs(8)
+    layer = torch.nn.Module()
+    layer.activation, layer.global_num_experts = "silu", E
+    layer.apply_router_weight_on_input = False
+
+    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    take_line(planes=False)  # layers other tests built and never ran
+    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
+    layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
+    layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
+    method.process_weights_after_loading(layer)
+    method.moe_kernel = TritonKernel(weights)
+    monkeypatch.setattr(
+        method_module,
+        "pinned_memory",
+        lambda: {"torch_host_bytes": None, "arena_bytes": 0, "transient_bytes": 2 << 30},
+    )
+    caplog.set_level(logging.INFO, logger="rowcache.vllm")
+    method.apply(layer, x, topk_weights, ids, None, None)
+    said = [r for r in caplog.records if "MoE layer cached" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    message = said[0].getMessage()
+    assert message.endswith(
+        "; 2.00 GiB of pinned memory from loading the checkpoint still held (expected none: a leak)"
+    )
+
+
 def test_a_released_layer_s_slab_is_collected_inside_vllms_loading_context(
     fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

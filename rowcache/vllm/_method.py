@@ -66,7 +66,12 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 from rowcache.cached import CachedWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
 from rowcache.forward import run_unreduced_with_expert_cache, run_with_expert_cache
-from rowcache.pinned import collect_transient, pinned_empty_exact, pinned_empty_transient
+from rowcache.pinned import (
+    collect_transient,
+    pinned_empty_exact,
+    pinned_empty_transient,
+    pinned_memory,
+)
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
 from rowcache.types import ExpertWeightProvider, ExpertWeightResult
@@ -562,9 +567,10 @@ class CachedForward:
         if self.rowcache_forwards == 0:
             # A layer's first forward: every layer is built by then (vLLM's profile run).
             settings = self.rowcache_settings
-            line = take_line(planes=settings is not None and settings.compress_planes)
+            left = int(pinned_memory()["transient_bytes"] or 0)
+            line = take_line(settings is not None and settings.compress_planes, left)
             if line is not None:
-                logger.info(line)
+                (logger.warning if left else logger.info)(line)
         self.rowcache_forwards += 1
         pending_shared = [shared_experts]
         every_row = slice(0, topk_ids.shape[0])

@@ -52,9 +52,12 @@ def _counts(values: set[int]) -> str:
     return " to ".join(str(v) for v in sorted({min(values), max(values)}))
 
 
-def take_line(planes: bool) -> str | None:
+def take_line(planes: bool, load_time_bytes: int = 0) -> str | None:
     """The line for the layers noted since the last one (``planes``: their experts are held as
-    bf16 planes), and a new tally; None when no layer was noted."""
+    bf16 planes), and a new tally; None when no layer was noted. ``load_time_bytes``: pinned
+    bytes of the checkpoint tensors' transient slabs (``rowcache.pinned``) still held once every
+    layer is built; each layer lets go of its own, so anything here is memory nothing will free,
+    and the line says so."""
     global _tally
     tally, _tally = _tally, _Tally()
     if tally.layers == 0:
@@ -68,4 +71,9 @@ def take_line(planes: bool) -> str | None:
         f"{_counts(tally.experts)} experts a layer in slots: {tally.slot_bytes / GIB:.2f} GiB of "
         f"the experts' {tally.expert_bytes / GIB:.2f} GiB on the GPU; "
         f"{tally.host_bytes / GIB:.2f} GiB held in pinned host memory ({held})"
+    ) + (
+        f"; {load_time_bytes / GIB:.2f} GiB of pinned memory from loading the checkpoint "
+        "still held (expected none: a leak)"
+        if load_time_bytes
+        else ""
     )
