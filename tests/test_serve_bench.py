@@ -180,6 +180,32 @@ def test_levels_past_the_deadline_are_recorded_not_run(
     assert levels["c32"]["status"].startswith("not run: time (100 s left)")
 
 
+def test_a_client_with_vllm_imported_is_estimated_without_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A level's estimate counts a client's start (``CLIENT_START_S``) only where the client is
+    not already running with vLLM imported (``PersistentClient.warm``)."""
+    monkeypatch.setenv("FAKE_PIDS", str(tmp_path / "pids"))
+    fake = FakeBench({"none": 100.0, "uva": 100.0, "row": 100.0}, {"none": 1, "uva": 1, "row": 1})
+
+    class Client:
+        def __init__(self, warm: bool) -> None:
+            self.warm = warm
+
+        def __call__(self, command: list[str], env: dict[str, str], log: Path, t: float) -> int:
+            return fake.client(command, env, log, t)
+
+    # The warm-up: 16 x 160 tokens at 100 tok/s before any figure, 25.6 s, of 40 s left.
+    levels = {}
+    for warm in (True, False):
+        options = _options(tmp_path / str(warm), servers=(sb.SERVERS["none"],), deadline_s=40.0)
+        record = sb.run(options, clock=lambda: 0.0, client=Client(warm), launcher=fake.launcher)
+        levels[warm] = record["servers"][0]["levels"]
+    assert levels[True]["warmup"]["status"] == "ok" and levels[True]["c1"]["status"] == "ok"
+    assert levels[True]["c32"]["status"].startswith("not run: time")
+    assert levels[False]["warmup"]["status"].startswith("not run: time")
+
+
 def test_a_checkpoint_without_a_tokenizer_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -35,6 +35,10 @@ plain vLLM) and only over levels whose every request was answered; a level the s
 live to run is recorded as such. ``tools/vllm/plot_serve.py`` draws latency against throughput
 from the records and judges the targets over records of several calls.
 
+The client runs in one process for the whole run (``bench_client.py``, ``PersistentClient``):
+vLLM's client module imported once instead of once a level (about 30 s each on the H200);
+``--client-per-level`` starts ``vllm bench serve`` anew for every level instead.
+
 ``--batch-invariant`` starts every server with ``VLLM_BATCH_INVARIANT=1`` (vLLM's
 batch-invariant kernels: a request's tokens do not depend on what it is batched with), to
 measure what the mode costs. ``--deadline``: levels that would not end before it are recorded
@@ -47,6 +51,7 @@ modules too); nothing more for the random dataset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -261,11 +266,13 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
 
 CLIENT_START_S = 30.0
 """A client's start (its imports) and end: 22 to 27 s on the H200 (2026-12-03)."""
+WARM_CLIENT_S = 5.0
+"""A level's overhead in a client that has imported vLLM already (``PersistentClient``)."""
 
 
-def estimate_s(level: Level, tok_s: float | None) -> float:
+def estimate_s(level: Level, tok_s: float | None, client_s: float = CLIENT_START_S) -> float:
     """How long ``level`` should take at ``tok_s`` output tokens a second (the server's best
-    so far; 100 before any), plus ``CLIENT_START_S``.
+    so far; 100 before any), plus the client's own time ``client_s``.
 
     Not padded: a level that starts anyway is cut at the deadline by its client's timeout and
     recorded as such, while a padded estimate skipped levels that would have fitted (on the
@@ -275,7 +282,7 @@ def estimate_s(level: Level, tok_s: float | None) -> float:
     seconds = tokens / max(tok_s or 100.0, 1.0)
     if level.rate is not None:
         seconds = max(seconds, level.prompts / level.rate)
-    return seconds + CLIENT_START_S
+    return seconds + client_s
 
 
 Runner = Callable[[list[str], dict[str, str], Path, float], int]
@@ -293,6 +300,70 @@ def run_client(command: list[str], env: dict[str, str], log: Path, timeout: floa
         except subprocess.TimeoutExpired:
             return 124
     return done.returncode
+
+
+class PersistentClient:
+    """A ``Runner`` that keeps vLLM's client in one process (``bench_client.py``) and hands it
+    each level's arguments, so that vLLM is imported once a run rather than once a level. A
+    level past its timeout kills the process (its process group) and returns 124, as a client
+    process of its own would; the next level starts a new one. ``warm``: a process is running
+    with vLLM imported (its next level costs ``WARM_CLIENT_S``, not ``CLIENT_START_S``)."""
+
+    def __init__(self, python: str = sys.executable) -> None:
+        self.python = python
+        self._process: Any = None
+        self._env: dict[str, str] | None = None
+        self.warm = False
+
+    def __call__(self, command: list[str], env: dict[str, str], log: Path, timeout: float) -> int:
+        import select
+        import subprocess
+
+        argv = command[command.index("serve", command.index("bench")) + 1 :]
+        if self._process is None or self._process.poll() is not None or env != self._env:
+            self.close()
+            driver = Path(__file__).with_name("bench_client.py")
+            with open(log, "ab") as err:  # the driver's own errors, before it redirects
+                self._process = subprocess.Popen(
+                    [self.python, str(driver)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    env=env,
+                    start_new_session=True,
+                )
+            self._env, self.warm = dict(env), False
+        process = self._process
+        process.stdin.write((json.dumps({"argv": argv, "log": str(log)}) + "\n").encode())
+        process.stdin.flush()
+        ready, _, _ = select.select([process.stdout], [], [], max(timeout, 0.0))
+        line = process.stdout.readline() if ready else b""
+        if not ready:
+            self.close()
+            return 124
+        if not line:  # the driver died: its exit status, its traceback in the log
+            code = process.wait()
+            self._process = None
+            with open(log, "a") as out:
+                out.write(f"\nbench_client.py exited ({code}) before it answered\n")
+            return code or 1
+        self.warm = True
+        return int(json.loads(line)["rc"])
+
+    def close(self) -> None:
+        """Stop the driver (its whole process group)."""
+        import signal
+
+        process, self._process, self.warm = self._process, None, False
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
 
 
 @dataclass(frozen=True)
@@ -363,7 +434,8 @@ def bench_server(
             if code is not None:
                 record.levels[level.name] = {"status": f"not run: the server exited ({code})"}
                 continue
-            if left < estimate_s(level, best):
+            warm = bool(getattr(run, "warm", False))
+            if left < estimate_s(level, best, WARM_CLIENT_S if warm else CLIENT_START_S):
                 record.levels[level.name] = {"status": f"not run: time ({left:.0f} s left)"}
                 continue
             name = f"{options.label}-{server.name}-{level.name}.json"
@@ -513,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--deadline", type=float, default=3600.0)
     ap.add_argument("--build", default=None, help="make_moe_checkpoint.py arguments")
+    ap.add_argument(
+        "--client-per-level",
+        action="store_true",
+        help="start vllm bench serve anew for every level (about 30 s of imports each) "
+        "instead of one client process for the run (bench_client.py)",
+    )
     ns = ap.parse_args(argv)
     try:
         servers = tuple(parse_servers(ns.servers))
@@ -531,7 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     # --deadline counts from here: the build's time is the servers' no longer.
     deadline_s = ns.deadline - (time.monotonic() - started)
     options = Options(ns.model, ns.out, servers, levels, ns.label, ns.batch_invariant, deadline_s)
-    run(options)
+    if ns.client_per_level:
+        run(options)
+        return 0
+    client = PersistentClient(options.python)
+    try:
+        run(options, client=client)
+    finally:
+        client.close()
     return 0
 
 
