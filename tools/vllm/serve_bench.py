@@ -331,6 +331,8 @@ class PersistentClient:
                     stderr=err,
                     env=env,
                     start_new_session=True,
+                    # Killed with this tool however it exits, as the servers are.
+                    preexec_fn=serve_check._interruptible,
                 )
             self._env, self.warm = dict(env), False
         process = self._process
