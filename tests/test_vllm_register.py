@@ -1208,6 +1208,32 @@ def test_the_refusals_serve_refusals_looks_for(fake_vllm: Any) -> None:
     assert cases["host-planner-in-one-full-graph"] in str(failed.value)
 
 
+def _loaded_planes_layer(fake_vllm: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """A layer of the plugin's method with ``moe_expert_cache_compress='on'`` (device planner,
+    3 slots), its pinned weights written by its loaders, not yet processed; with the weights
+    and a batch: ``(method, layer, weights, x, ids, topk_weights)``."""
+    import torch
+
+    section = {
+        "moe_expert_cache_size": 3,
+        "moe_expert_cache_planner": "device",
+        "moe_expert_cache_compress": "on",
+    }
+    method = _method(fake_vllm, section)
+    weights, _, x, ids, topk_weights = _bf16_layer_and_inputs(8)
+    layer = torch.nn.Module()
+    layer.activation, layer.global_num_experts = "silu", E
+    layer.apply_router_weight_on_input = False
+
+    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:  # vLLM's loader, in short
+        param.data.copy_(loaded)
+
+    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
+    layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
+    layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
+    return method, layer, weights, x, ids, topk_weights
+
+
 def test_with_planes_the_layers_pinned_weights_are_released(
     fake_vllm: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1224,24 +1250,8 @@ def test_with_planes_the_layers_pinned_weights_are_released(
     from rowcache.vllm._config import RowcacheError
     from tools.vllm.harness import probes
 
-    section = {
-        "moe_expert_cache_size": 3,
-        "moe_expert_cache_planner": "device",
-        "moe_expert_cache_compress": "on",
-    }
-    method = _method(fake_vllm, section)
-    weights, _, x, ids, topk_weights = _bf16_layer_and_inputs(8)
-    layer = torch.nn.Module()
-    layer.activation, layer.global_num_experts = "silu", E
-    layer.apply_router_weight_on_input = False
-
-    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:  # vLLM's loader, in short
-        param.data.copy_(loaded)
-
     take_line(planes=False)  # layers other tests built and never ran
-    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
-    layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
-    layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
+    method, layer, weights, x, ids, topk_weights = _loaded_planes_layer(fake_vllm)
     assert method._host is not None
     assert torch.equal(method._host[0], weights.w13)  # the loader wrote the host tensor
     held = [weakref.ref(t) for t in method._host]
@@ -1362,25 +1372,9 @@ def test_a_layer_s_host_tensors_are_dead_when_its_release_collects_them(
     (2 GiB of the 9.67 GB pinned for 6.76 GB of planes on the H200, 2026-12-05)."""
     import weakref
 
-    import torch
-
     import rowcache.vllm._method as method_module
 
-    section = {
-        "moe_expert_cache_size": 3,
-        "moe_expert_cache_planner": "device",
-        "moe_expert_cache_compress": "on",
-    }
-    method = _method(fake_vllm, section)
-    weights, *_ = _bf16_layer_and_inputs(8)
-    layer = torch.nn.Module()
-
-    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded)
-
-    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
-    layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
-    layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
+    method, layer, *_ = _loaded_planes_layer(fake_vllm)
     held = [weakref.ref(t) for t in method._host]
     alive_at_release: list[list[bool]] = []
     monkeypatch.setattr(
@@ -1398,28 +1392,11 @@ def test_the_first_forward_warns_of_pinned_memory_left_from_loading(
     """Once every layer is built, a transient slab still held is memory nothing will free: the
     start-up line becomes a warning that names it (2 GiB went unseen on the H200 until a probe
     read it)."""
-    import torch
 
     import rowcache.vllm._method as method_module
 
-    section = {
-        "moe_expert_cache_size": 3,
-        "moe_expert_cache_planner": "device",
-        "moe_expert_cache_compress": "on",
-    }
-    method = _method(fake_vllm, section)
-    weights, _, x, ids, topk_weights = _bf16_layer_and_inputs(8)
-    layer = torch.nn.Module()
-    layer.activation, layer.global_num_experts = "silu", E
-    layer.apply_router_weight_on_input = False
-
-    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded)
-
     take_line(planes=False)  # layers other tests built and never ran
-    method.create_weights(layer, E, HIDDEN, INTER, torch.bfloat16, weight_loader=load)
-    layer.w13_weight.weight_loader(layer.w13_weight, weights.w13)
-    layer.w2_weight.weight_loader(layer.w2_weight, weights.w2)
+    method, layer, weights, x, ids, topk_weights = _loaded_planes_layer(fake_vllm)
     method.process_weights_after_loading(layer)
     method.moe_kernel = TritonKernel(weights)
     monkeypatch.setattr(
