@@ -339,10 +339,10 @@ class PersistentClient:
         process.stdin.write((json.dumps({"argv": argv, "log": str(log)}) + "\n").encode())
         process.stdin.flush()
         ready, _, _ = select.select([process.stdout], [], [], max(timeout, 0.0))
-        line = process.stdout.readline() if ready else b""
         if not ready:
             self.close()
             return 124
+        line = process.stdout.readline()
         if not line:  # the driver died: its exit status, its traceback in the log
             code = process.wait()
             self._process = None
