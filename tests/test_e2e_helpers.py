@@ -502,10 +502,23 @@ def test_spec_fields_have_defaults_that_change_nothing() -> None:
     assert required == ["name", "checkpoint", "prompts", "max_tokens", "mode"]
 
 
-def test_the_pinned_memory_probe_counts_released_layers() -> None:
+def test_the_pinned_memory_probe_counts_released_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer whose ``w13_weight`` is on the meta device counts as released, one on the CPU
-    does not; the allocator's figures are None where no pinned allocator has run."""
+    does not; the allocator's figures are None where no pinned allocator has run; the arenas'
+    slabs are read from the arenas."""
+    from rowcache import pinned
     from tools.vllm.harness.probes import pinned_host_memory
+
+    arenas = {
+        name: pinned.PinnedArena(1 << 12, lambda n: torch.zeros(n, dtype=torch.uint8))
+        for name in ("_ARENA", "_TRANSIENT")
+    }
+    for name, arena in arenas.items():
+        monkeypatch.setattr(pinned, name, arena)
+    views = [
+        arenas["_ARENA"].empty((3,), torch.uint8),
+        arenas["_TRANSIENT"].empty((5000,), torch.uint8),
+    ]
 
     released, kept = torch.nn.Module(), torch.nn.Module()
     released.w13_weight = torch.nn.Parameter(torch.empty(2, 3, device="meta"))
@@ -516,7 +529,8 @@ def test_the_pinned_memory_probe_counts_released_layers() -> None:
     if not torch.cuda.is_available():
         assert found["host_pinned_bytes"] in (None, 0)
     # The arenas' share, so that a record can tell their slabs from vLLM's and torch's blocks.
-    assert isinstance(found["host_pinned_arena_bytes"], int)
-    assert isinstance(found["host_pinned_transient_bytes"], int)
+    assert found["host_pinned_arena_bytes"] == 1 << 12
+    assert found["host_pinned_transient_bytes"] == 1 << 14  # twice 5,000's next power of two
+    del views
     kept.w13_weight = torch.nn.Parameter(torch.empty(2, 3, device="meta"))
     assert pinned_host_memory(model)["released_layers"] == 2
