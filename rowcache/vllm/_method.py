@@ -150,6 +150,11 @@ class HostLoad:
         finally:
             param.data = view
 
+    @property
+    def registered(self) -> Tensor | None:
+        """The parameter this loader was registered with (None once forgotten)."""
+        return self._param
+
     def forget(self) -> None:
         """Drop the host tensor and its parameter (the cache holds the experts otherwise)."""
         self._param = self._host = None
@@ -157,17 +162,24 @@ class HostLoad:
 
 def drop_replaced(layer: Any, params: Iterable[tuple[str, Tensor]]) -> None:
     """Empty the data of each ``(name, parameter)`` that is no longer ``layer``'s ``name``
-    (replaced), and forget its host loader.
+    (replaced), and of the parameter its host loader was registered with where vLLM replaced
+    that one before (``HostLoad.registered``); forget the loader.
 
     A replaced parameter may outlive its replacement: vLLM 0.25.0 processes a layer's weights
     inside ``device_loading_context``, a generator whose loop variable still holds the layer's
-    last parameter (a replaced one) until the layer is done. Its data, our device view, would
-    hold the view's host memory (a transient slab) past ``release_host_cache``, and the last
-    layer's for the engine's life. A parameter still the layer's is left as it is."""
+    last parameter until the layer is done: the one ``register_host_parameter`` made, which
+    vLLM's own ``process_weights_after_loading`` has by then replaced (``replace_parameter``:
+    a new parameter over the same data). Its data, our device view, would hold the view's host
+    memory (a transient slab) past ``release_host_cache``, and the last layer's for the
+    engine's life (2 GiB on the H200, 2026-12-05). A parameter still the layer's is left as
+    it is."""
     for name, param in params:
+        loader = getattr(param, "weight_loader", None)
+        first = loader.registered if isinstance(loader, HostLoad) else None
         forget_host_loaders([param])
-        if getattr(layer, name, None) is not param:
-            param.data = param.data.new_empty(0)
+        for each in (param, first):
+            if each is not None and getattr(layer, name, None) is not each:
+                each.data = each.data.new_empty(0)
 
 
 def forget_host_loaders(params: Iterable[Any]) -> None:
@@ -237,9 +249,9 @@ def release_host_cache() -> None:
     allocator keeps a freed block for reuse by a later request of its size class, so the
     process would stay pinned at its peak (``torch.cuda.host_memory_stats``' allocated
     bytes) after the cache released a layer's checkpoint tensors."""
+    collect_transient()  # the released layers' slabs back to torch first
     if not torch.cuda.is_available():
         return
-    collect_transient()  # the released layers' slabs back to torch first
     empty = lookup(HOST_EMPTY_CACHE)
     if empty is not None:
         empty()
@@ -568,6 +580,11 @@ class CachedForward:
             # A layer's first forward: every layer is built by then (vLLM's profile run).
             settings = self.rowcache_settings
             left = int(pinned_memory()["transient_bytes"] or 0)
+            if left and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                # What died after the last layer's release (anything vLLM's loading code
+                # still held then) goes back now; what is left is held: a leak.
+                release_host_cache()
+                left = int(pinned_memory()["transient_bytes"] or 0)
             line = take_line(settings is not None and settings.compress_planes, left)
             if line is not None:
                 (logger.warning if left else logger.info)(line)
