@@ -291,11 +291,46 @@ def test_records_of_one_label_merge_and_the_fuller_run_of_a_server_wins() -> Non
     merged = plot_serve.merge([first, second, skew])
     assert [r["label"] for r in merged] == ["plain", "skew"]
     assert [s["name"] for s in merged[0]["servers"]] == ["uva", "row"]
-    assert merged[0]["servers"][1] is second["servers"][0]
+    assert merged[0]["servers"][1]["levels"] == second["servers"][0]["levels"]
     assert plot_serve.targets(merged[0]) == [
         "plain  c1   row / UVA output tok/s 1.100, TTFT p99 1900.0 / 2100.0 ms (met: row <= UVA)"
     ]
     assert plot_serve.targets(merged[1]) == []
+
+
+def test_a_server_run_for_the_levels_and_again_for_the_rates_has_both() -> None:
+    """On the H100 (2026-12-05) the skewed router's c1 to c64 ran one server a call and the
+    rate sweep both servers in a later call: the panel has each server's every level, a level
+    answered in full wins over one cut short, and one run without the cache's lines
+    disqualifies the server."""
+    from tools.vllm import plot_serve
+
+    def record(*servers: dict[str, Any]) -> dict[str, Any]:
+        return {"label": "skew", "model": "/m", "servers": list(servers)}
+
+    cut = {"status": "not run: time (9 s left)"}
+    levels_row = {"name": "row", "levels": {"c32": _level(855.0, 700.0), "r2": cut}}
+    levels_uva = {"name": "uva", "levels": {"c32": _level(382.0, 2900.0)}}
+    rates = record(
+        {"name": "uva", "levels": {"r2": _level(241.0, 1071.0)}},
+        {"name": "row", "levels": {"r2": _level(314.0, 206.0), "c32": _level(1.0, 1.0, "FAILED")}},
+    )
+    merged = plot_serve.merge([record(levels_row), record(levels_uva), rates])
+    assert len(merged) == 1
+    servers = {s["name"]: s for s in merged[0]["servers"]}
+    assert servers["row"]["levels"] == {"c32": _level(855.0, 700.0), "r2": _level(314.0, 206.0)}
+    assert set(servers["uva"]["levels"]) == {"c32", "r2"}
+    assert plot_serve.targets(merged[0]) == [
+        "skew   c32  row / UVA output tok/s 2.238 (met: >= 1.5), TTFT p99 700.0 / 2900.0 ms "
+        "(met: row <= UVA)",
+        "skew   r2   row / UVA output tok/s 1.303, TTFT p99 206.0 / 1071.0 ms (met: row <= UVA)",
+    ]
+    assert levels_row["levels"]["r2"] is cut  # the records read are left as they were
+    rates["servers"][1]["plugin_verdict"] = "no cache line"
+    merged = plot_serve.merge([record(levels_row), record(levels_uva), rates])
+    assert plot_serve.targets(merged[0]) == [
+        "skew   row compared with nothing: its log did not show the cache (no cache line)"
+    ]
 
 
 def test_a_level_with_failed_requests_says_so(

@@ -67,8 +67,11 @@ def kind(record: dict[str, Any]) -> tuple[str, str, bool]:
 
 def merge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per kind (``kind``), in first-seen order: each kind's servers from all its
-    records; a server that is in several keeps its entry from the record whose levels have the
-    most figures (a server run again after a call ran out of time replaces its empty entry)."""
+    records. A server that is in several (run again after a call ran out of time, or once for
+    the concurrency levels and once for the rate sweep) has every level any of its runs has; a
+    level in several runs keeps the entry with figures whose status is ``ok``, else the one with
+    figures, else the first; its plugin verdict is the first that is not ``ok`` among the runs
+    that gave it a level, so one run whose log did not show the cache disqualifies them all."""
     merged: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for record in records:
         label, model, invariant = key = kind(record)
@@ -78,16 +81,29 @@ def merge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for server in record["servers"]:
             names = [s["name"] for s in into["servers"]]
             if server["name"] not in names:
-                into["servers"].append(server)
+                into["servers"].append({**server, "levels": dict(server.get("levels", {}))})
                 continue
-            at = names.index(server["name"])
-            if _figures(server) > _figures(into["servers"][at]):
-                into["servers"][at] = server
+            _merge_server(into["servers"][names.index(server["name"])], server)
     return list(merged.values())
 
 
-def _figures(server: dict[str, Any]) -> int:
-    return sum(1 for entry in server.get("levels", {}).values() if entry.get("figures"))
+def _merge_server(into: dict[str, Any], server: dict[str, Any]) -> None:
+    """``server``'s levels into ``into`` (``merge``'s rules), in place."""
+    took = False
+    for name, entry in server.get("levels", {}).items():
+        held = into["levels"].get(name)
+        if held is None or _rank(entry) > _rank(held):
+            into["levels"][name] = entry
+            took = True
+    if took and into.get("plugin_verdict", "ok") == "ok":
+        into["plugin_verdict"] = server.get("plugin_verdict", "ok")
+
+
+def _rank(entry: dict[str, Any]) -> int:
+    """2: figures and every request answered; 1: figures; 0: none."""
+    if not entry.get("figures"):
+        return 0
+    return 2 if entry.get("status", "ok") == "ok" else 1
 
 
 def target_c32(label: str) -> float:
