@@ -37,7 +37,7 @@ def complete(server: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple[f
     out: dict[str, tuple[float, ...]] = {}
     for name, entry in server["levels"].items():
         fig = entry.get("figures") or {}
-        if name == "warmup" or entry.get("status", "ok") != "ok":
+        if name.startswith("warmup") or entry.get("status", "ok") != "ok":
             continue
         if all(isinstance(fig.get(k), int | float) for k in keys):
             out[name] = tuple(float(fig[k]) for k in keys)

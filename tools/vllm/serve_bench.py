@@ -15,7 +15,8 @@ One server at a time (``serve_check.launch``: its own process group, its log in 
 * ``row``: rowcache with 32 slots per MoE layer, everything else the plugin's defaults
   (``--additional-config '{"rowcache": {"moe_expert_cache_size": 32}}'``).
 
-Each server first serves a warm-up (``WARMUP``: it compiles the kernels of new batch shapes), then
+Each server first serves two warm-ups (``WARMUPS``: they compile the kernels of new batch
+shapes; each level counts the kernels compiled while it ran, ``JIT_MARK``), then
 every level in turn: ``cN``, at most N requests in flight, as fast as they are answered
 (``--max-concurrency N --request-rate inf``); ``rX``, X requests a second, Poisson arrivals, at most
 64 in flight. The requests are vLLM's random dataset (``--dataset-name random``): prompts of 128 to
@@ -80,11 +81,17 @@ COMMON_ARGS = (
     str(MAX_MODEL_LEN),
     "--hf-overrides",
     json.dumps({"max_position_embeddings": 4096}),
+    "--jit-monitor-verbose",
 )
 """Every server: 64 sequences at once (the highest level), contexts of a 2,048-token prompt and
 256 outputs. The builder's Qwen3 shapes say ``max_position_embeddings`` 2048, below which vLLM
 refuses such a context (``VLLM_ALLOW_LONG_MAX_MODEL_LEN``), hence the override, as the offline
-harness's (``EngineSpec.max_position_embeddings``); the real model's card says 40,960."""
+harness's (``EngineSpec.max_position_embeddings``); the real model's card says 40,960. vLLM's
+JIT monitor logs every kernel compiled after start-up (by default only a kernel's first), so
+that each level counts the compilations inside it (``JIT_MARK``)."""
+JIT_MARK = "JIT compilation during inference"
+"""vLLM 0.25.0's JIT monitor's words (``vllm/utils/jit_monitor.py``): a kernel compiled while
+serving, whose request waits for it."""
 INPUT_LEN, INPUT_RATIO = 1088, 0.8823
 """Prompts of ``1088 x (1 -+ 0.8823)`` (vLLM takes floor and ceil): 128 to 2,048 tokens, uniform."""
 OUTPUT_LEN, OUTPUT_RATIO = 160, 0.6
@@ -152,7 +159,14 @@ LEVELS = {
     "r2": Level("r2", 48, 64, 2.0, seed=6),
     "r4": Level("r4", 64, 64, 4.0, seed=7),
 }
-WARMUP = Level("warmup", 16, 16, seed=0)
+WARMUPS = (Level("warmup", 16, 16, seed=0), Level("warmup1", 16, 1, seed=8))
+"""Served before the levels and left out of every comparison: 16 requests at once (batched
+decodes and prefills), then 16 one at a time (single prompts' prefills, 128 to 2,048 tokens).
+Kernels compile per batch shape (vLLM's MoE kernel picks its tiles by the rows of a step,
+``get_default_config``: up to 32, 96, 512 and more); after the first warm-up alone, the same
+prompts of c1 waited far longer on both servers than their neighbours: on the H100 (2026-12-05)
+a 194-token prompt 1.02 s on ``row`` and 0.73 s on UVA, the seven others 0.09 to 0.26 s; on the
+H200 three of eight 0.86 to 2.02 s. Whether a compilation caused it, ``jit_compiles`` says."""
 DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
 DEFAULT_SERVERS = "none,uva,row"
 
@@ -430,7 +444,7 @@ def bench_server(
         if handle.status != "ready":
             return record
         best: float | None = None
-        for level in (WARMUP, *options.levels):
+        for level in (*WARMUPS, *options.levels):
             left = deadline - clock()
             code = process.poll()
             if code is not None:
@@ -442,6 +456,7 @@ def bench_server(
                 continue
             name = f"{options.label}-{server.name}-{level.name}.json"
             (work / name).unlink(missing_ok=True)  # never an earlier run's figures
+            mark = log.stat().st_size if log.exists() else 0
             code = run(
                 bench_command(options.python, options.model, port, level, work, name),
                 env,
@@ -449,6 +464,7 @@ def bench_server(
                 left,
             )
             entry: dict[str, Any] = {"status": "ok" if code == 0 else f"exit {code}"}
+            entry["jit_compiles"] = compiles_since(log, mark)
             result = work / name
             if result.exists():
                 raw = json.loads(result.read_text())
@@ -473,6 +489,16 @@ def bench_server(
     return record
 
 
+def compiles_since(log: Path, mark: int) -> int:
+    """Kernels the server logged compiling (``JIT_MARK``) past byte ``mark`` of its log: those
+    of the level that just ran (a line still in the server's buffers counts for the next)."""
+    if not log.exists():
+        return 0
+    with open(log, "rb") as f:
+        f.seek(mark)
+        return f.read().decode(errors="replace").count(JIT_MARK)
+
+
 def server_env(options: Options) -> dict[str, str]:
     env = dict(os.environ)
     if options.batch_invariant:
@@ -484,8 +510,8 @@ def table(runs: Sequence[ServerRun], levels: Sequence[Level]) -> str:
     """One line per server and level: output and request throughput, TTFT and TPOT p50/p99,
     ITL p99."""
     head = (
-        f"{'server':6} {'level':6} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8}  status"
+        f"{'server':6} {'level':7} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8} {'JIT':>4}  status"
     )
     lines = [head]
     for record in runs:
@@ -505,10 +531,11 @@ def table(runs: Sequence[ServerRun], levels: Sequence[Level]) -> str:
                 )
 
             lines.append(
-                f"{record.server.name:6} {level.name:6} {cell('output_throughput', 10)} "
+                f"{record.server.name:6} {level.name:7} {cell('output_throughput', 10)} "
                 f"{cell('request_throughput', 7)} {cell('median_ttft_ms', 9)} "
                 f"{cell('p99_ttft_ms', 9)} {cell('median_tpot_ms', 9)} "
-                f"{cell('p99_tpot_ms', 9)} {cell('p99_itl_ms', 8)}  {entry.get('status', '-')}"
+                f"{cell('p99_tpot_ms', 9)} {cell('p99_itl_ms', 8)} "
+                f"{entry.get('jit_compiles', '-'):>4}  {entry.get('status', '-')}"
             )
     return "\n".join(lines)
 
@@ -562,7 +589,7 @@ def write(options: Options, work: Path, runs: Sequence[ServerRun]) -> dict[str, 
         "commit": os.environ.get("ROWCACHE_COMMIT", "?"),
     }
     targets = plot_serve.targets(record)
-    text = table(runs, (WARMUP, *options.levels)) + "\n" + "\n".join(targets) + "\n"
+    text = table(runs, (*WARMUPS, *options.levels)) + "\n" + "\n".join(targets) + "\n"
     (options.out / "serve_bench.json").write_text(json.dumps(record, indent=1) + "\n")
     (options.out / "serve_bench.txt").write_text(text)
     with tarfile.open(options.out / "serve_bench_logs.tar.gz", "w:gz") as tar:
