@@ -273,7 +273,7 @@ def test_the_context_fits_the_position_limit_the_servers_are_given() -> None:
     assert overrides["max_position_embeddings"] >= sb.MAX_MODEL_LEN
 
 
-def test_records_of_one_label_merge_and_the_fuller_run_of_a_server_wins() -> None:
+def test_records_of_one_label_merge_and_a_server_keeps_the_levels_it_ran() -> None:
     """On 2026-12-03 UVA ran in one call and ``row`` (left no time there) in the next: one
     panel, ``row`` from the call where it ran, and the ratios of the levels both have."""
     from tools.vllm import plot_serve
@@ -328,11 +328,20 @@ def test_a_server_run_for_the_levels_and_again_for_the_rates_has_both() -> None:
         "skew   r2   row / UVA output tok/s 1.303, TTFT p99 206.0 / 1071.0 ms (met: row <= UVA)",
     ]
     assert levels_row["levels"]["r2"] is cut  # the records read are left as they were
+    # A run that gave no figure (it never started, or every level was cut) judges nothing,
+    # before or after the runs that did; a run whose figures are kept does.
+    never = {"name": "row", "levels": {"c32": cut}, "plugin_verdict": "no cache line"}
+    for order in ([record(never), record(levels_row)], [record(levels_row), record(never)]):
+        merged = plot_serve.merge([*order, record(levels_uva)])
+        assert merged[0]["servers"][0]["plugin_verdict"] == "ok"
+        assert "(met: >= 1.5)" in plot_serve.targets(merged[0])[0]
     rates["servers"][1]["plugin_verdict"] = "no cache line"
     merged = plot_serve.merge([record(levels_row), record(levels_uva), rates])
     assert plot_serve.targets(merged[0]) == [
         "skew   row compared with nothing: its log did not show the cache (no cache line)"
     ]
+    alone = plot_serve.merge([record(never)])[0]["servers"][0]
+    assert alone["plugin_verdict"] == "no cache line"
 
 
 def test_a_level_with_failed_requests_says_so(

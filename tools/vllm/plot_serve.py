@@ -33,7 +33,7 @@ TARGET_C32 = {"plain": 1.0, "skew": 1.5}
 
 def complete(server: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
     """A server's ``keys`` figures at each level whose every request was answered (status
-    ``ok``) and that has them all, the warm-up left out, in the record's order."""
+    ``ok``) and that has them all, the warm-ups left out, in the record's order."""
     out: dict[str, tuple[float, ...]] = {}
     for name, entry in server["levels"].items():
         fig = entry.get("figures") or {}
@@ -70,33 +70,39 @@ def merge(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     records. A server that is in several (run again after a call ran out of time, or once for
     the concurrency levels and once for the rate sweep) has every level any of its runs has; a
     level in several runs keeps the entry with figures whose status is ``ok``, else the one with
-    figures, else the first; its plugin verdict is the first that is not ``ok`` among the runs
-    that gave it a level, so one run whose log did not show the cache disqualifies them all."""
-    merged: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    figures, else the first. Its plugin verdict is the first that is not ``ok`` among the runs
+    whose figures it keeps (one such run whose log did not show the cache disqualifies the
+    server; a run that gave no figure, one that never started, does not), or among all its
+    runs where none gave a figure."""
+    runs: dict[tuple[str, str, bool], dict[str, list[dict[str, Any]]]] = {}
     for record in records:
-        label, model, invariant = key = kind(record)
-        into = merged.setdefault(
-            key, {"label": label, "model": model, "batch_invariant": invariant, "servers": []}
-        )
+        by_name = runs.setdefault(kind(record), {})
         for server in record["servers"]:
-            names = [s["name"] for s in into["servers"]]
-            if server["name"] not in names:
-                into["servers"].append({**server, "levels": dict(server.get("levels", {}))})
-                continue
-            _merge_server(into["servers"][names.index(server["name"])], server)
-    return list(merged.values())
+            by_name.setdefault(server["name"], []).append(server)
+    out = []
+    for (label, model, invariant), by_name in runs.items():
+        servers = [_merge_server(entries) for entries in by_name.values()]
+        out.append(
+            {"label": label, "model": model, "batch_invariant": invariant, "servers": servers}
+        )
+    return out
 
 
-def _merge_server(into: dict[str, Any], server: dict[str, Any]) -> None:
-    """``server``'s levels into ``into`` (``merge``'s rules), in place."""
-    took = False
-    for name, entry in server.get("levels", {}).items():
-        held = into["levels"].get(name)
-        if held is None or _rank(entry) > _rank(held):
-            into["levels"][name] = entry
-            took = True
-    if took and into.get("plugin_verdict", "ok") == "ok":
-        into["plugin_verdict"] = server.get("plugin_verdict", "ok")
+def _merge_server(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's runs as one (``merge``'s rules); the runs are left as they were."""
+    levels: dict[str, dict[str, Any]] = {}
+    owner: dict[str, int] = {}
+    for at, server in enumerate(entries):
+        for name, entry in server.get("levels", {}).items():
+            if name not in levels or _rank(entry) > _rank(levels[name]):
+                levels[name], owner[name] = entry, at
+    kept = sorted({owner[name] for name, entry in levels.items() if _rank(entry) > 0})
+    verdicts = [entries[at].get("plugin_verdict", "ok") for at in kept or range(len(entries))]
+    return {
+        **entries[0],
+        "levels": levels,
+        "plugin_verdict": next((v for v in verdicts if v != "ok"), "ok"),
+    }
 
 
 def _rank(entry: dict[str, Any]) -> int:

@@ -164,9 +164,11 @@ WARMUPS = (Level("warmup", 16, 16, seed=0), Level("warmup1", 16, 1, seed=8))
 decodes and prefills), then 16 one at a time (single prompts' prefills, 128 to 2,048 tokens).
 Kernels compile per batch shape (vLLM's MoE kernel picks its tiles by the rows of a step,
 ``get_default_config``: up to 32, 96, 512 and more); after the first warm-up alone, the same
-prompts of c1 waited far longer on both servers than their neighbours: on the H100 (2026-12-05)
-a 194-token prompt 1.02 s on ``row`` and 0.73 s on UVA, the seven others 0.09 to 0.26 s; on the
-H200 three of eight 0.86 to 2.02 s. Whether a compilation caused it, ``jit_compiles`` says."""
+prompts of c1 waited far longer than their neighbours on every server: on the H100 (2026-12-05)
+a 194-token prompt 1.02 s on ``row``, 0.73 s on UVA and 0.94 s without offload, the seven
+others 0.03 to 0.26 s; on the H200 three of eight 0.86 to 1.93 s on ``row`` and 1.16 to 2.02 s
+on UVA. Whether a compilation caused it, ``jit_compiles`` says. The second warm-up costs 10 to
+40 s a server (c1's rate)."""
 DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
 DEFAULT_SERVERS = "none,uva,row"
 
@@ -426,7 +428,7 @@ def bench_server(
     run: Runner = run_client,
     launcher: serve_check.Launcher = serve_check.launch,
 ) -> ServerRun:
-    """Start ``server``, serve the warm-up and every level before ``deadline``, stop it."""
+    """Start ``server``, serve the warm-ups and every level before ``deadline``, stop it."""
     record = ServerRun(server)
     port = serve_check.free_port()
     log = work / f"server-{server.name}.log"
@@ -508,7 +510,7 @@ def server_env(options: Options) -> dict[str, str]:
 
 def table(runs: Sequence[ServerRun], levels: Sequence[Level]) -> str:
     """One line per server and level: output and request throughput, TTFT and TPOT p50/p99,
-    ITL p99."""
+    ITL p99, the kernels compiled while it ran (``JIT``)."""
     head = (
         f"{'server':6} {'level':7} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
         f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8} {'JIT':>4}  status"

@@ -9,8 +9,8 @@ under KV-cache pressure that makes vLLM preempt, and over a soak.
 One server at a time (``serve_check.launch``), started with ``VLLM_BATCH_INVARIANT=1`` unless
 ``--no-batch-invariant`` (vLLM's batch-invariant kernels; without them vLLM 0.25.0's own
 tokens at 32 sequences were not reproducible run to run), the same serving settings as
-``serve_bench.py`` (``serve_bench.COMMON_ARGS``), ``none`` (no offload: the control) and ``row``
-(rowcache, 32 slots). For each:
+``serve_bench.py`` (``serve_bench.COMMON_ARGS``, vLLM's verbose JIT monitor among them),
+``none`` (no offload: the control) and ``row`` (rowcache, 32 slots). For each:
 
 1. ``alone``: every one of ``--requests`` distinct token-id prompts (16 to 512 tokens, seeded)
    sent by itself, one after the other: each request's reference tokens;
