@@ -408,6 +408,33 @@ def test_only_runs_of_one_kind_share_a_panel_and_a_skewed_label_has_its_own_targ
     assert "(MISSED: >= 1.5)" in plot_serve.targets(merged[3])[0]
 
 
+def test_a_ttft_verdict_names_the_kernels_compiled_during_its_level() -> None:
+    """One request waiting for a compilation is c1's TTFT p99: the verdict names the kernels
+    each server compiled during the level where either compiled any (``?`` where a record has
+    no count), and says nothing where neither did."""
+    from tools.vllm import plot_serve
+
+    def level(tok_s: float, ttft: float, jit: int | None) -> dict[str, Any]:
+        entry = _level(tok_s, ttft)
+        if jit is not None:
+            entry["jit_compiles"] = jit
+        return entry
+
+    record = {
+        "label": "skew",
+        "servers": [
+            {"name": "uva", "levels": {"c1": level(85.0, 690.0, 0), "c8": level(170, 900, 0)}},
+            {"name": "row", "levels": {"c1": level(250.0, 950.0, 2), "c8": level(510, 700, 0)}},
+            {"name": "none", "levels": {"c1": level(280.0, 880.0, 2)}},
+        ],
+    }
+    c1, c8 = plot_serve.targets(record)
+    assert c1.endswith("(MISSED: row <= UVA); kernels compiled during the level: row 2, UVA 0")
+    assert c8.endswith("(met: row <= UVA)")
+    del record["servers"][0]["levels"]["c1"]["jit_compiles"]
+    assert plot_serve.targets(record)[0].endswith("compiled during the level: row 2, UVA ?")
+
+
 def test_a_row_server_without_the_caches_lines_is_compared_with_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

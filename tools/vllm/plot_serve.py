@@ -10,8 +10,9 @@ its concurrency levels (``c1`` ... ``c64``, each point labelled), the request ra
 separate points. Only levels whose every request was answered are drawn and compared. Prints the
 points and issue 35's targets (``targets``), each met or missed: at concurrency 32 ``row``'s
 output tok/s at least ``TARGET_C32`` times UVA's (1.5 on a label naming the skewed router, 1.0
-otherwise), and ``row``'s TTFT p99 at most UVA's at every level both ran; a ``row`` server whose
-log did not show the cache serving (``plugin_verdict``) is compared with nothing. Needs
+otherwise), and ``row``'s TTFT p99 at most UVA's at every level both ran, with the kernels each
+compiled during the level where either did (``compiled``); a ``row`` server whose log did not
+show the cache serving (``plugin_verdict``) is compared with nothing. Needs
 matplotlib (a dev dependency).
 """
 
@@ -118,6 +119,18 @@ def target_c32(label: str) -> float:
     return TARGET_C32["skew" if "skew" in label else "plain"]
 
 
+def compiled(row: dict[str, Any], uva: dict[str, Any]) -> str:
+    """The kernels each server compiled while a level ran (``serve_bench``'s ``jit_compiles``;
+    ``?`` for a record without the count), where either compiled any: one request that waits
+    for a compilation is a level's TTFT p99 at c1 and c8, so such a comparison is of
+    compilations, not servers, and the verdict says so beside it."""
+    counts = [entry.get("jit_compiles") for entry in (row, uva)]
+    if not any(isinstance(n, int) and n > 0 for n in counts):
+        return ""
+    mine, theirs = ("?" if n is None else str(n) for n in counts)
+    return f"; kernels compiled during the level: row {mine}, UVA {theirs}"
+
+
 def targets(record: dict[str, Any]) -> list[str]:
     """Issue 35's targets (module docstring), each met or missed with its ratio, at every level
     both ``row`` and UVA answered in full; why there is nothing to compare where there is
@@ -142,6 +155,7 @@ def targets(record: dict[str, Any]) -> list[str]:
         lines.append(
             f"{line}, TTFT p99 {mine_ttft:.1f} / {theirs_ttft:.1f} ms "
             f"({'met' if mine_ttft <= theirs_ttft else 'MISSED'}: row <= UVA)"
+            + compiled(servers["row"]["levels"][level], servers["uva"]["levels"][level])
         )
     if "c32" in servers["row"]["levels"] and "c32" not in row:
         lines.append(f"{label:6} c32  row's level not complete: the c32 target not measured")
