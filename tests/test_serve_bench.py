@@ -408,10 +408,10 @@ def test_only_runs_of_one_kind_share_a_panel_and_a_skewed_label_has_its_own_targ
     assert "(MISSED: >= 1.5)" in plot_serve.targets(merged[3])[0]
 
 
-def test_a_ttft_verdict_names_the_kernels_compiled_during_its_level() -> None:
-    """One request waiting for a compilation is c1's TTFT p99: the verdict names the kernels
-    each server compiled during the level where either compiled any (``?`` where a record has
-    no count), and says nothing where neither did."""
+def test_a_levels_verdicts_name_the_compilations_during_it() -> None:
+    """One request waiting for a compilation dominates c1's TTFT p99: a level's line names the
+    compilations each server logged during it where either logged any (``?`` where a record
+    has no count), and says nothing where neither did; other servers' counts do not count."""
     from tools.vllm import plot_serve
 
     def level(tok_s: float, ttft: float, jit: int | None) -> dict[str, Any]:
@@ -429,10 +429,15 @@ def test_a_ttft_verdict_names_the_kernels_compiled_during_its_level() -> None:
         ],
     }
     c1, c8 = plot_serve.targets(record)
-    assert c1.endswith("(MISSED: row <= UVA); kernels compiled during the level: row 2, UVA 0")
+    assert c1.endswith("(MISSED: row <= UVA); compilations during the level: row 2, UVA 0")
     assert c8.endswith("(met: row <= UVA)")
     del record["servers"][0]["levels"]["c1"]["jit_compiles"]
-    assert plot_serve.targets(record)[0].endswith("compiled during the level: row 2, UVA ?")
+    assert plot_serve.targets(record)[0].endswith("during the level: row 2, UVA ?")
+    record["servers"][0]["levels"]["c8"]["jit_compiles"] = 3
+    del record["servers"][1]["levels"]["c8"]["jit_compiles"]
+    assert plot_serve.targets(record)[1].endswith("during the level: row ?, UVA 3")
+    record["servers"][1]["levels"]["c1"]["jit_compiles"] = 0
+    assert plot_serve.targets(record)[0].endswith("(MISSED: row <= UVA)")
 
 
 def test_a_row_server_without_the_caches_lines_is_compared_with_nothing(

@@ -10,9 +10,10 @@ its concurrency levels (``c1`` ... ``c64``, each point labelled), the request ra
 separate points. Only levels whose every request was answered are drawn and compared. Prints the
 points and issue 35's targets (``targets``), each met or missed: at concurrency 32 ``row``'s
 output tok/s at least ``TARGET_C32`` times UVA's (1.5 on a label naming the skewed router, 1.0
-otherwise), and ``row``'s TTFT p99 at most UVA's at every level both ran, with the kernels each
-compiled during the level where either did (``compiled``); a ``row`` server whose log did not
-show the cache serving (``plugin_verdict``) is compared with nothing. Needs
+otherwise), and ``row``'s TTFT p99 at most UVA's at every level both ran, each level's line
+ending with the compilations each server logged during it where either logged any
+(``compiled``); a ``row`` server whose log did not show the cache serving (``plugin_verdict``)
+is compared with nothing. Needs
 matplotlib (a dev dependency).
 """
 
@@ -120,15 +121,16 @@ def target_c32(label: str) -> float:
 
 
 def compiled(row: dict[str, Any], uva: dict[str, Any]) -> str:
-    """The kernels each server compiled while a level ran (``serve_bench``'s ``jit_compiles``;
-    ``?`` for a record without the count), where either compiled any: one request that waits
-    for a compilation is a level's TTFT p99 at c1 and c8, so such a comparison is of
-    compilations, not servers, and the verdict says so beside it."""
+    """The compilations each server logged while a level ran (``serve_bench``'s
+    ``jit_compiles``; ``?`` for a record without the count), where either logged any. A
+    compilation stalls its whole server for most of a second, and one request that waits for
+    it dominates a small level's TTFT p99 and lowers its throughput, so the level's verdicts
+    are then of compilations as much as of servers, and the line says so beside them."""
     counts = [entry.get("jit_compiles") for entry in (row, uva)]
     if not any(isinstance(n, int) and n > 0 for n in counts):
         return ""
     mine, theirs = ("?" if n is None else str(n) for n in counts)
-    return f"; kernels compiled during the level: row {mine}, UVA {theirs}"
+    return f"; compilations during the level: row {mine}, UVA {theirs}"
 
 
 def targets(record: dict[str, Any]) -> list[str]:

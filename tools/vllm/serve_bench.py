@@ -30,7 +30,8 @@ each level's figures and the scalars of its result, the plugin's start-up lines,
 server took to start) beside ``$OUT/serve_bench.txt`` (a table) and ``$OUT/serve_bench_logs.tar.gz``
 (the servers' and clients' logs and vLLM's whole result files, per-request lists included). The
 table ends with issue 35's targets, each met or missed (``plot_serve.targets``: ``--label``
-naming ``skew`` judges the skewed router's), compared only where ``row``'s log shows the cache
+naming ``skew`` judges the skewed router's; beside a level's verdict, the compilations each
+server logged during it, where either logged any), compared only where ``row``'s log shows the cache
 serving with its slots (``plugin_verdict``; a machine without the rowcache wheel would serve it as
 plain vLLM) and only over levels whose every request was answered; a level the server did not
 live to run is recorded as such. ``tools/vllm/plot_serve.py`` draws latency against throughput
