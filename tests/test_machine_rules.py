@@ -132,6 +132,8 @@ def test_explain_calls_is_the_counterexample_explain_prints(
 ) -> None:
     name = "no_ready_wait"
     monkeypatch.setattr(sys, "argv", ["model_check", "explain", name])
+    # run as ``python -m model_check`` runs it: not over a copy an earlier test imported
+    monkeypatch.delitem(sys.modules, "model_check.__main__", raising=False)
     with pytest.raises(SystemExit) as exited:
         runpy.run_module("model_check", run_name="__main__", alter_sys=False)
     assert exited.value.code == 0
