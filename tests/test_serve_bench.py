@@ -124,7 +124,7 @@ def test_every_server_every_level_one_record_and_the_targets(
     assert fake.ran == [
         (server, level)
         for server in ("none", "uva", "row")
-        for level in ("warmup", "warmup1", "c1", "c32")
+        for level in ("warmup", "warmup1", "warmup2", "c1", "c32")
     ]
     servers = {s["name"]: s for s in record["servers"]}
     assert all(s["status"] == "ready" for s in servers.values())
@@ -173,12 +173,14 @@ def test_levels_past_the_deadline_are_recorded_not_run(
         clock[0] += 100.0  # each level takes 100 s on the fake clock
         return fake.client(command, env, log, timeout)
 
-    options = _options(tmp_path, servers=(sb.SERVERS["row"],), deadline_s=400.0)
+    options = _options(tmp_path, servers=(sb.SERVERS["row"],), deadline_s=500.0)
     record = sb.run(options, clock=lambda: clock[0], client=client, launcher=fake.launcher)
     levels = record["servers"][0]["levels"]
-    # The two warm-ups (16 x 160 tokens at 100 tok/s: about 56 s each with the client's start)
-    # and c1 fit; c32 (96 x 160 tokens at the 100 tok/s seen) does not with 100 s left.
-    assert [levels[name]["status"] for name in ("warmup", "warmup1", "c1")] == ["ok"] * 3
+    # The three warm-ups (16 x 160 tokens at 100 tok/s: about 56 s each with the client's
+    # start; 16 x 8 tokens: 31 s) and c1 fit; c32 (96 x 160 tokens at the 100 tok/s seen) does
+    # not with 100 s left.
+    names = ("warmup", "warmup1", "warmup2", "c1")
+    assert [levels[name]["status"] for name in names] == ["ok"] * 4
     assert levels["c32"]["status"].startswith("not run: time (100 s left)")
 
 
@@ -259,6 +261,31 @@ def test_every_level_draws_its_own_prompts() -> None:
     for level in levels:
         command = sb.bench_command("py", "/m", 1, level, Path("/r"), "f.json")
         assert command[command.index("--seed") + 1] == str(level.seed)
+
+
+def test_the_short_warm_up_sends_prompts_of_the_small_tile_only() -> None:
+    """``warmup2`` compiles vLLM's MoE kernel for the steps of one prompt of at most 512 rows
+    (its 64-row tile, at odd and even row counts): every prompt it draws lies in 128 to 512
+    tokens after vLLM's floor and ceil, with a few output tokens; every other level draws the
+    benchmark's lengths."""
+    import math
+
+    short = sb.WARMUPS[-1]
+    command = sb.bench_command("py", "/m", 1, short, Path("/r"), "f.json")
+    length = int(command[command.index("--random-input-len") + 1])
+    ratios = json.loads(command[command.index("--random-range-ratio") + 1])
+    low = math.floor(length * (1 - ratios["input"]))
+    high = math.ceil(length * (1 + ratios["input"]))
+    assert low >= 128 and high <= 512 and high - low > 300
+    assert command[command.index("--random-output-len") + 1] == "8" and ratios["output"] == 0
+    assert short.concurrency == 1 and short.name.startswith("warmup")  # plots leave it out
+    for level in [*sb.WARMUPS[:-1], *sb.LEVELS.values()]:
+        command = sb.bench_command("py", "/m", 1, level, Path("/r"), "f.json")
+        assert command[command.index("--random-input-len") + 1] == str(sb.INPUT_LEN)
+        assert json.loads(command[command.index("--random-range-ratio") + 1]) == {
+            "input": sb.INPUT_RATIO,
+            "output": sb.OUTPUT_RATIO,
+        }
 
 
 def test_the_context_fits_the_position_limit_the_servers_are_given() -> None:
@@ -485,7 +512,7 @@ def test_levels_after_the_server_exits_are_recorded_as_such(
     levels = record["servers"][0]["levels"]
     assert levels["c1"]["status"] == "ok"
     assert levels["c32"]["status"].startswith("not run: the server exited (")
-    assert [level for _, level in fake.ran] == ["warmup", "warmup1", "c1"]
+    assert [level for _, level in fake.ran] == ["warmup", "warmup1", "warmup2", "c1"]
 
 
 def test_each_level_counts_the_kernels_the_server_compiled_while_it_ran(

@@ -15,7 +15,7 @@ One server at a time (``serve_check.launch``: its own process group, its log in 
 * ``row``: rowcache with 32 slots per MoE layer, everything else the plugin's defaults
   (``--additional-config '{"rowcache": {"moe_expert_cache_size": 32}}'``).
 
-Each server first serves two warm-ups (``WARMUPS``: they compile the kernels of new batch
+Each server first serves three warm-ups (``WARMUPS``: they compile the kernels of new batch
 shapes; each level counts the kernels compiled while it ran, ``JIT_MARK``), then
 every level in turn: ``cN``, at most N requests in flight, as fast as they are answered
 (``--max-concurrency N --request-rate inf``); ``rX``, X requests a second, Poisson arrivals, at most
@@ -138,7 +138,9 @@ SERVERS = {
 @dataclass(frozen=True)
 class Level:
     """One load level: ``concurrency`` requests in flight at most, arriving at ``rate`` a
-    second (None: all at once), ``prompts`` requests in all, drawn with ``seed``.
+    second (None: all at once), ``prompts`` requests in all, drawn with ``seed``, their prompt
+    and output lengths ``len x (1 -+ ratio)`` (the benchmark's, ``INPUT_LEN`` and
+    ``OUTPUT_LEN``, but for a warm-up).
 
     Every level has its own seed, the same on every server: with one seed every level would
     send the first prompts of the level before it again, and vLLM's prefix cache (on by
@@ -149,6 +151,10 @@ class Level:
     concurrency: int
     rate: float | None = None
     seed: int = 0
+    input_len: int = INPUT_LEN
+    input_ratio: float = INPUT_RATIO
+    output_len: int = OUTPUT_LEN
+    output_ratio: float = OUTPUT_RATIO
 
 
 LEVELS = {
@@ -160,16 +166,27 @@ LEVELS = {
     "r2": Level("r2", 48, 64, 2.0, seed=6),
     "r4": Level("r4", 64, 64, 4.0, seed=7),
 }
-WARMUPS = (Level("warmup", 16, 16, seed=0), Level("warmup1", 16, 1, seed=8))
+WARMUPS = (
+    Level("warmup", 16, 16, seed=0),
+    Level("warmup1", 16, 1, seed=8),
+    Level("warmup2", 16, 1, seed=9, input_len=320, input_ratio=0.59, output_len=8, output_ratio=0),
+)
 """Served before the levels and left out of every comparison: 16 requests at once (batched
-decodes and prefills), then 16 one at a time (single prompts' prefills, 128 to 2,048 tokens).
-Kernels compile per batch shape (vLLM's MoE kernel picks its tiles by the rows of a step,
-``get_default_config``: up to 32, 96, 512 and more); after the first warm-up alone, the same
-prompts of c1 waited far longer than their neighbours on every server: on the H100 (2026-12-05)
-a 194-token prompt 1.02 s on ``row``, 0.73 s on UVA and 0.94 s without offload, the seven
-others 0.03 to 0.26 s; on the H200 three of eight 0.86 to 1.93 s on ``row`` and 1.16 to 2.02 s
-on UVA. Whether a compilation caused it, ``jit_compiles`` says. The second warm-up costs 10 to
-40 s a server (c1's rate)."""
+decodes and prefills), 16 one at a time (single prompts' prefills, 128 to 2,048 tokens), and 16
+short prompts one at a time (131 to 509 tokens, 8 tokens out). vLLM compiles its MoE kernel
+(``fused_moe_kernel``) for each tile it picks by the rows of a step, and a step of more rows
+than the CUDA graphs were captured for runs it outside them; a compilation stalls the whole
+server for most of a second, and the request that met it waits that long for its first token.
+On the H100 (2026-12-05, ``docs/records/2026-12-05-serving-batch-invariant.md``), after the
+first two warm-ups, both servers compiled the kernel's 64-row tile again during c8, as a
+488-token prompt was prefilled beside requests decoding; the same tile, with the same
+constants, had compiled in ``warmup1`` for its one prompt under 512 tokens. Triton compiles
+a kernel again for an integer argument that is or is not a multiple of 16 (vLLM passes the
+step's rows times top-k), so most likely the odd row count did it: ``warmup2``'s 16 short
+prompts are rows on both sides of that line, nearly surely. After the first warm-up alone (no
+``warmup1``), a 194-token prompt of c1 waited 0.7 to 1.0 s on every server, no offload
+included. ``jit_compiles`` says whether a level still compiled. ``warmup1`` costs 10 to 40 s a
+server (c1's rate), ``warmup2`` a few seconds."""
 DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
 DEFAULT_SERVERS = "none,uva,row"
 
@@ -210,7 +227,7 @@ def bench_command(
     python: str, model: str, port: int, level: Level, result_dir: Path, filename: str
 ) -> list[str]:
     """``vllm bench serve`` of one level against the server on ``port`` (module docstring)."""
-    ratios = json.dumps({"input": INPUT_RATIO, "output": OUTPUT_RATIO})
+    ratios = json.dumps({"input": level.input_ratio, "output": level.output_ratio})
     command = [
         python,
         "-m",
@@ -228,9 +245,9 @@ def bench_command(
         "--dataset-name",
         "random",
         "--random-input-len",
-        str(INPUT_LEN),
+        str(level.input_len),
         "--random-output-len",
-        str(OUTPUT_LEN),
+        str(level.output_len),
         "--random-range-ratio",
         ratios,
         "--num-prompts",
@@ -295,7 +312,7 @@ def estimate_s(level: Level, tok_s: float | None, client_s: float = CLIENT_START
     recorded as such, while a padded estimate skipped levels that would have fitted (on the
     H200, ``row``'s c32 with 195 s left: estimated 225 s at c8's rate, UVA's took 73 s), since
     more requests in flight answer more tokens a second."""
-    tokens = level.prompts * OUTPUT_LEN
+    tokens = level.prompts * level.output_len
     seconds = tokens / max(tok_s or 100.0, 1.0)
     if level.rate is not None:
         seconds = max(seconds, level.prompts / level.rate)
@@ -574,6 +591,7 @@ def write(options: Options, work: Path, runs: Sequence[ServerRun]) -> dict[str, 
             "output_len": OUTPUT_LEN,
             "output_ratio": OUTPUT_RATIO,
         },
+        "warmups": [dataclasses.asdict(level) for level in WARMUPS],
         "levels": [dataclasses.asdict(level) for level in options.levels],
         "servers": [
             {
