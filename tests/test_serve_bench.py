@@ -141,7 +141,9 @@ def test_every_server_every_level_one_record_and_the_targets(
     with tarfile.open(tmp_path / "out" / "serve_bench_logs.tar.gz") as tar:
         names = tar.getnames()
     assert "plain-row-c32.json" in names and "server-uva.log" in names
-    assert json.loads((tmp_path / "out" / "serve_bench.json").read_text())["label"] == "plain"
+    written = json.loads((tmp_path / "out" / "serve_bench.json").read_text())
+    assert written["label"] == "plain"
+    assert [w["name"] for w in written["warmups"]] == ["warmup", "warmup1", "warmup2"]
 
 
 def test_a_missed_target_and_the_batch_invariant_environment(
@@ -176,9 +178,8 @@ def test_levels_past_the_deadline_are_recorded_not_run(
     options = _options(tmp_path, servers=(sb.SERVERS["row"],), deadline_s=500.0)
     record = sb.run(options, clock=lambda: clock[0], client=client, launcher=fake.launcher)
     levels = record["servers"][0]["levels"]
-    # The three warm-ups (16 x 160 tokens at 100 tok/s: about 56 s each with the client's
-    # start; 16 x 8 tokens: 31 s) and c1 fit; c32 (96 x 160 tokens at the 100 tok/s seen) does
-    # not with 100 s left.
+    # The three warm-ups and c1 fit; c32 (96 x 160 tokens at the 100 tok/s seen) does not with
+    # 100 s left.
     names = ("warmup", "warmup1", "warmup2", "c1")
     assert [levels[name]["status"] for name in names] == ["ok"] * 4
     assert levels["c32"]["status"].startswith("not run: time (100 s left)")
@@ -263,25 +264,39 @@ def test_every_level_draws_its_own_prompts() -> None:
         assert command[command.index("--seed") + 1] == str(level.seed)
 
 
-def test_the_short_warm_up_sends_prompts_of_the_small_tile_only() -> None:
-    """``warmup2`` compiles vLLM's MoE kernel for the steps of one prompt of at most 512 rows
-    (its 64-row tile, at odd and even row counts): every prompt it draws lies in 128 to 512
-    tokens after vLLM's floor and ceil, with a few output tokens; every other level draws the
-    benchmark's lengths."""
-    import math
+RECORDED = Path(__file__).resolve().parents[1] / "docs" / "vllm" / "2026-12-05-serving-bi-h100"
 
+
+def test_the_prompt_lengths_drawn_are_the_ones_vllm_drew_on_the_gpu() -> None:
+    """``drawn_prompt_lengths`` against the lengths in vLLM's own result files of the H100 run
+    (2026-12-05, both warm-ups and both levels, in the order sent)."""
+    with tarfile.open(RECORDED / "plain-row" / "serve_bench_logs.tar.gz") as tar:
+        for level in (*sb.WARMUPS[:2], sb.LEVELS["c8"], sb.LEVELS["c32"]):
+            member = tar.extractfile(f"plain-row-{level.name}.json")
+            assert member is not None
+            assert sb.drawn_prompt_lengths(level) == json.load(member)["input_lens"]
+
+
+def test_the_short_warm_up_meets_the_small_tile_at_odd_and_even_rows() -> None:
+    """``warmup2``: lone prompts of 129 to 512 tokens (steps past the 128 rows of the captured
+    CUDA graphs, below the 512 where vLLM's MoE kernel takes its next tile), both odd and even
+    (Triton compiles the kernel apart for rows x top-k a multiple of 16 or not), with 8 tokens
+    out; every other level draws the benchmark's lengths."""
     short = sb.WARMUPS[-1]
+    lengths = sb.drawn_prompt_lengths(short)
+    assert all(129 <= n <= 512 for n in lengths)
+    assert {n % 2 for n in lengths} == {0, 1}
     command = sb.bench_command("py", "/m", 1, short, Path("/r"), "f.json")
-    length = int(command[command.index("--random-input-len") + 1])
+    assert command[command.index("--random-input-len") + 1] == str(short.input_len)
     ratios = json.loads(command[command.index("--random-range-ratio") + 1])
-    low = math.floor(length * (1 - ratios["input"]))
-    high = math.ceil(length * (1 + ratios["input"]))
-    assert low >= 128 and high <= 512 and high - low > 300
-    assert command[command.index("--random-output-len") + 1] == "8" and ratios["output"] == 0
+    assert ratios == {"input": short.input_ratio, "output": 0.0}
+    assert command[command.index("--random-output-len") + 1] == "8"
     assert short.concurrency == 1 and short.name.startswith("warmup")  # plots leave it out
+    assert sb.estimate_s(short, 100.0, 0.0) == pytest.approx(16 * 8 / 100.0)
     for level in [*sb.WARMUPS[:-1], *sb.LEVELS.values()]:
         command = sb.bench_command("py", "/m", 1, level, Path("/r"), "f.json")
         assert command[command.index("--random-input-len") + 1] == str(sb.INPUT_LEN)
+        assert command[command.index("--random-output-len") + 1] == str(sb.OUTPUT_LEN)
         assert json.loads(command[command.index("--random-range-ratio") + 1]) == {
             "input": sb.INPUT_RATIO,
             "output": sb.OUTPUT_RATIO,

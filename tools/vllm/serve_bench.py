@@ -56,6 +56,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import tarfile
@@ -139,8 +140,8 @@ SERVERS = {
 class Level:
     """One load level: ``concurrency`` requests in flight at most, arriving at ``rate`` a
     second (None: all at once), ``prompts`` requests in all, drawn with ``seed``, their prompt
-    and output lengths ``len x (1 -+ ratio)`` (the benchmark's, ``INPUT_LEN`` and
-    ``OUTPUT_LEN``, but for a warm-up).
+    and output lengths ``len x (1 -+ ratio)``: ``INPUT_LEN`` and ``OUTPUT_LEN`` for every level
+    but ``warmup2``.
 
     Every level has its own seed, the same on every server: with one seed every level would
     send the first prompts of the level before it again, and vLLM's prefix cache (on by
@@ -169,24 +170,27 @@ LEVELS = {
 WARMUPS = (
     Level("warmup", 16, 16, seed=0),
     Level("warmup1", 16, 1, seed=8),
-    Level("warmup2", 16, 1, seed=9, input_len=320, input_ratio=0.59, output_len=8, output_ratio=0),
+    Level(
+        "warmup2", 16, 1, seed=9, input_len=320, input_ratio=0.59, output_len=8, output_ratio=0.0
+    ),
 )
 """Served before the levels and left out of every comparison: 16 requests at once (batched
 decodes and prefills), 16 one at a time (single prompts' prefills, 128 to 2,048 tokens), and 16
 short prompts one at a time (131 to 509 tokens, 8 tokens out). vLLM compiles its MoE kernel
-(``fused_moe_kernel``) for each tile it picks by the rows of a step, and a step of more rows
-than the CUDA graphs were captured for runs it outside them; a compilation stalls the whole
-server for most of a second, and the request that met it waits that long for its first token.
-On the H100 (2026-12-05, ``docs/records/2026-12-05-serving-batch-invariant.md``), after the
-first two warm-ups, both servers compiled the kernel's 64-row tile again during c8, as a
-488-token prompt was prefilled beside requests decoding; the same tile, with the same
-constants, had compiled in ``warmup1`` for its one prompt under 512 tokens. Triton compiles
-a kernel again for an integer argument that is or is not a multiple of 16 (vLLM passes the
-step's rows times top-k), so most likely the odd row count did it: ``warmup2``'s 16 short
-prompts are rows on both sides of that line, nearly surely. After the first warm-up alone (no
-``warmup1``), a 194-token prompt of c1 waited 0.7 to 1.0 s on every server, no offload
-included. ``jit_compiles`` says whether a level still compiled. ``warmup1`` costs 10 to 40 s a
-server (c1's rate), ``warmup2`` a few seconds."""
+(``fused_moe_kernel``) for each tile it picks by the rows of a step, and runs a step of more
+rows than its CUDA graphs were captured for (128 here) outside them; a compilation stalls the
+whole server for most of a second, and the request that met it waits that long for its first
+token. On the H100 (2026-12-05, ``docs/records/2026-12-05-serving-batch-invariant.md``),
+``warmup1``'s 466-token prompt compiled the kernel's tile for 129 to 512 rows, its 220-token
+prompt found it compiled, and during c8, as a 488-token prompt was prefilled beside requests
+decoding, both servers compiled the same tile again, with the same constants. Both prompts of
+``warmup1`` were even. vLLM 0.25.0 passes the kernel the step's rows times top-k (8 here) as an
+integer Triton compiles apart by whether it is a multiple of 16, so most likely an odd row count
+did it (read from the sources, not yet shown by a run): ``warmup2``'s prompts are 9 odd and 7
+even lengths (``drawn_prompt_lengths``). After the first warm-up alone (no ``warmup1``), a
+194-token prompt of c1 waited 0.7 to 1.0 s on every server, no offload included.
+``jit_compiles`` says whether a level still compiled. On the H100 the first two took 1.8 and
+5.9 s without offload, 20.0 and 19.0 s for ``row`` (c1's rate), ``warmup2`` should take a few."""
 DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
 DEFAULT_SERVERS = "none,uva,row"
 
@@ -302,6 +306,20 @@ CLIENT_START_S = 30.0
 """A client's start (its imports) and end: 22 to 27 s on the H200 (2026-12-03)."""
 WARM_CLIENT_S = 5.0
 """A level's overhead in a client that has imported vLLM already (``PersistentClient``)."""
+
+
+def drawn_prompt_lengths(level: Level) -> list[int]:
+    """The prompt lengths vLLM 0.25.0's random dataset draws for ``level``: uniform integers
+    from ``floor(len x (1 - ratio))`` to ``ceil(len x (1 + ratio))``, both included, from
+    numpy's generator seeded with the level's seed (``RandomDataset.sample``; the word
+    tokenizer adds no special tokens to subtract). The benchmark's records hold the lengths vLLM
+    drew, and the tests check these against them."""
+    import numpy as np
+
+    low = math.floor(level.input_len * (1 - level.input_ratio))
+    high = math.ceil(level.input_len * (1 + level.input_ratio))
+    drawn = np.random.default_rng(level.seed).integers(low, high + 1, size=level.prompts)
+    return [int(n) for n in drawn]
 
 
 def estimate_s(level: Level, tok_s: float | None, client_s: float = CLIENT_START_S) -> float:
