@@ -13,8 +13,7 @@ output tok/s at least ``TARGET_C32`` times UVA's (1.5 on a label naming the skew
 otherwise), and ``row``'s TTFT p99 at most UVA's at every level both ran, each level's line
 ending with the compilations each server logged during it where either logged any
 (``compiled``); a ``row`` server whose log did not show the cache serving (``plugin_verdict``)
-is compared with nothing. Needs
-matplotlib (a dev dependency).
+is compared with nothing. Needs matplotlib (a dev dependency).
 """
 
 from __future__ import annotations
