@@ -190,7 +190,7 @@ did it (read from the sources, not yet shown by a run): ``warmup2``'s prompts ar
 even lengths (``drawn_prompt_lengths``). After the first warm-up alone (no ``warmup1``), a
 194-token prompt of c1 waited 0.7 to 1.0 s on every server, no offload included.
 ``jit_compiles`` says whether a level still compiled. On the H100 the first two took 1.8 and
-5.9 s without offload, 20.0 and 19.0 s for ``row`` (c1's rate), ``warmup2`` should take a few."""
+5.9 s without offload, 20.0 and 19.0 s for ``row``; ``warmup2``, 16 x 8 tokens out, a few."""
 DEFAULT_LEVELS = "c1,c8,c32,c64,r1,r2,r4"
 DEFAULT_SERVERS = "none,uva,row"
 
