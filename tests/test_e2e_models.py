@@ -87,6 +87,12 @@ def test_models_phase_engines() -> None:
         assert EngineSpec.from_json(spec.to_json()) == spec
     for label in ("row16dev.full", "uva1959.full", "uva1341.full", "row16devlfu.full"):
         assert label in engines.BUDGETED_LABELS
+    # DeepSeek-V2-Lite's estimates come from its own run on the V1 runner.
+    assert [(s.time_once_s, s.time_full_s) for s in plain[:3]] == [
+        (80, 100),
+        (160, 220),
+        (160, 220),
+    ]
     lfu = plain[-1].knob
     assert lfu is not None and lfu.size == 16 and lfu.planner is Planner.DEVICE
     assert lfu.config()["moe_expert_cache_policy"] == "lfu"

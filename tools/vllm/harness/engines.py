@@ -792,6 +792,11 @@ _MODELS_TIMES_BY_ARCH = {
     # (which offloaded nothing there) 63 s; UVA on Marlin reads 18 layers' experts over the
     # link each step (b8 about 0.2 s a step, estimated).
     "gpt_oss": {"none": (100, 120), "row": (150, 200), "uva": (150, 220)},
+    # DeepSeek-V2-Lite on the V1 model runner, H100, 2026-12-05
+    # (docs/records/2026-12-05-deepseek-v2-lite-uva.md), single generations, start-up included:
+    # no offload 43 to 60 s whole, row at 16 slots 108 to 126 s, UVA keeping 7 layers 110 to
+    # 120 s; two more repeats add about 45 s to either (b8 at 24 to 60 tok/s).
+    "deepseek_v2": {"none": (80, 100), "row": (160, 220), "uva": (160, 220)},
 }
 
 
