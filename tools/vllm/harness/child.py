@@ -17,7 +17,8 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from tools.vllm.harness import kernel_profile, probes
+from tools.vllm.harness import jit_count, kernel_profile, probes
+from tools.vllm.harness.jit_count import JitCounter
 from tools.vllm.harness.measure import Completion, decode_prompts, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
 from tools.vllm.harness.profiling import profile
@@ -144,6 +145,14 @@ def wait_turn(job: Job) -> IO[str]:
     return lock
 
 
+def built_after_start(jit: JitCounter | None, started: int) -> dict[str, Any]:
+    """The Triton kernels the engine built after its start-up (warm-ups, timed runs, probes):
+    by name, and the first builds' specializations as Triton describes them."""
+    if jit is None:
+        return {"counted": False, "why": "the engine core runs in another process"}
+    return {"counted": True, "kernels": jit.since(started), "described": list(jit.descriptions)}
+
+
 def totals(per_layer: list[dict[str, Any]]) -> dict[str, int]:
     keys = ("hits", "misses", "evictions", "prepare_calls", "forwards")
     return {k: sum(int(s.get(k, 0)) for s in per_layer) for k in keys}
@@ -161,7 +170,13 @@ def completions(outs: list[Any]) -> list[Completion]:
 
 
 def workload(
-    job: Job, llm: Any, rpc: Any, result: dict[str, Any], save: Any, sampling: Any
+    job: Job,
+    llm: Any,
+    rpc: Any,
+    result: dict[str, Any],
+    save: Any,
+    sampling: Any,
+    jit: JitCounter | None = None,
 ) -> None:
     """The spec's workload (``harness/measure.py``) and the route the MoE op took."""
     spec = job.spec
@@ -185,7 +200,7 @@ def workload(
         return kernel_profile.profile_step(lambda: generate([prompt], 1))
 
     result["steps"] = run_workload(
-        spec.workload, generate, deadline, time.time, stats, keep, kernels
+        spec.workload, generate, deadline, time.time, stats, keep, kernels, jit
     )
     if spec.caches:
         result["route"] = rpc(probes.routes, None)
@@ -312,9 +327,15 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
 
         kw = engine_kwargs(spec, job.model)
         result["llm_kwargs"] = kw
+        # Before the engine: vLLM's JIT monitor chains the hook it finds (harness/jit_count).
+        jit = None if multiprocess else jit_count.counting()
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)
+        started = 0
+        if jit is not None:
+            started = jit.mark()
+            jit.describe_from(started)
         result["multiprocess"] = multiprocess
         result["client_pid"] = os.getpid()
 
@@ -345,10 +366,11 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         if spec.workload is not None:
             lock = wait_turn(job)
             try:
-                workload(job, llm, rpc, result, save or (lambda _r: None), SamplingParams)
+                workload(job, llm, rpc, result, save or (lambda _r: None), SamplingParams, jit)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
                 lock.close()
+            result["jit"] = built_after_start(jit, started)
         else:
             single(job, llm, rpc, result, SamplingParams)
         result["ok"] = True

@@ -14,7 +14,10 @@ from outside still leaves what it measured.
 
 vLLM comes in through ``generate`` (token-id prompts and a token count in, one
 :class:`Completion` per prompt out) and ``stats`` (the provider stats of every cached layer,
-or None), so all of this runs on the CPU with fakes (``tests/test_e2e_steps.py``).
+or None), so all of this runs on the CPU with fakes (``tests/test_e2e_steps.py``). Where a
+:class:`~tools.vllm.harness.jit_count.JitCounter` is given, every timed figure names the
+Triton kernels built inside its timed runs (``jit_compiles``; None: not counted): a build
+stalls the step it falls in.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tools.vllm.harness.jit_count import JitCounter
 from tools.vllm.harness.specs import Workload
 
 FIRST_PROMPT = (1, 17, 42, 99, 123, 7, 300, 301)
@@ -94,6 +98,7 @@ class Measurement:
         clock: Callable[[], float],
         stats: Stats | None = None,
         save: Callable[[Record], None] | None = None,
+        jit: JitCounter | None = None,
     ) -> None:
         self.workload = workload
         self.generate = generate
@@ -101,6 +106,7 @@ class Measurement:
         self.clock = clock
         self.stats = stats
         self.save = save
+        self.jit = jit
         self.record: Record = {
             "decode": {
                 str(b): {
@@ -114,6 +120,7 @@ class Measurement:
                     "warmup_s": [],
                     "estimate_s": None,
                     "cache": None,
+                    "jit_compiles": None,
                     "skipped": None,
                 }
                 for b in workload.batches
@@ -126,6 +133,7 @@ class Measurement:
                 "warmup_ms": None,
                 "first_tokens": [],
                 "cache": None,
+                "jit_compiles": None,
                 "skipped": None,
             },
             "events": [],
@@ -133,6 +141,7 @@ class Measurement:
         self._runs: dict[int, list[list[list[int]]]] = {b: [] for b in workload.batches}
         self._times: dict[int, list[float]] = {b: [] for b in workload.batches}
         self._counts: dict[str, dict[str, int]] = {}
+        self._built: dict[str, list[str]] = {}
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -153,9 +162,12 @@ class Measurement:
         """One generation, timed; the cached layers' counters before and after it (outside
         the timed section: reading them may wait for the device) go to ``key``'s counts."""
         before = self.stats() if self.stats is not None else None
+        mark = self.jit.mark() if self.jit is not None else 0
         t = self.clock()
         outs = self.generate(prompts, max_tokens)
         elapsed = self.clock() - t
+        if self.jit is not None:
+            self._built.setdefault(key, []).extend(self.jit.since(mark))
         after = self.stats() if self.stats is not None else None
         if before and after:
             b, a = totals(before), totals(after)
@@ -163,6 +175,10 @@ class Measurement:
             for k in STAT_KEYS:
                 counts[k] += a[k] - b[k]
         return elapsed, outs
+
+    def _jit(self, key: str) -> list[str] | None:
+        """The Triton kernels built inside ``key``'s timed runs, by name (None: not counted)."""
+        return None if self.jit is None else list(self._built.get(key, []))
 
     def _cache(self, key: str) -> dict[str, Any] | None:
         counts = self._counts.get(key)
@@ -216,6 +232,7 @@ class Measurement:
         entry["tokens"] = runs[-1]
         entry["repeats_identical"] = all(r == runs[0] for r in runs)
         entry["cache"] = self._cache(f"b{batch}")
+        entry["jit_compiles"] = self._jit(f"b{batch}")
         self._event(f"b{batch} repeat {len(times)}: {elapsed:.2f} s")
         self.flush()
         return True
@@ -269,6 +286,7 @@ class Measurement:
             entry["engine_ms_runs"].append(None if engine is None else round(engine * 1000, 2))
             entry["ms"] = round(statistics.median(ran), 2)
             entry["cache"] = self._cache("ttft")
+            entry["jit_compiles"] = self._jit("ttft")
             self.flush()
         self._event(f"ttft: {len(entry['ms_runs'])} prompts")
 
@@ -294,10 +312,11 @@ def run_workload(
     stats: Stats | None = None,
     save: Callable[[Record], None] | None = None,
     profiler: KernelProfile | None = None,
+    jit: JitCounter | None = None,
 ) -> Record:
     """Every measurement of ``workload`` in the order of the module docstring, then the kernel
     profile of one long prompt where the workload asks for it (``profiler``)."""
-    m = Measurement(workload, generate, deadline, clock, stats, save)
+    m = Measurement(workload, generate, deadline, clock, stats, save, jit)
     warmed = []
     for batch in workload.batches:
         if m.warm_up(batch) and m.decode_once(batch, workload.ttft_reserve_s):

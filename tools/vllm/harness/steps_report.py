@@ -194,7 +194,36 @@ def report(results: Results) -> list[str]:
                 lines.append(f"{'':16} PARTIAL: {str(record.get('error', '?'))[:160]}")
         lines += kernel_lines(results, prefix)
         lines += targets(results, prefix)
+        lines += jit_lines(results, prefix)
     return lines
+
+
+def jit_lines(results: Results, prefix: str) -> list[str]:
+    """The timed measurements that had a Triton kernel built inside them (a build stalls the
+    step it falls in, so that figure is slower than the engine), engine by engine, from each
+    measurement's ``jit_compiles`` (``harness/jit_count``); nothing where no record counted
+    them (records made before the count, or engines whose core ran in another process)."""
+    counted = 0
+    found: list[str] = []
+    for name, record in results.items():
+        steps = steps_of(record) if name.startswith(prefix + ".") else None
+        if not steps:
+            continue
+        measured = [(f"b{b}", e) for b, e in steps.get("decode", {}).items()]
+        for measure, entry in [*measured, ("ttft", steps.get("ttft") or {})]:
+            built = entry.get("jit_compiles")
+            if built is None:
+                continue
+            counted += 1
+            if built:
+                kernels = ", ".join(f"{k} x{built.count(k)}" for k in sorted(set(built)))
+                found.append(f"    {name[len(prefix) + 1 :]} {measure}: {kernels}")
+    if not counted:
+        return []
+    if not found:
+        return [f"  Triton builds inside timed runs: none (in {counted} measurements)"]
+    head = "  Triton builds inside timed runs (each stalls its step: these figures are slower):"
+    return [head, *found]
 
 
 KERNEL_COLUMNS = (

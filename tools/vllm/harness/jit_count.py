@@ -1,0 +1,80 @@
+"""Triton kernels built in this process, counted so that a timed measurement can say whether
+one was built inside it.
+
+A kernel that Triton builds inside a timed generation stalls the whole step: under ``vllm
+serve`` one build of vLLM's MoE kernel stopped every request in flight for 0.8 to 1.0 s
+(docs/records/2026-12-05-serving-batch-invariant.md), and in the e2e engines of 2026-12-05 the
+JIT monitor saw vLLM's ``fused_moe_kernel`` and the planner's ``plan_kernel`` built after
+start-up (docs/records/2026-12-05-deepseek-v2-lite-uva.md). vLLM's monitor logs each kernel
+once, without saying which measurement it fell in; this counter does.
+
+Triton calls ``knobs.runtime.jit_post_compile_hook`` after every kernel it builds in the
+process, from source or from its disk cache (``JITFunction._call_hook``). vLLM's monitor,
+installed after start-up, chains the hook it finds there (vLLM 0.25.0,
+``vllm/utils/jit_monitor.py``), so a counter installed before the engine keeps counting. It
+sees only this process: an engine whose core runs in another process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``) is not counted, and its records say so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+KEPT = 32
+"""How many builds' descriptions a counter keeps after :meth:`JitCounter.describe_from`:
+enough to tell which specializations a run built, bounded for a record."""
+
+DESCRIPTION_CHARS = 400
+"""Triton's ``repr`` of a build (the kernel, its launch options and every argument's type and
+specialization) cut to this many characters."""
+
+
+class JitCounter:
+    """The kernels built since it was installed, in order, and the descriptions of the first
+    ``KEPT`` built after a chosen point (start-up builds hundreds; those are not kept)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.descriptions: list[str] = []
+        self._describe_from: int | None = None
+
+    def record(self, fn: object, description: object) -> None:
+        name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or "<unknown>"
+        self.names.append(str(name))
+        start = self._describe_from
+        if start is not None and len(self.names) > start and len(self.descriptions) < KEPT:
+            self.descriptions.append(str(description or name)[:DESCRIPTION_CHARS])
+
+    def mark(self) -> int:
+        """A point to count from (:meth:`since`)."""
+        return len(self.names)
+
+    def since(self, mark: int) -> list[str]:
+        """The kernels built after ``mark``, by name, in order."""
+        return self.names[mark:]
+
+    def describe_from(self, mark: int) -> None:
+        """Keep the descriptions of the first ``KEPT`` builds after ``mark``."""
+        self._describe_from = mark
+        self.descriptions = []
+
+
+def install(counter: JitCounter, runtime: Any) -> None:
+    """Count every build ``runtime`` (Triton's ``knobs.runtime``) reports, passing each on to
+    the hook that was there before."""
+    existing: Callable[..., Any] | None = runtime.jit_post_compile_hook
+
+    def on_build(**kwargs: Any) -> Any:
+        counter.record(kwargs.get("fn"), kwargs.get("repr"))
+        return existing(**kwargs) if existing is not None else None
+
+    runtime.jit_post_compile_hook = on_build
+
+
+def counting() -> JitCounter:
+    """A counter of this process's Triton builds, installed (Triton imported)."""
+    from triton import knobs  # type: ignore[import-untyped, unused-ignore]
+
+    counter = JitCounter()
+    install(counter, knobs.runtime)
+    return counter
