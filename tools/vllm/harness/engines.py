@@ -795,7 +795,7 @@ _MODELS_TIMES_BY_ARCH = {
     # DeepSeek-V2-Lite on the V1 model runner, H100, 2026-12-05
     # (docs/records/2026-12-05-deepseek-v2-lite-uva.md), single generations, start-up included:
     # no offload 43 to 60 s whole, row at 16 slots 108 to 126 s, UVA keeping 7 layers 110 to
-    # 120 s; two more repeats add about 45 s to either (b8 at 24 to 60 tok/s).
+    # 120 s; two more repeats add 20 to 50 s to either (b8 at 24 to 60 tok/s).
     "deepseek_v2": {"none": (80, 100), "row": (160, 220), "uva": (160, 220)},
 }
 
