@@ -19,32 +19,21 @@ import torch
 
 from rowcache.device_plan.kernels import launch_plan
 from rowcache.device_plan.passes import num_passes
-from rowcache.device_plan.state import DeviceCacheState, new_state
+from rowcache.device_plan.state import first_difference, new_state
 from rowcache.device_plan.torch_planner import plan_pass
 
-COMPARED = (
-    "resident",
-    "owners",
-    "stamps",
-    "clock",
-    "counts",
-    "forward",
-    "miss_experts",
-    "miss_slots",
-    "miss_count",
-    "counters",
-)
 
-
-def first_difference(a: DeviceCacheState, b: DeviceCacheState) -> str | None:
-    for name in COMPARED:
-        x, y = getattr(a, name), getattr(b, name)
-        if name in ("miss_experts", "miss_slots"):  # entries past the count are stale
-            n = int(a.miss_count.item())
-            x, y = x[:n], y[:n]
-        if not torch.equal(x.to(torch.int64).cpu(), y.to(torch.int64).cpu()):
-            return f"{name}: torch {x.tolist()}, fused {y.tolist()}"
-    return None
+def prompt_rows(rng: random.Random, experts: int, count: int) -> list[list[int]]:
+    """A prompt's routing: each row picks 4 experts from a window of 6 that moves through the
+    experts with the row's position, so a step's later entries route to experts its earlier
+    ones did not (the planner must read every block of entries, not only the first)."""
+    width = min(6, experts)
+    found = []
+    for row in range(count):
+        base = row * experts // count
+        window = [(base + k) % experts for k in range(width)]
+        found.append(rng.sample(window, min(4, width)))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=3)
+    ap.add_argument(
+        "--max-rows", type=int, default=4, help="rows a step has at most (a prompt's: hundreds)"
+    )
     ns = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     count_max = ns.count_max if ns.policy == "lfu" else 0
@@ -64,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     done = 0
     for step in range(ns.steps):
-        rows = [rng.sample(range(e), rng.randint(1, min(4, e))) for _ in range(rng.randint(1, 4))]
+        if ns.max_rows <= 4:
+            rows = [
+                rng.sample(range(e), rng.randint(1, min(4, e)))
+                for _ in range(rng.randint(1, ns.max_rows))
+            ]
+        else:
+            rows = prompt_rows(rng, e, rng.randint(1, ns.max_rows))
         width = max(len(r) for r in rows)
         ids = torch.tensor([r + [-1] * (width - len(r)) for r in rows], device=device)
         passes = num_passes(ids.numel(), e, c)

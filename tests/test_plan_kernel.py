@@ -26,6 +26,15 @@ def test_the_fused_planner_is_the_torch_planner(args: list[str]) -> None:
     assert done.stdout.splitlines()[-1].startswith("ok: ")
 
 
+def test_prompt_sized_steps_loop_over_blocks_of_entries() -> None:
+    # Steps of up to 400 rows (1,600 routing entries): the kernel's wide block and its loop
+    # over more than one block, which decode-sized steps never reach.
+    args = ["--experts", "64", "--capacity", "16", "--max-rows", "400", "--steps", "12"]
+    done = interpreted(*args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].startswith("ok: ")
+
+
 @pytest.mark.parametrize(
     ("mutant", "policy", "symptom"),
     [

@@ -77,6 +77,19 @@ def _block(n: int, least: int = 16) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
+SMALL_STEP_ENTRIES = 64
+"""Routing entries up to which the planner reads a step in one block of this width (decode
+steps, which the graph captures build); a larger step loops over blocks of ``LARGE_BLOCK``."""
+LARGE_BLOCK = 1024
+
+
+def _entries_block(n: int) -> int:
+    """The planner's block over a step's routing entries: one width for small steps, one for
+    every larger step, so that prompts of any length use the kernels the profile run built
+    (its step is the largest) instead of building one per power of two on first use."""
+    return SMALL_STEP_ENTRIES if n <= SMALL_STEP_ENTRIES else LARGE_BLOCK
+
+
 def launch_plan(
     state: DeviceCacheState, topk_ids: Tensor, pass_index: int, num_passes: int, mutant: int = 0
 ) -> None:
@@ -110,7 +123,7 @@ def launch_plan(
         state.capacity,
         BLOCK_E=_block(state.num_experts),
         BLOCK_C=_block(state.capacity),
-        BLOCK_N=_block(min(ids.numel(), 1024), 16),
+        BLOCK_N=_entries_block(ids.numel()),
         FIRST_PASS=pass_index == 0,
         LAST_PASS=pass_index == num_passes - 1,
         COUNTED=state.count_max > 0,

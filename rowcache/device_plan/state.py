@@ -149,3 +149,33 @@ def error_message(counters: dict[str, int], first_bad: int, num_experts: int) ->
             "routed to more distinct experts than its passes x capacity)"
         )
     return "; ".join(parts) if parts else None
+
+
+PLANNED_FIELDS = (
+    "resident",
+    "owners",
+    "stamps",
+    "clock",
+    "counts",
+    "forward",
+    "miss_experts",
+    "miss_slots",
+    "miss_count",
+    "counters",
+)
+"""The fields a planner pass leaves that the next pass or the gather reads (the scratch
+``marks``, ``order`` and ``step_rank`` are not compared)."""
+
+
+def first_difference(a: DeviceCacheState, b: DeviceCacheState) -> str | None:
+    """The first of :data:`PLANNED_FIELDS` where the torch planner's state ``a`` and the fused
+    planner's ``b`` differ, with both values; None where they agree (the miss lists only up to
+    the miss count: entries past it are stale). Copies to the host: checks only."""
+    for name in PLANNED_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        if name in ("miss_experts", "miss_slots"):
+            n = int(a.miss_count.item())
+            x, y = x[:n], y[:n]
+        if not torch.equal(x.to(torch.int64).cpu(), y.to(torch.int64).cpu()):
+            return f"{name}: torch {x.tolist()}, fused {y.tolist()}"
+    return None
