@@ -27,6 +27,18 @@ def test_the_hook_counts_every_build_and_passes_it_on() -> None:
     assert [kw["repr"] for kw in seen] == ["r1", "r2"]  # the earlier hook got every build
 
 
+def test_a_build_is_described_by_what_made_it_distinct() -> None:
+    runtime = SimpleNamespace(jit_post_compile_hook=None)
+    counter = JitCounter()
+    counter.describe_from(0)
+    jit_count.install(counter, runtime)
+    build = {"constants": {(18,): 64}, "configs": [{(1,): [["tt.divisibility", 16]]}], "x": 1}
+    runtime.jit_post_compile_hook(fn=kernel("plan_kernel"), repr="plan_kernel[w=4]", compile=build)
+    assert counter.descriptions == [
+        "constants={(18,): 64}; configs=[{(1,): [['tt.divisibility', 16]]}]; plan_kernel[w=4]"
+    ]
+
+
 def test_a_hook_installed_first_still_counts_under_one_installed_after() -> None:
     # vLLM's JIT monitor installs its hook after start-up and chains the one it finds.
     runtime = SimpleNamespace(jit_post_compile_hook=None)

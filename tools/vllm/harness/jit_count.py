@@ -24,9 +24,8 @@ KEPT = 32
 """How many builds' descriptions a counter keeps after :meth:`JitCounter.describe_from`:
 enough to tell which specializations a run built, bounded for a record."""
 
-DESCRIPTION_CHARS = 400
-"""Triton's ``repr`` of a build (the kernel, its launch options and every argument's type and
-specialization) cut to this many characters."""
+DESCRIPTION_CHARS = 600
+"""A build's description (:func:`describe`) cut to this many characters."""
 
 
 class JitCounter:
@@ -59,13 +58,24 @@ class JitCounter:
         self.descriptions = []
 
 
+def describe(hook_kwargs: dict[str, Any]) -> str:
+    """What made a build distinct: its constexprs and specialized values (``constants``) and
+    its arguments' attributes (``configs``: divisibility by 16), then Triton's own ``repr``
+    (Triton 3.6's stops after the first argument)."""
+    build = hook_kwargs.get("compile")
+    parts = []
+    if isinstance(build, dict):
+        parts = [f"{key}={build[key]!r}" for key in ("constants", "configs") if key in build]
+    return "; ".join([*parts, str(hook_kwargs.get("repr") or "")])
+
+
 def install(counter: JitCounter, runtime: Any) -> None:
     """Count every build ``runtime`` (Triton's ``knobs.runtime``) reports, passing each on to
     the hook that was there before."""
     existing: Callable[..., Any] | None = runtime.jit_post_compile_hook
 
     def on_build(**kwargs: Any) -> Any:
-        counter.record(kwargs.get("fn"), kwargs.get("repr"))
+        counter.record(kwargs.get("fn"), describe(kwargs))
         return existing(**kwargs) if existing is not None else None
 
     runtime.jit_post_compile_hook = on_build
