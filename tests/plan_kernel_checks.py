@@ -4,8 +4,9 @@ interpreter, on the CPU; ``tests/test_plan_kernel.py``), or on a GPU as it is.
 
     python tests/plan_kernel_checks.py [--policy lru|lfu] [--count-max N] [--mutant N]
 
-Steps of 1 to 4 rows of up to 4 distinct experts of E, padding among them, run in as many
-passes as they need; after every pass every tensor of the cache state (maps, owners, stamps,
+Steps of 1 to 4 rows of up to 4 distinct experts of E, padding among them (with ``--max-rows``
+above 4, prompt-sized steps whose later rows route to other experts: ``prompt_rows``), run in
+as many passes as they need; after every pass every tensor of the cache state (maps, owners, stamps,
 clock, request counts, miss list, counters) must be the torch planner's. Prints ``ok: N
 passes`` (exit 0) or ``FAILED: <where>`` (exit 1)."""
 

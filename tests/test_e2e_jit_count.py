@@ -18,7 +18,12 @@ def kernel(name: str) -> Any:
 
 def test_the_hook_counts_every_build_and_passes_it_on() -> None:
     seen: list[dict[str, Any]] = []
-    runtime = SimpleNamespace(jit_post_compile_hook=lambda **kw: seen.append(kw) or "theirs")
+
+    def theirs(**kw: Any) -> str:
+        seen.append(kw)
+        return "theirs"
+
+    runtime = SimpleNamespace(jit_post_compile_hook=theirs)
     counter = JitCounter()
     jit_count.install(counter, runtime)
     assert runtime.jit_post_compile_hook(fn=kernel("plan_kernel"), repr="r1") == "theirs"
@@ -59,11 +64,11 @@ def test_a_hook_installed_first_still_counts_under_one_installed_after() -> None
 def test_descriptions_kept_only_after_the_chosen_point_and_bounded() -> None:
     counter = JitCounter()
     for i in range(5):
-        counter.record(kernel(f"startup{i}"), f"startup {i}")
+        counter.record(kernel(f"startup{i}"), lambda: "startup")
     mark = counter.mark()
     counter.describe_from(mark)
-    for i in range(jit_count.KEPT + 3):
-        counter.record(kernel("plan_kernel"), "x" * (jit_count.DESCRIPTION_CHARS + 50) + str(i))
+    for _ in range(jit_count.KEPT + 3):
+        counter.record(kernel("plan_kernel"), lambda: "x" * (jit_count.DESCRIPTION_CHARS + 50))
     assert counter.since(mark) == ["plan_kernel"] * (jit_count.KEPT + 3)
     assert len(counter.descriptions) == jit_count.KEPT
     assert all(len(d) == jit_count.DESCRIPTION_CHARS for d in counter.descriptions)
@@ -85,7 +90,7 @@ class BuildingEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
         for name in self.builds.get(self.calls, []):
-            self.counter.record(kernel(name), name)
+            self.counter.record(kernel(name), lambda name=name: name)
         self.calls += 1
         self.now += 0.01 * max_tokens
         return [Completion([p[0] + k for k in range(max_tokens)]) for p in prompts]
@@ -116,10 +121,10 @@ def test_without_a_counter_nothing_is_claimed() -> None:
 
 def test_the_engine_says_what_it_built_after_start_up_or_that_it_did_not_count() -> None:
     counter = JitCounter()
-    counter.record(kernel("startup"), "s")
+    counter.record(kernel("startup"), lambda: "s")
     started = counter.mark()
     counter.describe_from(started)
-    counter.record(kernel("plan_kernel"), "plan_kernel[num_warps=4](n_ids: i32)")
+    counter.record(kernel("plan_kernel"), lambda: "plan_kernel[num_warps=4](n_ids: i32)")
     found = child.built_after_start(counter, started)
     assert found == {
         "counted": True,
@@ -144,7 +149,7 @@ def test_the_report_names_each_measurement_with_a_build() -> None:
         {"none.full": ([], ["fused_moe_kernel"]), "row16dev.full": (["plan_kernel"] * 2, [])}
     )
     lines = steps_report.jit_lines(results, "models.ds2lite")
-    assert lines[0].startswith("  Triton builds inside timed runs (each stalls its step")
+    assert lines[0] == "  Triton builds inside timed runs (each stalls the run it falls in):"
     assert lines[1:] == [
         "    none.full ttft: fused_moe_kernel x1",
         "    row16dev.full b1: plan_kernel x2",
@@ -159,3 +164,45 @@ def test_the_report_says_none_where_counted_and_nothing_where_not() -> None:
     old = results_with({"none.full": (None, None)})
     assert steps_report.jit_lines(old, "models.ds2lite") == []
     assert any("Triton builds" in line for line in steps_report.report(clean))
+
+
+def test_a_build_that_cannot_be_counted_fails_nothing_and_voids_the_counts() -> None:
+    seen: list[str] = []
+    runtime = SimpleNamespace(jit_post_compile_hook=lambda **kw: seen.append(kw["fn"].name))
+    counter = JitCounter()
+    counter.describe_from(0)
+    jit_count.install(counter, runtime)
+    runtime.jit_post_compile_hook(fn=kernel("plan_kernel"), repr="r", compile="not a dict")
+    runtime.jit_post_compile_hook(fn=kernel("fused_moe_kernel"), repr=object(), compile=None)
+    assert counter.failure is None and seen == ["plan_kernel", "fused_moe_kernel"]
+
+    class Unprintable:
+        def __repr__(self) -> str:
+            raise ValueError("no repr")
+
+    bad = {"constants": Unprintable()}
+    runtime.jit_post_compile_hook(fn=kernel("plan_kernel"), repr="r", compile=bad)
+    assert seen[-1] == "plan_kernel"  # the earlier hook still ran: the build went on
+    assert counter.failure == "ValueError: no repr"
+    assert child.built_after_start(counter, 0)["counted"] is False
+    fake = BuildingEngine({2: ["plan_kernel"]}, counter)
+    record = measure.run_workload(SMALL, fake.generate, fake.now + 600, fake.clock, jit=counter)
+    assert record["decode"]["1"]["jit_compiles"] is None
+
+
+def test_engines_that_measured_without_counting_are_named() -> None:
+    results = results_with({"none.full": ([], []), "row16dev.full": ([], [])})
+    results["models.ds2lite.mp.full"] = {
+        "ok": True,
+        "steps": {"decode": {"1": {"tok_s": 5.0, "jit_compiles": None}}, "ttft": {}},
+    }
+    lines = steps_report.jit_lines(results, "models.ds2lite")
+    assert lines[-1] == "  Triton builds not counted: mp.full b1"
+
+
+def test_the_planner_takes_the_step_sizes_unspecialized() -> None:
+    # Triton ignores a misspelled name in do_not_specialize; the interpreter cannot tell.
+    from rowcache.device_plan.triton_kernels import plan_kernel
+
+    names = [p.name for p in plan_kernel.params if p.do_not_specialize]
+    assert names == ["n_ids", "count_max", "pass_index", "num_passes"]

@@ -7,10 +7,11 @@ stalls that step (``harness/jit_count.py``). This replays that order on one laye
 (DeepSeek-V2-Lite's 64 experts, top-6, 16 slots by default): the profile step, the captured
 batch sizes, prompts of assorted lengths, decode again, and records every build by the shape
 that made it (Triton's ``jit_post_compile_hook``), then checks the fused planner pass by pass
-against ``torch_planner.plan_pass`` on random steps of those lengths, under both policies.
+against ``torch_planner.plan_pass`` on random steps of those lengths whose later rows route to
+other experts (so every block of entries matters), under both policies.
 Writes ``plan_builds.json`` to ``--out``.
 
-    python tools/probe_plan_builds.py --out OUTDIR
+    python -m tools.probe_plan_builds --out OUTDIR
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ def step(
     return {"label": label, "rows": rows, "passes": passes, "built": built, "s": seconds}
 
 
+def drifting_ids(rows: int, experts: int, top_k: int, device: torch.device) -> torch.Tensor:
+    """A step's routing whose experts move with the row: row r routes to top_k distinct
+    experts (as vLLM's rows do, where experts >= 2 x top_k) among the 2 x top_k from
+    r x experts / rows on."""
+    base = torch.arange(rows, device=device)[:, None] * experts // rows
+    offsets = torch.rand(rows, 2 * top_k, device=device).argsort(dim=1)[:, :top_k]
+    return ((base + offsets) % experts).to(torch.int32)
+
+
 def lockstep(experts: int, capacity: int, top_k: int, steps: int) -> dict[str, Any]:
     rng = random.Random(0)
     device = torch.device("cuda")
@@ -62,7 +72,7 @@ def lockstep(experts: int, capacity: int, top_k: int, steps: int) -> dict[str, A
         fused = new_state(experts, capacity, device, count_max)
         for index in range(steps):
             rows = rng.choice(LOCKSTEP_ROWS)
-            ids = torch.randint(0, experts, (rows, top_k), device=device).to(torch.int32)
+            ids = drifting_ids(rows, experts, top_k, device)
             passes = num_passes(ids.numel(), experts, capacity)
             for p in range(passes):
                 plan_pass(reference, ids, p, passes)
@@ -82,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--lockstep-steps", type=int, default=60)
     ns = ap.parse_args(argv)
+    torch.manual_seed(0)
     counter = counting()
     counter.describe_from(0)
     state = new_state(ns.experts, ns.capacity, torch.device("cuda"))

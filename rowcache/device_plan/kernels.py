@@ -78,8 +78,9 @@ def _block(n: int, least: int = 16) -> int:
 
 
 SMALL_STEP_ENTRIES = 64
-"""Routing entries up to which the planner reads a step in one block of this width (decode
-steps, which the graph captures build); a larger step loops over blocks of ``LARGE_BLOCK``."""
+"""Routing entries up to which the planner reads a step in one block of this width (small
+decode steps, which the graph captures of small batches build); a larger step loops over
+blocks of ``LARGE_BLOCK`` (which the profile run's step builds)."""
 LARGE_BLOCK = 1024
 
 

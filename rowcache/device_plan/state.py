@@ -36,8 +36,10 @@ from rowcache.errors import RowCacheError
 
 __all__ = [
     "COUNTERS",
+    "PLANNED_FIELDS",
     "DeviceCacheState",
     "DeviceInputError",
+    "first_difference",
     "new_state",
     "read_counters",
 ]

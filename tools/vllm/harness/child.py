@@ -150,6 +150,8 @@ def built_after_start(jit: JitCounter | None, started: int) -> dict[str, Any]:
     by name, and the first builds' specializations as Triton describes them."""
     if jit is None:
         return {"counted": False, "why": "the engine core runs in another process"}
+    if jit.failure is not None:
+        return {"counted": False, "why": f"a build could not be counted: {jit.failure}"}
     return {"counted": True, "kernels": jit.since(started), "described": list(jit.descriptions)}
 
 
@@ -328,7 +330,9 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         kw = engine_kwargs(spec, job.model)
         result["llm_kwargs"] = kw
         # Before the engine: vLLM's JIT monitor chains the hook it finds (harness/jit_count).
-        jit = None if multiprocess else jit_count.counting()
+        # Only where the core runs here: vLLM's default (the variable unset) is another process.
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        jit = jit_count.counting() if in_process else None
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)

@@ -35,14 +35,16 @@ class JitCounter:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.descriptions: list[str] = []
+        self.failure: str | None = None
+        """Why a build could not be counted (the counts are then incomplete: not reported)."""
         self._describe_from: int | None = None
 
-    def record(self, fn: object, description: object) -> None:
+    def record(self, fn: object, describe: Callable[[], str]) -> None:
         name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or "<unknown>"
         self.names.append(str(name))
         start = self._describe_from
         if start is not None and len(self.names) > start and len(self.descriptions) < KEPT:
-            self.descriptions.append(str(description or name)[:DESCRIPTION_CHARS])
+            self.descriptions.append((describe() or str(name))[:DESCRIPTION_CHARS])
 
     def mark(self) -> int:
         """A point to count from (:meth:`since`)."""
@@ -75,7 +77,12 @@ def install(counter: JitCounter, runtime: Any) -> None:
     existing: Callable[..., Any] | None = runtime.jit_post_compile_hook
 
     def on_build(**kwargs: Any) -> Any:
-        counter.record(kwargs.get("fn"), describe(kwargs))
+        # Inside Triton's build of a kernel the engine is launching: a failure here must not
+        # fail that launch, so it marks the counter (whose counts are then not reported).
+        try:
+            counter.record(kwargs.get("fn"), lambda: describe(kwargs))
+        except Exception as error:
+            counter.failure = counter.failure or f"{type(error).__name__}: {error}"[:300]
         return existing(**kwargs) if existing is not None else None
 
     runtime.jit_post_compile_hook = on_build

@@ -178,7 +178,9 @@ class Measurement:
 
     def _jit(self, key: str) -> list[str] | None:
         """The Triton kernels built inside ``key``'s timed runs, by name (None: not counted)."""
-        return None if self.jit is None else list(self._built.get(key, []))
+        if self.jit is None or self.jit.failure is not None:
+            return None
+        return list(self._built.get(key, []))
 
     def _cache(self, key: str) -> dict[str, Any] | None:
         counts = self._counts.get(key)

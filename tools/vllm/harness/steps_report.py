@@ -199,31 +199,39 @@ def report(results: Results) -> list[str]:
 
 
 def jit_lines(results: Results, prefix: str) -> list[str]:
-    """The timed measurements that had a Triton kernel built inside them (a build stalls the
-    step it falls in, so that figure is slower than the engine), engine by engine, from each
-    measurement's ``jit_compiles`` (``harness/jit_count``); nothing where no record counted
-    them (records made before the count, or engines whose core ran in another process)."""
+    """The timed measurements that had a Triton kernel built inside one of their runs (a build
+    stalls the step it falls in; the figure is a median, so one slow run of three may not move
+    it), engine by engine, from each measurement's ``jit_compiles`` (``harness/jit_count``);
+    the engines that measured without counting are named; nothing where no record counted
+    (records made before the count)."""
     counted = 0
     found: list[str] = []
+    uncounted: list[str] = []
     for name, record in results.items():
         steps = steps_of(record) if name.startswith(prefix + ".") else None
         if not steps:
             continue
+        label = name[len(prefix) + 1 :]
         measured = [(f"b{b}", e) for b, e in steps.get("decode", {}).items()]
         for measure, entry in [*measured, ("ttft", steps.get("ttft") or {})]:
             built = entry.get("jit_compiles")
             if built is None:
+                if entry.get("tok_s") is not None or entry.get("ms") is not None:
+                    uncounted.append(f"{label} {measure}")
                 continue
             counted += 1
             if built:
                 kernels = ", ".join(f"{k} x{built.count(k)}" for k in sorted(set(built)))
-                found.append(f"    {name[len(prefix) + 1 :]} {measure}: {kernels}")
+                found.append(f"    {label} {measure}: {kernels}")
     if not counted:
         return []
-    if not found:
-        return [f"  Triton builds inside timed runs: none (in {counted} measurements)"]
-    head = "  Triton builds inside timed runs (each stalls its step: these figures are slower):"
-    return [head, *found]
+    lines = [f"  Triton builds inside timed runs: none (in {counted} measurements)"]
+    if found:
+        head = "  Triton builds inside timed runs (each stalls the run it falls in):"
+        lines = [head, *found]
+    if uncounted:
+        lines.append(f"  Triton builds not counted: {', '.join(uncounted)}")
+    return lines
 
 
 KERNEL_COLUMNS = (
