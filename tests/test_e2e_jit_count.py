@@ -198,11 +198,3 @@ def test_engines_that_measured_without_counting_are_named() -> None:
     }
     lines = steps_report.jit_lines(results, "models.ds2lite")
     assert lines[-1] == "  Triton builds not counted: mp.full b1"
-
-
-def test_the_planner_takes_the_step_sizes_unspecialized() -> None:
-    # Triton ignores a misspelled name in do_not_specialize; the interpreter cannot tell.
-    from rowcache.device_plan.triton_kernels import plan_kernel
-
-    names = [p.name for p in plan_kernel.params if p.do_not_specialize]
-    assert names == ["n_ids", "count_max", "pass_index", "num_passes"]

@@ -50,3 +50,11 @@ def test_each_seeded_bug_of_the_planner_is_caught(mutant: int, policy: str, symp
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.splitlines()[-1]
     assert last.startswith("FAILED:") and f": {symptom}:" in last, last
+
+
+def test_the_planner_takes_the_step_sizes_unspecialized() -> None:
+    # Triton ignores a misspelled name in do_not_specialize; the interpreter cannot tell.
+    from rowcache.device_plan.triton_kernels import plan_kernel
+
+    names = [p.name for p in plan_kernel.params if p.do_not_specialize]
+    assert names == ["n_ids", "count_max", "pass_index", "num_passes"]

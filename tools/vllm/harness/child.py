@@ -316,8 +316,9 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
     result["job"] = {k: v for k, v in job.to_json().items() if k != "spec"}
     t0 = time.time()
     # Multi-process engine: the engine core is another process, and apply_model pickles the
-    # function there and the result back; a failure of that is recorded, not fatal.
-    multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+    # function there and the result back; a failure of that is recorded, not fatal. vLLM's
+    # default (the variable unset) is another process; the harness sets it either way.
+    multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"
     llm: Any = None
     try:
         from vllm import LLM, SamplingParams
@@ -329,10 +330,9 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
 
         kw = engine_kwargs(spec, job.model)
         result["llm_kwargs"] = kw
-        # Before the engine: vLLM's JIT monitor chains the hook it finds (harness/jit_count).
-        # Only where the core runs here: vLLM's default (the variable unset) is another process.
-        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        jit = jit_count.counting() if in_process else None
+        # Before the engine: vLLM's JIT monitor chains the hook it finds (harness/jit_count);
+        # only where the core runs in this process.
+        jit = None if multiprocess else jit_count.counting()
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)

@@ -13,7 +13,7 @@ process, from source or from its disk cache (``JITFunction._call_hook``). vLLM's
 installed after start-up, chains the hook it finds there (vLLM 0.25.0,
 ``vllm/utils/jit_monitor.py``), so a counter installed before the engine keeps counting. It
 sees only this process: an engine whose core runs in another process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=1``) is not counted, and its records say so."""
+(``VLLM_ENABLE_V1_MULTIPROCESSING`` other than ``0``) is not counted, and its records say so."""
 
 from __future__ import annotations
 
