@@ -20,6 +20,7 @@ one live view holds its whole slab.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ __all__ = [
     "collect_transient",
     "pinned_empty_exact",
     "pinned_empty_transient",
+    "pinning_seconds",
     "releases_slabs",
 ]
 
@@ -50,10 +52,32 @@ ALIGN = 512
 dtype, and the vectorized loads of the copies and the decode)."""
 
 
+_pinning_seconds = 0.0
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A pinned host tensor from torch's caching host allocator, its host time counted
+    (``pinning_seconds``)."""
+    global _pinning_seconds
+    start = time.perf_counter()
+    try:
+        # The host named: vLLM creates a model's weights under a CUDA default device
+        # (``with torch.device("cuda")``), where an unnamed pinned request is a CUDA one and
+        # fails.
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+    finally:
+        _pinning_seconds += time.perf_counter() - start
+
+
+def pinning_seconds() -> float:
+    """Host seconds this process has spent asking for pinned memory (the arenas' slabs and the
+    transient tensors torch holds itself): the driver page-locks every page of a new block,
+    which at tens of GB is a large part of an engine's start-up."""
+    return _pinning_seconds
+
+
 def _pinned_bytes(nbytes: int) -> Tensor:
-    # The host named: vLLM creates a model's weights under a CUDA default device
-    # (``with torch.device("cuda")``), where an unnamed pinned request is a CUDA one and fails.
-    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+    return _pinned((nbytes,), torch.uint8)
 
 
 @dataclass
@@ -152,7 +176,7 @@ def pinned_empty_transient(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor
     Needs a CUDA device (pinned memory)."""
     global _TRANSIENT
     if not releases_slabs():
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        return _pinned(shape, dtype)
     if _TRANSIENT is None:
         _TRANSIENT = PinnedArena()
     return _TRANSIENT.empty(shape, dtype)

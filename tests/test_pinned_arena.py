@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -180,3 +181,26 @@ def test_slabs_are_released_only_with_both_of_torch_s_names(
             pinned, "lookup", lambda seam, m=missing: None if seam is m else real(seam)
         )
         assert not pinned.releases_slabs()
+
+
+def test_pinned_requests_count_their_host_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pinned request (a slab's, or a transient tensor torch holds itself) adds the host
+    time it took to ``pinning_seconds``, a failed one too; nothing else does."""
+    ticks = iter([10.0, 12.5, 20.0, 20.25])
+    monkeypatch.setattr(pinned, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    asked: list[tuple[tuple[int, ...], bool]] = []
+
+    def fake_empty(shape: Any, *, dtype: torch.dtype, device: str, pin_memory: bool) -> Any:
+        asked.append((tuple(shape), pin_memory))
+        if shape == (7,):
+            raise RuntimeError("out of pinned memory")
+        return torch.zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr(pinned.torch, "empty", fake_empty)
+    before = pinned.pinning_seconds()
+    slab = pinned._pinned_bytes(1024)
+    assert slab.numel() == 1024 and pinned.pinning_seconds() - before == 2.5
+    with pytest.raises(RuntimeError, match="out of pinned memory"):
+        pinned._pinned((7,), torch.uint8)
+    assert pinned.pinning_seconds() - before == 2.75
+    assert asked == [((1024,), True), ((7,), True)]

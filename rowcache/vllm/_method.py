@@ -45,6 +45,7 @@ one warning of the float32 fallback); ``RowcacheMoEMethod`` and the FP8 methods 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -71,6 +72,7 @@ from rowcache.pinned import (
     pinned_empty_exact,
     pinned_empty_transient,
     pinned_memory,
+    pinning_seconds,
 )
 from rowcache.row_provider import RowCacheWeightProvider
 from rowcache.torch_seams import HOST_EMPTY_CACHE, lookup
@@ -347,10 +349,13 @@ def build_provider(
     ``share_sources``: the pinned host tensors live on as the layer's parameters; a copy would
     hold every MoE weight twice in pinned memory.
     """
+    pinned_before, start = pinning_seconds(), time.perf_counter()
     provider = _build_provider(
         settings, capacity, w13, w2, w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias
     )
-    note_layer(provider.stats(), num_experts=w13.shape[0])
+    # Host time, pinned requests apart (the line counts those once, for the whole engine).
+    building = time.perf_counter() - start - (pinning_seconds() - pinned_before)
+    note_layer(provider.stats(), num_experts=w13.shape[0], build_seconds=building)
     return provider
 
 
@@ -585,7 +590,9 @@ class CachedForward:
                 # still held then) goes back now; what is left is held: a leak.
                 release_host_cache()
                 left = int(pinned_memory()["transient_bytes"] or 0)
-            line = take_line(settings is not None and settings.compress_planes, left)
+            line = take_line(
+                settings is not None and settings.compress_planes, left, pinning_seconds()
+            )
             if line is not None:
                 (logger.warning if left else logger.info)(line)
         self.rowcache_forwards += 1

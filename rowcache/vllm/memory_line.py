@@ -7,7 +7,13 @@ starts a new tally, so that a second engine in the same process gets a line of i
 
     rowcache: 8 MoE layers cached, 32 of 128 experts a layer in slots: 2.25 GiB of the
     experts' 9.00 GiB on the GPU; 6.29 GiB held in pinned host memory (0.70 of the experts'
-    bytes, as bf16 planes)
+    bytes, as bf16 planes); set-up T s: P s asking for pinned memory, B s building the
+    providers
+
+The set-up's two parts are host seconds and disjoint: the pinned requests since the last line
+(the checkpoint tensors' and the providers' own, ``rowcache.pinned.pinning_seconds``), and the
+providers' construction without them (the first slot fills, the planes' encoding). vLLM's own
+loading (reading the checkpoint) is in neither.
 
 The figures are the providers' own (``stats()``: ``slot_bytes``, ``host_bytes``); an expert's
 bytes are a slot's. This module imports neither torch nor vLLM.
@@ -29,21 +35,26 @@ class _Tally:
     slot_bytes: int = 0
     expert_bytes: int = 0
     host_bytes: int = 0
+    build_seconds: float = 0.0
     capacities: set[int] = field(default_factory=set)
     experts: set[int] = field(default_factory=set)
 
 
 _tally = _Tally()
+_pinning_mark = 0.0
+"""The process's pinning seconds when the last line was taken."""
 
 
-def note_layer(stats: Mapping[str, int], num_experts: int) -> None:
-    """Count one layer's provider: its ``stats()`` and how many experts the layer has."""
+def note_layer(stats: Mapping[str, int], num_experts: int, build_seconds: float = 0.0) -> None:
+    """Count one layer's provider: its ``stats()``, how many experts the layer has and the host
+    seconds its construction took besides asking for pinned memory."""
     capacity = int(stats["capacity"])
     slot_bytes = int(stats["slot_bytes"])
     _tally.layers += 1
     _tally.slot_bytes += slot_bytes
     _tally.expert_bytes += slot_bytes // capacity * num_experts
     _tally.host_bytes += int(stats["host_bytes"])
+    _tally.build_seconds += build_seconds
     _tally.capacities.add(capacity)
     _tally.experts.add(num_experts)
 
@@ -52,28 +63,40 @@ def _counts(values: set[int]) -> str:
     return " to ".join(str(v) for v in sorted({min(values), max(values)}))
 
 
-def take_line(planes: bool, load_time_bytes: int = 0) -> str | None:
+def take_line(
+    planes: bool, load_time_bytes: int = 0, pinning_seconds: float | None = None
+) -> str | None:
     """The line for the layers noted since the last one (``planes``: their experts are held as
     bf16 planes), and a new tally; None when no layer was noted. ``load_time_bytes``: pinned
     bytes of the checkpoint tensors' transient slabs (``rowcache.pinned``) still held once every
     layer is built; each layer lets go of its own, so anything here is memory nothing will free,
-    and the line says so."""
-    global _tally
+    and the line says so. ``pinning_seconds``: the process's seconds spent asking for pinned
+    memory so far (``rowcache.pinned.pinning_seconds``); the line gives those since the last
+    line, and the set-up's time (none given: no times)."""
+    global _tally, _pinning_mark
     tally, _tally = _tally, _Tally()
+    pinned_since = None
+    if pinning_seconds is not None:
+        pinned_since, _pinning_mark = pinning_seconds - _pinning_mark, pinning_seconds
     if tally.layers == 0:
         return None
     held = f"{tally.host_bytes / tally.expert_bytes:.2f} of the experts' bytes"
     if planes:
         held += ", as bf16 planes"
-    return (
+    line = (
         f"rowcache: {tally.layers} MoE layer{'' if tally.layers == 1 else 's'} cached, "
-        f"{_counts(tally.capacities)} of "
-        f"{_counts(tally.experts)} experts a layer in slots: {tally.slot_bytes / GIB:.2f} GiB of "
-        f"the experts' {tally.expert_bytes / GIB:.2f} GiB on the GPU; "
-        f"{tally.host_bytes / GIB:.2f} GiB held in pinned host memory ({held})"
-    ) + (
-        f"; {load_time_bytes / GIB:.2f} GiB of pinned memory from loading the checkpoint "
-        "still held (expected none: a leak)"
-        if load_time_bytes
-        else ""
+        f"{_counts(tally.capacities)} of {_counts(tally.experts)} experts a layer in slots: "
+        f"{tally.slot_bytes / GIB:.2f} GiB of the experts' {tally.expert_bytes / GIB:.2f} GiB "
+        f"on the GPU; {tally.host_bytes / GIB:.2f} GiB held in pinned host memory ({held})"
     )
+    if pinned_since is not None:
+        line += (
+            f"; set-up {pinned_since + tally.build_seconds:.1f} s: {pinned_since:.1f} s asking "
+            f"for pinned memory, {tally.build_seconds:.1f} s building the providers"
+        )
+    if load_time_bytes:
+        line += (
+            f"; {load_time_bytes / GIB:.2f} GiB of pinned memory from loading the checkpoint "
+            "still held (expected none: a leak)"
+        )
+    return line
