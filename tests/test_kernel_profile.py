@@ -90,7 +90,8 @@ def _run(workload: Workload, seconds: float, profiler: Any) -> dict[str, Any]:
 def test_the_measurement_profiles_one_timed_prompt_last_where_asked() -> None:
     seen: list[list[int]] = []
 
-    def profiler(prompt: list[int]) -> dict[str, Any]:
+    def profiler(prompt: list[int], tokens: int) -> dict[str, Any]:
+        assert tokens == 1  # the prompt's step alone
         seen.append(prompt)
         return {"activities": 1, "span_ms": 1.0}
 
@@ -109,12 +110,65 @@ def test_the_measurement_profiles_one_timed_prompt_last_where_asked() -> None:
 
 
 def test_a_failed_profile_leaves_the_measurements() -> None:
-    def profiler(prompt: list[int]) -> dict[str, Any]:
+    def profiler(prompt: list[int], tokens: int) -> dict[str, Any]:
         raise RuntimeError("CUPTI unavailable")
 
-    record = _run(Workload(batches=(1,), ttft_kernel_profile=True), 600, profiler)
+    w = Workload(batches=(1,), ttft_kernel_profile=True, decode_kernel_profile=4)
+    record = _run(w, 600, profiler)
     assert record["ttft_kernels"] == {"error": "RuntimeError: CUPTI unavailable"}
+    assert record["decode_kernels"] == {"error": "RuntimeError: CUPTI unavailable"}
     assert record["decode"]["1"]["tok_s"] is not None and record["ttft"]["ms"] is not None
+
+
+def test_the_measurement_profiles_b1_decode_twice_last_where_asked() -> None:
+    """The decode prompt with its first token alone, then with the asked tokens more, after
+    everything else (the prompt step's profile too); not asked, or no time left, no call."""
+    seen: list[tuple[list[int], int]] = []
+
+    def profiler(prompt: list[int], tokens: int) -> dict[str, Any]:
+        seen.append((prompt, tokens))
+        return {"activities": tokens}
+
+    w = Workload(batches=(1, 8), ttft_kernel_profile=True, decode_kernel_profile=16)
+    record = _run(w, 600, profiler)
+    first = measure.decode_prompts(w, 1)[0]
+    assert seen == [(measure.prefill_prompts(w)[1], 1), (first, 1), (first, 17)]
+    assert record["decode_kernels"] == {
+        "tokens": 16,
+        "first": {"activities": 1},
+        "whole": {"activities": 17},
+    }
+    assert record["events"][-1].endswith("decode kernels profiled")
+    seen.clear()
+    record = _run(Workload(batches=(1,)), 600, profiler)
+    assert seen == [] and "decode_kernels" not in record
+    w_short = Workload(batches=(1,), decode_kernel_profile=16, repeats=1, prefill_prompts=0)
+    record = _run(w_short, 9, profiler)
+    assert seen == [] and record["decode_kernels"] == {"skipped": "deadline: no time left"}
+
+
+def test_a_decode_token_is_the_two_profiles_difference_over_the_tokens_more() -> None:
+    """What the two generations share (the prompt's step, the first token) cancels; a category
+    only the longer one has counts from zero."""
+    first = summarize([Activity("gather_kernel", 0.0, 800.0), Activity("flash_fwd", 800.0, 1000.0)])
+    whole = summarize(
+        [
+            Activity("gather_kernel", 0.0, 800.0),
+            Activity("flash_fwd", 800.0, 1000.0),
+            *(Activity("gather_kernel", 1000.0 + 300 * i, 1200.0 + 300 * i) for i in range(4)),
+            *(Activity("plan_kernel", 1200.0 + 300 * i, 1250.0 + 300 * i) for i in range(4)),
+        ]
+    )
+    token = kernel_profile.per_token(first, whole, 4)
+    assert token["tokens"] == 4
+    assert (token["span_ms"], token["busy_ms"]) == (0.2875, 0.25)  # 2.15 and 2.0 ms whole
+    assert token["by_category"] == {
+        "attention": {"ms": 0.0},
+        "rowcache gather": {"ms": 0.2},
+        "rowcache planner": {"ms": 0.05},
+    }
+    assert kernel_profile.per_token({"activities": 0}, whole, 4) == {"activities": 0}
+    assert kernel_profile.per_token(first, whole, 0) == {"activities": 0}
 
 
 def test_the_summary_shows_each_engines_step_by_category() -> None:
@@ -138,3 +192,28 @@ def test_the_summary_shows_each_engines_step_by_category() -> None:
     assert any(x.startswith("none.full") and x.endswith("deadline") for x in lines)
     assert not any(x.startswith("uva675.full") for x in lines)
     assert steps_report.kernel_lines({}, "steps.plain") == []
+
+
+def test_the_summary_shows_a_decode_token_by_category() -> None:
+    """The decode profiles' per-token table, after the prompt's (none here), with a skipped
+    engine's reason."""
+    first = summarize([Activity("fused_moe_kernel", 0.0, 500.0)])
+    whole = summarize(
+        [Activity("fused_moe_kernel", 0.0, 500.0), Activity("gather_kernel", 500.0, 2500.0)]
+    )
+    results = {
+        "models.ds2lite.row16dev.full": {
+            "ok": True,
+            "steps": {"decode_kernels": {"tokens": 4, "first": first, "whole": whole}},
+        },
+        "models.ds2lite.none.full": {
+            "ok": True,
+            "steps": {"decode_kernels": {"skipped": "deadline: no time left"}},
+        },
+    }
+    lines = steps_report.kernel_lines(results, "models.ds2lite")
+    assert lines[0].startswith("a b1 decode token on the GPU")
+    assert lines[1].split()[:4] == ["engine", "span", "busy", "gather"]
+    mine = next(x for x in lines if x.startswith("row16dev.full"))
+    assert mine.split()[1:5] == ["0.500", "0.500", "0.500", "0.000"]
+    assert any(x.startswith("none.full") and x.endswith("no time left") for x in lines)

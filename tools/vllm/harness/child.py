@@ -198,8 +198,8 @@ def workload(
         result["steps"] = partial
         save({**result, "partial": True})
 
-    def kernels(prompt: list[int]) -> dict[str, Any]:
-        return kernel_profile.profile_step(lambda: generate([prompt], 1))
+    def kernels(prompt: list[int], tokens: int) -> dict[str, Any]:
+        return kernel_profile.profile_step(lambda: generate([prompt], tokens))
 
     result["steps"] = run_workload(
         spec.workload, generate, deadline, time.time, stats, keep, kernels, jit

@@ -656,11 +656,14 @@ MODELS_PREFIX = {
     GPT_OSS: "models.gptoss20b",
     GPT_OSS_SKEW: "models.gptoss20b-skew",
 }
-MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64)
+MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64, decode_kernel_profile=16)
 """b1 and b8 decode of 64 greedy tokens (medians of three) and the time to first token of three
 distinct 2,048-token prompts: a full-depth model's UVA engine takes about 0.2 s a b8 step
 (every MoE layer's offloaded experts read over the host link), so 256 tokens would not leave
-room for the other engines in one call."""
+room for the other engines in one call. Last, 16 b1 decode tokens under the GPU profiler:
+where a token's device time goes (on DeepSeek-V2-Lite `row` at a quarter of the experts moved
+its misses at about 26 GB/s, where the gather alone reached about 50 on the H200:
+docs/records/2026-12-06-deepseek-v2-lite-lfu-half.md)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Where the GPU time of one 2,048-token prompt step goes, by kernel.
+"""Where the GPU time of one 2,048-token prompt step, and of a decode token, goes, by kernel.
 
 Issue 18's time to first token is copy-bound: a cached engine moves 96 of 128 experts a layer
 over PCIe, and beside that copy time the step holds what the passes add (their planners, MoE
@@ -10,9 +10,14 @@ its device activities (kernels, copies and sets) here: the step's span (first st
 end), its busy time (the union of the activities' intervals: less than their sum where some
 ran at once), and the time of each category and of the longest kernels.
 
-:func:`summarize` is pure and takes plain tuples; :func:`device_activities` turns a profile's
-events into them, and :func:`profile_step` runs one step under the profiler (the only part
-that needs a GPU).
+A decode token at batch 1 is the other question: where a cache engine's token goes beyond its
+misses' bytes at the link's rate (the plan, the gather, the launches of every layer). An engine
+whose workload asks (``Workload.decode_kernel_profile``) profiles the decode prompt twice, with
+its first token alone and with some more, and :func:`per_token` takes their difference.
+
+:func:`summarize` and :func:`per_token` are pure and take plain data; :func:`device_activities`
+turns a profile's events into them, and :func:`profile_step` runs one generation under the
+profiler (the only part that needs a GPU).
 """
 
 from __future__ import annotations
@@ -96,6 +101,34 @@ def summarize(activities: Iterable[Activity]) -> dict[str, Any]:
         "top": [
             {"name": name, "ms": round(v["ms"], 3), "count": int(v["count"])} for name, v in top
         ],
+    }
+
+
+def per_token(first: dict[str, Any], whole: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """A decode token's share of two summaries of one prompt's generation: ``whole`` with
+    ``tokens`` more tokens than ``first`` (its prefill and first token). Each figure is their
+    difference over ``tokens`` (ms), so what both share cancels; no activity where either
+    summary has none (a profile that failed, or saw nothing)."""
+    if tokens <= 0 or "by_category" not in first or "by_category" not in whole:
+        return {"activities": 0}
+    cats = set(first["by_category"]) | set(whole["by_category"])
+
+    def share(a: float, b: float) -> float:
+        return round((b - a) / tokens, 4)
+
+    return {
+        "tokens": tokens,
+        "span_ms": share(first["span_ms"], whole["span_ms"]),
+        "busy_ms": share(first["busy_ms"], whole["busy_ms"]),
+        "by_category": {
+            c: {
+                "ms": share(
+                    first["by_category"].get(c, {}).get("ms", 0.0),
+                    whole["by_category"].get(c, {}).get("ms", 0.0),
+                )
+            }
+            for c in sorted(cats)
+        },
     }
 
 

@@ -48,8 +48,8 @@ class Completion:
 Generate = Callable[[list[list[int]], int], list[Completion]]
 Stats = Callable[[], list[dict[str, Any]] | None]
 Record = dict[str, Any]
-KernelProfile = Callable[[list[int]], dict[str, Any]]
-"""One step of a long prompt under the GPU profiler: its summary
+KernelProfile = Callable[[list[int], int], dict[str, Any]]
+"""One generation of a prompt and a token count under the GPU profiler: its summary
 (``harness/kernel_profile.py``)."""
 KERNEL_PROFILE_S = 15.0
 """Time the kernel profile is started with at least: a 2,048-token step takes under 0.3 s,
@@ -247,15 +247,34 @@ class Measurement:
         w = self.workload
         if not w.ttft_kernel_profile or not w.prefill_prompts or profiler is None:
             return
+        self._profile("ttft_kernels", lambda: profiler(prefill_prompts(w)[1], 1))
+
+    def decode_kernels(self, profiler: KernelProfile | None) -> None:
+        """b1 decode under the GPU profiler, where the workload asks for it: the decode prompt
+        with its first token alone, then with ``decode_kernel_profile`` tokens more."""
+        w = self.workload
+        tokens = w.decode_kernel_profile
+        if not tokens or profiler is None:
+            return
+        prompt = decode_prompts(w, 1)[0]
+
+        def both() -> dict[str, Any]:
+            first = profiler(prompt, 1)
+            return {"tokens": tokens, "first": first, "whole": profiler(prompt, 1 + tokens)}
+
+        self._profile("decode_kernels", both)
+
+    def _profile(self, key: str, run: Callable[[], dict[str, Any]]) -> None:
+        label = key.replace("_", " ")
         if self.left() < KERNEL_PROFILE_S:
-            self.record["ttft_kernels"] = {"skipped": "deadline: no time left"}
-            self._event("ttft kernels skipped")
+            self.record[key] = {"skipped": "deadline: no time left"}
+            self._event(f"{label} skipped")
             return
         try:
-            self.record["ttft_kernels"] = profiler(prefill_prompts(w)[1])
+            self.record[key] = run()
         except Exception as error:  # the measurements stand without it
-            self.record["ttft_kernels"] = {"error": f"{type(error).__name__}: {error}"[:600]}
-        self._event("ttft kernels profiled")
+            self.record[key] = {"error": f"{type(error).__name__}: {error}"[:600]}
+        self._event(f"{label} profiled")
         self.flush()
 
     def ttft(self) -> None:
@@ -317,7 +336,8 @@ def run_workload(
     jit: JitCounter | None = None,
 ) -> Record:
     """Every measurement of ``workload`` in the order of the module docstring, then the kernel
-    profile of one long prompt where the workload asks for it (``profiler``)."""
+    profiles of one long prompt and of b1 decode where the workload asks for them
+    (``profiler``)."""
     m = Measurement(workload, generate, deadline, clock, stats, save, jit)
     warmed = []
     for batch in workload.batches:
@@ -330,5 +350,6 @@ def run_workload(
             if entry.get("repeats_cut") is None:
                 m.decode_once(batch, 0.0)
     m.kernels(profiler)
+    m.decode_kernels(profiler)
     m.flush()
     return m.record

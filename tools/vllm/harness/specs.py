@@ -208,6 +208,10 @@ class Workload:
     ttft_kernel_profile: bool = False
     """Last, one timed long prompt again under the GPU profiler: where its step's device time
     goes, by kernel (``harness/kernel_profile.py``)."""
+    decode_kernel_profile: int = 0
+    """Last, this many b1 decode tokens under the GPU profiler (0: none): where a decode
+    token's device time goes, by kernel. Profiled twice, the decode prompt with one token (its
+    prefill) and with one more than this; the difference is the decode steps'."""
 
     @classmethod
     def from_json(cls, data: Json) -> Workload:

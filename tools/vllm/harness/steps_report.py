@@ -7,9 +7,10 @@ combines several calls'), never on the GPU machine's engines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from tools.vllm.harness import engines
+from tools.vllm.harness import engines, kernel_profile
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -250,12 +251,64 @@ KERNEL_COLUMNS = (
 
 def kernel_lines(results: Results, prefix: str) -> list[str]:
     """One profiled 2,048-token prompt step per engine (``Workload.ttft_kernel_profile``): its
-    GPU span, busy time (the union of its activities) and the time of each category, in ms."""
+    GPU span, busy time (the union of its activities) and the time of each category, in ms;
+    then a b1 decode token's share of them (``Workload.decode_kernel_profile``)."""
+    prompt = _kernel_rows(results, prefix, lambda steps: steps.get("ttft_kernels"), ".2f")
+    decode = _kernel_rows(results, prefix, _decode_token, ".3f")
+    lines = []
+    if prompt:
+        lines += [
+            "one 2,048-token prompt step on the GPU, by kernel category (ms; busy: the union "
+            "of the activities, less than their sum where some ran at once):",
+            KERNEL_HEADER,
+            *prompt,
+        ]
+    if decode:
+        lines += [
+            "a b1 decode token on the GPU, by kernel category (ms: two profiles of the decode "
+            "prompt, with its first token and with more, their difference over the tokens more):",
+            KERNEL_HEADER,
+            *decode,
+        ]
+    return lines
+
+
+KERNEL_HEADINGS = (
+    "span",
+    "busy",
+    "gather",
+    "planner",
+    "moe_gemm",
+    "align",
+    "moe_sum",
+    "attn",
+    "dense",
+    "copy",
+    "elemwise",
+    "rest",
+)
+"""The kernel tables' columns: the span and busy time, then ``KERNEL_COLUMNS`` and the rest."""
+KERNEL_HEADER = f"{'engine':16} " + " ".join(f"{h:>8}" for h in KERNEL_HEADINGS)
+
+
+def _decode_token(steps: dict[str, Any]) -> dict[str, Any] | None:
+    found = steps.get("decode_kernels")
+    if not found or "whole" not in found:
+        return found  # skipped or failed: said as it is
+    return kernel_profile.per_token(found["first"], found["whole"], int(found["tokens"]))
+
+
+def _kernel_rows(
+    results: Results,
+    prefix: str,
+    profile_of: Callable[[dict[str, Any]], dict[str, Any] | None],
+    fmt: str,
+) -> list[str]:
     rows = []
     for name, record in results.items():
         if not name.startswith(prefix + "."):
             continue
-        found = (steps_of(record) or {}).get("ttft_kernels")
+        found = profile_of(steps_of(record) or {})
         if not found:
             continue
         label = name[len(prefix) + 1 :]
@@ -267,18 +320,10 @@ def kernel_lines(results: Results, prefix: str) -> list[str]:
         shown = [cats.get(c, {}).get("ms", 0.0) for c in KERNEL_COLUMNS]
         rest = sum(v["ms"] for c, v in cats.items() if c not in KERNEL_COLUMNS)
         rows.append(
-            f"{label:16} {found['span_ms']:>8.2f} {found['busy_ms']:>8.2f} "
-            + " ".join(f"{v:>8.2f}" for v in (*shown, rest))
+            f"{label:16} {found['span_ms']:>8{fmt}} {found['busy_ms']:>8{fmt}} "
+            + " ".join(f"{v:>8{fmt}}" for v in (*shown, rest))
         )
-    if not rows:
-        return []
-    header = "span busy gather planner moe_gemm align moe_sum attn dense copy elemwise rest"
-    return [
-        "one 2,048-token prompt step on the GPU, by kernel category (ms; busy: the union of "
-        "the activities, less than their sum where some ran at once):",
-        f"{'engine':16} " + " ".join(f"{h:>8}" for h in header.split()),
-        *rows,
-    ]
+    return rows
 
 
 def _ratio(
