@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "pinned_empty_transient",
     "pinning_seconds",
     "releases_slabs",
+    "timed_pinning",
 ]
 
 SLAB_BYTES = 1 << 30
@@ -55,24 +57,33 @@ dtype, and the vectorized loads of the copies and the decode)."""
 _pinning_seconds = 0.0
 
 
-def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A pinned host tensor from torch's caching host allocator, its host time counted
-    (``pinning_seconds``)."""
+@contextmanager
+def timed_pinning() -> Iterator[None]:
+    """Count the host time of the block inside in ``pinning_seconds`` (an exception too)."""
     global _pinning_seconds
     start = time.perf_counter()
     try:
-        # The host named: vLLM creates a model's weights under a CUDA default device
-        # (``with torch.device("cuda")``), where an unnamed pinned request is a CUDA one and
-        # fails.
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        yield
     finally:
         _pinning_seconds += time.perf_counter() - start
 
 
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A pinned host tensor from torch's caching host allocator, its host time counted
+    (``pinning_seconds``)."""
+    with timed_pinning():
+        # The host named: vLLM creates a model's weights under a CUDA default device
+        # (``with torch.device("cuda")``), where an unnamed pinned request is a CUDA one and
+        # fails.
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+
+
 def pinning_seconds() -> float:
-    """Host seconds this process has spent asking for pinned memory (the arenas' slabs and the
-    transient tensors torch holds itself): the driver page-locks every page of a new block,
-    which at tens of GB is a large part of an engine's start-up."""
+    """Host seconds this process has spent on rowcache's pinned memory (``timed_pinning``):
+    asking the driver for blocks (the arenas' slabs, the transient tensors torch holds itself)
+    and giving them back (``rowcache.vllm``'s release of the load-time blocks). The driver
+    locks or unlocks every page of a block, which at tens of GB is a large part of an engine's
+    start-up. vLLM's own pinned memory is not counted."""
     return _pinning_seconds
 
 

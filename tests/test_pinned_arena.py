@@ -188,6 +188,7 @@ def test_pinned_requests_count_their_host_seconds(monkeypatch: pytest.MonkeyPatc
     time it took to ``pinning_seconds``, a failed one too; nothing else does."""
     ticks = iter([10.0, 12.5, 20.0, 20.25])
     monkeypatch.setattr(pinned, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(pinned, "_pinning_seconds", 0.0)  # the process's total, put back after
     asked: list[tuple[tuple[int, ...], bool]] = []
 
     def fake_empty(shape: Any, *, dtype: torch.dtype, device: str, pin_memory: bool) -> Any:
@@ -204,3 +205,17 @@ def test_pinned_requests_count_their_host_seconds(monkeypatch: pytest.MonkeyPatc
         pinned._pinned((7,), torch.uint8)
     assert pinned.pinning_seconds() - before == 2.75
     assert asked == [((1024,), True), ((7,), True)]
+
+
+def test_a_timed_block_counts_as_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timed_pinning`` (the plugin's release of the load-time blocks) adds its block's host
+    time, an exception's too, which it lets through."""
+    ticks = iter([1.0, 4.0, 5.0, 5.5])
+    monkeypatch.setattr(pinned, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    monkeypatch.setattr(pinned, "_pinning_seconds", 0.0)
+    with pinned.timed_pinning():
+        pass
+    assert pinned.pinning_seconds() == 3.0
+    with pytest.raises(ValueError, match="inside"), pinned.timed_pinning():
+        raise ValueError("inside")
+    assert pinned.pinning_seconds() == 3.5

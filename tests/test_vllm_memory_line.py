@@ -3,9 +3,11 @@ providers' own stats."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rowcache.row_provider import RowCacheWeightProvider
+from rowcache.vllm import memory_line
 from rowcache.vllm.memory_line import note_layer, take_line
 
 E, HIDDEN, INTER = 16, 64, 32
@@ -67,23 +69,34 @@ def test_pinned_memory_left_from_loading_is_called_a_leak() -> None:
     assert line is not None and "loading" not in line
 
 
-def test_the_set_up_time_is_the_pinning_since_the_last_line_and_the_builds() -> None:
-    """The process's pinning seconds are a running total: each line gives those since the line
+def test_the_set_up_time_is_the_pinning_since_the_last_line_and_the_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process's pinning seconds are a running total: each line gives those since the call
     before (a second engine in the process gets its own), beside the builds it noted."""
+    monkeypatch.setattr(memory_line, "_pinning_mark", 0.0)  # the process's mark, put back after
     take_line(planes=False, pinning_seconds=100.0)  # a line before: the mark
     for _ in range(2):
         note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64, 1.25)
     line = take_line(planes=False, pinning_seconds=110.0)
     assert line is not None and line.endswith(
-        "(1.00 of the experts' bytes); set-up 12.5 s: 10.0 s asking for pinned memory, "
+        "(1.00 of the experts' bytes); set-up 12.5 s: 10.0 s pinning host memory, "
         "2.5 s building the providers"
     )
     note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64, 0.5)
     line = take_line(planes=True, load_time_bytes=2**30, pinning_seconds=113.0)
     assert line is not None and line.endswith(
-        "; set-up 3.5 s: 3.0 s asking for pinned memory, 0.5 s building the providers"
+        "; set-up 3.5 s: 3.0 s pinning host memory, 0.5 s building the providers"
         "; 1.00 GiB of pinned memory from loading the checkpoint still held (expected none: a leak)"
     )
     note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64, 0.5)
     line = take_line(planes=False)
     assert line is not None and "set-up" not in line  # no times given, none said
+    # The other layers' first forwards take no line but move the mark: the next engine's line
+    # counts only what was pinned after them.
+    assert take_line(planes=False, pinning_seconds=120.0) is None
+    note_layer({"capacity": 8, "slot_bytes": 8 * 2**20, "host_bytes": 64 * 2**20}, 64, 0.5)
+    line = take_line(planes=False, pinning_seconds=121.0)
+    assert line is not None and line.endswith(
+        "; set-up 1.5 s: 1.0 s pinning host memory, 0.5 s building the providers"
+    )

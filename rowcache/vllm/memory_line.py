@@ -7,13 +7,13 @@ starts a new tally, so that a second engine in the same process gets a line of i
 
     rowcache: 8 MoE layers cached, 32 of 128 experts a layer in slots: 2.25 GiB of the
     experts' 9.00 GiB on the GPU; 6.29 GiB held in pinned host memory (0.70 of the experts'
-    bytes, as bf16 planes); set-up T s: P s asking for pinned memory, B s building the
-    providers
+    bytes, as bf16 planes); set-up T s: P s pinning host memory, B s building the providers
 
-The set-up's two parts are host seconds and disjoint: the pinned requests since the last line
-(the checkpoint tensors' and the providers' own, ``rowcache.pinned.pinning_seconds``), and the
-providers' construction without them (the first slot fills, the planes' encoding). vLLM's own
-loading (reading the checkpoint) is in neither.
+The set-up's two parts are host seconds and disjoint: rowcache's pinning since the last line
+(asking the driver for the checkpoint tensors' and the providers' pinned blocks, and giving
+the checkpoint tensors' back: ``rowcache.pinned.pinning_seconds``), and the providers'
+construction without it (the first slot fills, the planes' encoding). vLLM's own loading
+(reading the checkpoint into those tensors) and its own pinned memory are in neither.
 
 The figures are the providers' own (``stats()``: ``slot_bytes``, ``host_bytes``); an expert's
 bytes are a slot's. This module imports neither torch nor vLLM.
@@ -47,7 +47,7 @@ _pinning_mark = 0.0
 
 def note_layer(stats: Mapping[str, int], num_experts: int, build_seconds: float = 0.0) -> None:
     """Count one layer's provider: its ``stats()``, how many experts the layer has and the host
-    seconds its construction took besides asking for pinned memory."""
+    seconds its construction took besides pinning."""
     capacity = int(stats["capacity"])
     slot_bytes = int(stats["slot_bytes"])
     _tally.layers += 1
@@ -70,9 +70,9 @@ def take_line(
     bf16 planes), and a new tally; None when no layer was noted. ``load_time_bytes``: pinned
     bytes of the checkpoint tensors' transient slabs (``rowcache.pinned``) still held once every
     layer is built; each layer lets go of its own, so anything here is memory nothing will free,
-    and the line says so. ``pinning_seconds``: the process's seconds spent asking for pinned
-    memory so far (``rowcache.pinned.pinning_seconds``); the line gives those since the last
-    line, and the set-up's time (none given: no times)."""
+    and the line says so. ``pinning_seconds``: the process's seconds of pinning so far
+    (``rowcache.pinned.pinning_seconds``); the line gives those since the last call (one that
+    returns no line moves the mark too), and the set-up's time (none given: no times)."""
     global _tally, _pinning_mark
     tally, _tally = _tally, _Tally()
     pinned_since = None
@@ -91,8 +91,8 @@ def take_line(
     )
     if pinned_since is not None:
         line += (
-            f"; set-up {pinned_since + tally.build_seconds:.1f} s: {pinned_since:.1f} s asking "
-            f"for pinned memory, {tally.build_seconds:.1f} s building the providers"
+            f"; set-up {pinned_since + tally.build_seconds:.1f} s: {pinned_since:.1f} s "
+            f"pinning host memory, {tally.build_seconds:.1f} s building the providers"
         )
     if load_time_bytes:
         line += (

@@ -52,8 +52,10 @@ KernelProfile = Callable[[list[int], int], dict[str, Any]]
 """One generation of a prompt and a token count under the GPU profiler: its summary
 (``harness/kernel_profile.py``)."""
 KERNEL_PROFILE_S = 15.0
-"""Time the kernel profile is started with at least: a 2,048-token step takes under 0.3 s,
-the profiler's start and the processing of its events some seconds."""
+"""Time each kernel profile is started with at least (the long prompt's, and the two of b1
+decode together): a 2,048-token step takes under 0.3 s, 17 decode tokens of a full-depth
+model's UVA engine about 1 s; the profiler's start and the processing of its events some
+seconds."""
 
 
 def decode_prompts(workload: Workload, batch: int) -> list[list[int]]:
