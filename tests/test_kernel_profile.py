@@ -145,6 +145,14 @@ def test_the_measurement_profiles_b1_decode_twice_last_where_asked() -> None:
     w_short = Workload(batches=(1,), decode_kernel_profile=16, repeats=1, prefill_prompts=0)
     record = _run(w_short, 9, profiler)
     assert seen == [] and record["decode_kernels"] == {"skipped": "deadline: no time left"}
+    # Enough time for the prompt's profile is not enough for decode's and the probes after.
+    fake = _Clock()
+    left = (measure.KERNEL_PROFILE_S + measure.DECODE_PROFILE_S) / 2
+    m = measure.Measurement(w, fake.generate, fake.now + left, lambda: fake.now)
+    m.kernels(profiler)
+    m.decode_kernels(profiler)
+    assert seen == [(measure.prefill_prompts(w)[1], 1)]
+    assert m.record["decode_kernels"] == {"skipped": "deadline: no time left"}
 
 
 def test_a_decode_token_is_the_two_profiles_difference_over_the_tokens_more() -> None:
