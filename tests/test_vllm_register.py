@@ -1376,11 +1376,11 @@ def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:
 def test_a_layer_s_host_tensors_are_dead_when_its_release_collects_them(
     fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``let_go_of_transient`` lets go of the transient slabs nothing views; after the last
-    layer's only the first forward collects. So the layer's checkpoint tensors must be dead by
-    the time it runs (no name in the caller's frame, no cycle left for the garbage collector):
-    else the last layer's slab stays pinned for the engine's life, as with the parameter
-    vLLM's loading context holds (the test after the next)."""
+    """``release_host_cache`` lets go of the transient slabs nothing views and then empties
+    torch's host cache; nothing collects after the last layer's. So the layer's checkpoint
+    tensors must be dead by the time it runs (no name in the caller's frame, no cycle left for
+    the garbage collector): else the last layer's slab stays pinned for the engine's life,
+    as with the parameter vLLM's loading context holds (the test after the next)."""
     import weakref
 
     import rowcache.vllm._method as method_module
@@ -1390,7 +1390,7 @@ def test_a_layer_s_host_tensors_are_dead_when_its_release_collects_them(
     alive_at_release: list[list[bool]] = []
     monkeypatch.setattr(
         method_module,
-        "let_go_of_transient",
+        "release_host_cache",
         lambda: alive_at_release.append([r() is not None for r in held]),
     )
     method.process_weights_after_loading(layer)
@@ -1493,7 +1493,7 @@ def test_the_last_layer_s_slab_is_free_when_released_inside_vllms_loading_contex
         arena.collect()
         at_release.append(arena.reserved_bytes)
 
-    monkeypatch.setattr(method_module, "let_go_of_transient", release)
+    monkeypatch.setattr(method_module, "release_host_cache", release)
 
     @contextlib.contextmanager
     def device_loading_context(module: torch.nn.Module) -> Any:
@@ -1504,35 +1504,6 @@ def test_the_last_layer_s_slab_is_free_when_released_inside_vllms_loading_contex
     with device_loading_context(layer):
         method.process_weights_after_loading(layer)
     assert at_release == [0]
-
-
-def test_torch_s_host_cache_is_emptied_at_the_first_forward_not_per_layer(
-    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A layer's release gives its slabs back to torch and leaves them in torch's host cache,
-    where the next layers' pinned requests of their size take them (the driver neither unlocks
-    nor locks those pages again); the layer's first forward gives what is left to the driver,
-    and later forwards do nothing of it."""
-    import rowcache.vllm._method as method_module
-
-    calls: list[str] = []
-    let_go, release = method_module.let_go_of_transient, method_module.release_host_cache
-    monkeypatch.setattr(
-        method_module, "let_go_of_transient", lambda: calls.append("let go") or let_go()
-    )
-    monkeypatch.setattr(
-        method_module, "release_host_cache", lambda: calls.append("release") or release()
-    )
-    take_line(planes=False)  # layers other tests built and never ran
-    arena = _transient_arena(monkeypatch)
-    method, layer, weights, x, ids, topk_weights = _loaded_planes_layer(fake_vllm)
-    method.process_weights_after_loading(layer)
-    assert calls == ["let go"] and arena.reserved_bytes == 0
-    method.moe_kernel = TritonKernel(weights)
-    method.apply(layer, x, topk_weights, ids, None, None)
-    assert calls == ["let go", "release"]
-    method.apply(layer, x, topk_weights, ids, None, None)
-    assert calls == ["let go", "release"]
 
 
 def test_the_first_forward_lets_go_of_a_slab_freed_after_the_last_release(

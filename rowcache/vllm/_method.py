@@ -94,7 +94,6 @@ __all__ = [
     "drop_replaced",
     "forget_host_loaders",
     "install",
-    "let_go_of_transient",
     "pinned_empty",
     "register_host_parameter",
     "release_host_cache",
@@ -174,9 +173,9 @@ def drop_replaced(layer: Any, params: Iterable[tuple[str, Tensor]]) -> None:
     last parameter until the layer is done: the one ``register_host_parameter`` made, which
     vLLM's own ``process_weights_after_loading`` has by then replaced (``replace_parameter``:
     a new parameter over the same data). Its data, our device view, would hold the view's host
-    memory (a transient slab) past the layer's release (``let_go_of_transient``), and the last
-    layer's for the engine's life (2 GiB on the H200, 2026-12-05). A parameter still the
-    layer's is left as it is."""
+    memory (a transient slab) past ``release_host_cache``, and the last layer's for the
+    engine's life (2 GiB on the H200, 2026-12-05). A parameter still the layer's is left as
+    it is."""
     for name, param in params:
         loader = getattr(param, "weight_loader", None)
         first = loader.registered if isinstance(loader, HostLoad) else None
@@ -263,17 +262,6 @@ def release_host_cache() -> None:
             empty()
 
 
-def let_go_of_transient() -> None:
-    """Give the transient slabs nothing views any longer back to torch (a layer's checkpoint
-    tensors, released), without emptying torch's host cache: its caching host allocator keeps
-    each freed block for a later pinned request of its size class, which the next layers'
-    planes or rows make (the arenas' slabs are the same powers of two), so they take those
-    blocks instead of the driver unlocking these pages and locking new ones. The first forward
-    gives what is left to the driver (``release_host_cache``)."""
-    with timed_pinning():
-        collect_transient()
-
-
 def _refuse_reload(*args: Any, **kwargs: Any) -> None:
     raise RowcacheError(
         "rowcache: this layer's experts are held as bf16 planes "
@@ -288,9 +276,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, lasting: bool) -
     pinned slabs (``rowcache.pinned``: the bytes asked, where torch's own pinned allocator
     rounds every request up to a power of two); else a view of a slab of the transient arena,
     freed with its slab (a layer's checkpoint tensors that the cache releases once it holds the
-    experts in its own form; ``let_go_of_transient`` lets go of the slabs whose tensors are all
-    released, for the next layers' pinned requests, and the first forward's
-    ``release_host_cache`` gives what is left to the driver)."""
+    experts in its own form; ``release_host_cache`` lets go of the slabs whose tensors are all
+    released)."""
     if not torch.cuda.is_available():
         return torch.empty(shape, dtype=dtype, device="cpu")
     if lasting:
@@ -600,14 +587,12 @@ class CachedForward:
         if self.rowcache_forwards == 0:
             # A layer's first forward: every layer is built by then (vLLM's profile run).
             settings = self.rowcache_settings
-            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                # The load-time blocks the layers' releases left in torch's host cache for
-                # the next layers' slabs (``let_go_of_transient``), and anything that died
-                # after the last release (what vLLM's loading code still held then), go back
-                # to the driver now: the first layer's call does it, the others find nothing.
-                release_host_cache()
-            # A transient slab still held now is one nothing will free: a leak.
             left = int(pinned_memory()["transient_bytes"] or 0)
+            if left and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                # What died after the last layer's release (anything vLLM's loading code
+                # still held then) goes back now; what is left is held: a leak.
+                release_host_cache()
+                left = int(pinned_memory()["transient_bytes"] or 0)
             line = take_line(
                 settings is not None and settings.compress_planes, left, pinning_seconds()
             )
@@ -775,13 +760,13 @@ class RowcacheMoEMethod(CachedForward, UnquantizedFusedMoEMethod):  # type: igno
         if not self._cache_on:
             return
         assert self._host is not None and self.rowcache_settings is not None
-        # No name here for the host tensors: with planes, let_go_of_transient must find them
+        # No name here for the host tensors: with planes, release_host_cache must find them
         # dead, or their transient slab outlives the layer (the last layer's, the engine).
         self.rowcache_provider = build_provider(self.rowcache_settings, self._capacity, *self._host)
         if self.rowcache_settings.compress_planes:
             release_host_weights(layer)
             self._host = None
-            let_go_of_transient()
+            release_host_cache()
 
     def apply(
         self,

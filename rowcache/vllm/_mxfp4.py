@@ -54,8 +54,8 @@ from rowcache.vllm._method import (
     check_layer,
     drop_replaced,
     layer_device,
-    let_go_of_transient,
     pinned_empty,
+    release_host_cache,
     to_pinned,
 )
 from rowcache.vllm.knob import CacheSettings
@@ -201,7 +201,7 @@ class RowcacheGptOssMxfp4MoEMethod(CachedForward, GptOssMxfp4MoEMethod):  # type
         self._rowcache_hosts = {}
         drop_replaced(layer, self._rowcache_raw_params)
         self._rowcache_raw_params = []
-        let_go_of_transient()
+        release_host_cache()
         w13, w2 = layer.w13_weight, layer.w2_weight
         w13_pc, w2_pc = self.w13_precision_config, self.w2_precision_config
         kernel_tensors = {

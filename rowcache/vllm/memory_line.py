@@ -9,7 +9,7 @@ starts a new tally, so that a second engine in the same process gets a line of i
     experts' 9.00 GiB on the GPU; 6.29 GiB held in pinned host memory (0.70 of the experts'
     bytes, as bf16 planes); set-up T s: P s pinning host memory, B s building the providers
 
-The set-up's two parts are host seconds and disjoint: rowcache's pinning since the last line
+The set-up's two parts are host seconds and disjoint: rowcache's pinning since the last call
 (asking the driver for the checkpoint tensors' and the providers' pinned blocks, and giving
 the checkpoint tensors' back: ``rowcache.pinned.pinning_seconds``), and the providers'
 construction without it (the first slot fills, the planes' encoding). vLLM's own loading
