@@ -42,7 +42,7 @@ class _Tally:
 
 _tally = _Tally()
 _pinning_mark = 0.0
-"""The process's pinning seconds when the last line was taken."""
+"""The process's pinning seconds at the last ``take_line`` that was given them."""
 
 
 def note_layer(stats: Mapping[str, int], num_experts: int, build_seconds: float = 0.0) -> None:
