@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -398,24 +398,34 @@ def test_the_soak_judges_the_workers_pinned_memory(
     monkeypatch.setattr(se, "SAMPLE_EVERY_S", 0.05)
     options = se.Options("m", tmp_path, (serve_bench.SERVERS["row"],), soak_s=0.4)
     reads = iter(range(10**6))
+    read: list[int] = []
 
     def growing(port: int, method: str) -> dict[str, int]:
         assert method == "rowcache_pinned"
+        read.append(next(reads))
         # 16 MiB more each read, none of it the arenas'
-        return {"torch_host_bytes": next(reads) * (16 << 20), "arena_bytes": 7 << 30}
+        return {"torch_host_bytes": read[-1] * (16 << 20), "arena_bytes": 7 << 30}
 
     def unreadable(port: int, method: str) -> dict[str, int]:
         raise OSError("no worker extension")
 
-    def answer(*args: Any) -> list[int]:  # a request's wait, the GIL released as a socket's
-        time.sleep(0.01)
-        return [1]
+    def answer_until(count: int) -> Callable[..., list[int]]:
+        def answer(*args: Any) -> list[int]:  # a request's wait, the GIL released as a socket's
+            time.sleep(0.01)
+            # The soak samples while requests run: they last until ``count`` pinned reads
+            # were taken, however slow a loaded machine makes each sample (a count, not a
+            # time).
+            while len(read) < count:
+                time.sleep(0.01)
+            return [1]
 
-    done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer, growing)
+        return answer
+
+    done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer_until(7), growing)
     assert len(done["samples"]) >= 6 and done["growth"]["torch_host_bytes"] >= 64 << 20
     assert any(p.startswith("pinned host memory grew") for p in se.soak_problems(done))
     # The arenas' share is recorded beside it, None where the worker did not say.
     assert {s["arena_bytes"] for s in done["samples"]} == {7 << 30}
     assert {s["transient_bytes"] for s in done["samples"]} == {None}
-    done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer, unreadable)
+    done = se.soak(1, os.getpgid(0), options, [[5, 6]], answer_until(0), unreadable)
     assert "pinned host memory not read (rowcache_pinned)" in se.soak_problems(done)
