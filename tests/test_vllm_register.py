@@ -1319,6 +1319,34 @@ def test_with_planes_the_layers_pinned_weights_are_released(
     assert found["layers"] == 1 and found["skipped"] == 0 and found["equal"]["16"] == 1
 
 
+def test_a_provider_s_build_time_leaves_out_its_pinning(
+    fake_vllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up line counts pinning once for the whole engine: each provider's build time
+    is its host time less the pinning done inside it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import rowcache.vllm._method as method_module
+    from rowcache.vllm.knob import parse_settings
+
+    clock, pinning = iter([100.0, 107.0]), iter([20.0, 24.5])
+    monkeypatch.setattr(method_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(method_module, "pinning_seconds", lambda: next(pinning))
+    noted: list[float] = []
+    monkeypatch.setattr(
+        method_module,
+        "note_layer",
+        lambda stats, num_experts, build_seconds: noted.append(build_seconds),
+    )
+    settings = parse_settings({"rowcache": {"moe_expert_cache_size": 2}}, {})
+    w13 = torch.randn(4, 8, 16).to(torch.bfloat16)
+    w2 = torch.randn(4, 16, 4).to(torch.bfloat16)
+    method_module.build_provider(settings, 2, w13, w2)
+    assert noted == [7.0 - 4.5]
+
+
 def test_the_plugin_builds_a_compressing_provider(fake_vllm: Any) -> None:
     """What the unquantized method builds with the knob on: a device-planned provider over the
     layer's host tensors, w13 and w2 as planes (the scales and the rest shared)."""
