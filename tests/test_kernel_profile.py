@@ -155,6 +155,44 @@ def test_the_measurement_profiles_b1_decode_twice_last_where_asked() -> None:
     assert m.record["decode_kernels"] == {"skipped": "deadline: no time left"}
 
 
+def test_both_decode_profiles_start_from_one_cache_state_and_keep_their_counters() -> None:
+    """The longer generation runs unprofiled just before each profile (so the second one's
+    prefill does not find the first's experts resident), and each profile carries the cached
+    layers' counters over it alone; an engine without the cache has no counters."""
+    calls: list[tuple[str, int]] = []
+    misses = [0]
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+        calls.append(("generate", max_tokens))
+        misses[0] += 100  # any unprofiled generation's misses stay out of the profiles
+        return [Completion([1] * max_tokens) for _ in prompts]
+
+    def profiler(prompt: list[int], tokens: int) -> dict[str, Any]:
+        calls.append(("profile", tokens))
+        misses[0] += 3 + 2 * tokens
+        return {"activities": tokens}
+
+    def stats() -> list[dict[str, Any]]:
+        return [{"hits": 5, "misses": misses[0] - 1}, {"misses": 1}]
+
+    w = Workload(batches=(1,), decode_kernel_profile=16)
+    m = measure.Measurement(w, generate, 600.0, lambda: 0.0, stats)
+    m.decode_kernels(profiler)
+    assert calls == [("generate", 17), ("profile", 1), ("generate", 17), ("profile", 17)]
+    found = m.record["decode_kernels"]
+    assert found["first"]["cache"]["misses"] == 5 and found["whole"]["cache"]["misses"] == 37
+    assert found["first"]["cache"]["hits"] == 0
+    token = kernel_profile.per_token(
+        {**summarize([Activity("gather_kernel", 0.0, 1.0)]), "cache": found["first"]["cache"]},
+        {**summarize([Activity("gather_kernel", 0.0, 9.0)]), "cache": found["whole"]["cache"]},
+        16,
+    )
+    assert token["misses"] == 2.0
+    no_cache = measure.Measurement(w, generate, 600.0, lambda: 0.0, lambda: None)
+    no_cache.decode_kernels(profiler)
+    assert "cache" not in no_cache.record["decode_kernels"]["whole"]
+
+
 def test_a_decode_token_is_the_two_profiles_difference_over_the_tokens_more() -> None:
     """What the two generations share (the prompt's step, the first token) cancels; a category
     only the longer one has counts from zero."""
@@ -170,6 +208,7 @@ def test_a_decode_token_is_the_two_profiles_difference_over_the_tokens_more() ->
     token = kernel_profile.per_token(first, whole, 4)
     assert token["tokens"] == 4
     assert (token["span_ms"], token["busy_ms"]) == (0.2875, 0.25)  # 2.15 and 2.0 ms whole
+    assert "misses" not in token  # no counters in either profile
     assert token["by_category"] == {
         "attention": {"ms": 0.0},
         "rowcache gather": {"ms": 0.2},
@@ -209,8 +248,14 @@ def test_the_summary_shows_a_decode_token_by_category() -> None:
     whole = summarize(
         [Activity("fused_moe_kernel", 0.0, 500.0), Activity("gather_kernel", 500.0, 2500.0)]
     )
+    counted = {
+        "tokens": 4,
+        "first": {**first, "cache": {"misses": 10}},
+        "whole": {**whole, "cache": {"misses": 40}},
+    }
     results = {
-        "models.ds2lite.row16dev.full": {
+        "models.ds2lite.row16dev.full": {"ok": True, "steps": {"decode_kernels": counted}},
+        "models.ds2lite.uva1959.full": {
             "ok": True,
             "steps": {"decode_kernels": {"tokens": 4, "first": first, "whole": whole}},
         },
@@ -222,6 +267,10 @@ def test_the_summary_shows_a_decode_token_by_category() -> None:
     lines = steps_report.kernel_lines(results, "models.ds2lite")
     assert lines[0].startswith("a b1 decode token on the GPU")
     assert lines[1].split()[:4] == ["engine", "span", "busy", "gather"]
+    assert lines[1].split()[-1] == "misses"
     mine = next(x for x in lines if x.startswith("row16dev.full"))
     assert mine.split()[1:5] == ["0.500", "0.500", "0.500", "0.000"]
+    assert mine.split()[-1] == "7.5"  # 30 misses over 4 tokens
+    uva = next(x for x in lines if x.startswith("uva1959.full"))
+    assert len(uva.split()) == len(mine.split()) - 1  # no counters: no misses
     assert any(x.startswith("none.full") and x.endswith("no time left") for x in lines)

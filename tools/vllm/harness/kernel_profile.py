@@ -13,7 +13,8 @@ ran at once), and the time of each category and of the longest kernels.
 A decode token at batch 1 is the other question: where a cache engine's token goes beyond its
 misses' bytes at the link's rate (the plan, the gather, the launches of every layer). An engine
 whose workload asks (``Workload.decode_kernel_profile``) profiles the decode prompt twice, with
-its first token alone and with some more, and :func:`per_token` takes their difference.
+its first token alone and with some more, each from the same cache state and with the cache's
+counters over it, and :func:`per_token` takes their difference: a token's time and misses.
 
 :func:`summarize` and :func:`per_token` are pure and take plain data; :func:`device_activities`
 turns a profile's events into them, and :func:`profile_step` runs one generation under the
@@ -107,7 +108,8 @@ def summarize(activities: Iterable[Activity]) -> dict[str, Any]:
 def per_token(first: dict[str, Any], whole: dict[str, Any], tokens: int) -> dict[str, Any]:
     """A decode token's share of two summaries of one prompt's generation: ``whole`` with
     ``tokens`` more tokens than ``first`` (its prefill and first token). Each figure is their
-    difference over ``tokens`` (ms), so what both share cancels; no activity where either
+    difference over ``tokens`` (ms), so what both share cancels; ``misses`` too, where both
+    carry the cache's counters (``cache``: a cached engine's); no activity where either
     summary has none (a profile that failed, or saw nothing)."""
     if tokens <= 0 or "by_category" not in first or "by_category" not in whole:
         return {"activities": 0}
@@ -116,7 +118,7 @@ def per_token(first: dict[str, Any], whole: dict[str, Any], tokens: int) -> dict
     def share(a: float, b: float) -> float:
         return round((b - a) / tokens, 4)
 
-    return {
+    found: dict[str, Any] = {
         "tokens": tokens,
         "span_ms": share(first["span_ms"], whole["span_ms"]),
         "busy_ms": share(first["busy_ms"], whole["busy_ms"]),
@@ -130,6 +132,9 @@ def per_token(first: dict[str, Any], whole: dict[str, Any], tokens: int) -> dict
             for c in sorted(cats)
         },
     }
+    if "cache" in first and "cache" in whole:
+        found["misses"] = share(first["cache"]["misses"], whole["cache"]["misses"])
+    return found
 
 
 def device_activities(events: Iterable[Any], device: str = "CUDA") -> list[Activity]:

@@ -55,9 +55,10 @@ KERNEL_PROFILE_S = 15.0
 """Time the long prompt's kernel profile is started with at least: a 2,048-token step takes
 under 0.3 s, the profiler's start and the processing of its events some seconds."""
 DECODE_PROFILE_S = 30.0
-"""Time the two b1 decode profiles are started with at least: 17 decode tokens of a
-full-depth model's UVA engine take about 1 s and their events some seconds to process, and
-the engine's probes after the workload (the slot audit, the exactness probe) need the rest."""
+"""Time the two b1 decode profiles are started with at least: four generations of 17 decode
+tokens (two unprofiled) of a full-depth model's UVA engine take about 2 s, the profiles' events
+some seconds to process, and the engine's probes after the workload (the slot audit, the
+exactness probe) need the rest."""
 
 
 def decode_prompts(workload: Workload, batch: int) -> list[list[int]]:
@@ -255,16 +256,30 @@ class Measurement:
 
     def decode_kernels(self, profiler: KernelProfile | None) -> None:
         """b1 decode under the GPU profiler, where the workload asks for it: the decode prompt
-        with its first token alone, then with ``decode_kernel_profile`` tokens more."""
+        with its first token alone, then with ``decode_kernel_profile`` tokens more. Before
+        each profile the longer generation runs unprofiled, so both start from the cache state
+        it leaves: their difference is the tokens more, not also a prefill that found more of
+        its experts resident the second time. Each profile keeps the cached layers' counters
+        over it (``cache``), so a token's misses stand beside its gather time."""
         w = self.workload
         tokens = w.decode_kernel_profile
         if not tokens or profiler is None:
             return
         prompt = decode_prompts(w, 1)[0]
 
+        def profiled(count: int) -> dict[str, Any]:
+            self.generate([prompt], 1 + tokens)
+            before = self.stats() if self.stats is not None else None
+            found = profiler(prompt, count)
+            after = self.stats() if self.stats is not None else None
+            if before and after:
+                b, a = totals(before), totals(after)
+                found = {**found, "cache": {k: a[k] - b[k] for k in STAT_KEYS}}
+            return found
+
         def both() -> dict[str, Any]:
-            first = profiler(prompt, 1)
-            return {"tokens": tokens, "first": first, "whole": profiler(prompt, 1 + tokens)}
+            first = profiled(1)
+            return {"tokens": tokens, "first": first, "whole": profiled(1 + tokens)}
 
         self._profile("decode_kernels", both, DECODE_PROFILE_S)
 

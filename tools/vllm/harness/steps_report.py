@@ -254,7 +254,7 @@ def kernel_lines(results: Results, prefix: str) -> list[str]:
     GPU span, busy time (the union of its activities) and the time of each category, in ms;
     then a b1 decode token's share of them (``Workload.decode_kernel_profile``)."""
     prompt = _kernel_rows(results, prefix, lambda steps: steps.get("ttft_kernels"), ".2f")
-    decode = _kernel_rows(results, prefix, _decode_token, ".3f")
+    decode = _kernel_rows(results, prefix, _decode_token, ".3f", misses=True)
     lines = []
     if prompt:
         lines += [
@@ -266,8 +266,9 @@ def kernel_lines(results: Results, prefix: str) -> list[str]:
     if decode:
         lines += [
             "a b1 decode token on the GPU, by kernel category (ms: two profiles of the decode "
-            "prompt, with its first token and with more, their difference over the tokens more):",
-            KERNEL_HEADER,
+            "prompt from one cache state, with its first token and with more, their difference "
+            "over the tokens more; misses: the cache's, a token):",
+            f"{KERNEL_HEADER} {'misses':>8}",
             *decode,
         ]
     return lines
@@ -303,7 +304,9 @@ def _kernel_rows(
     prefix: str,
     profile_of: Callable[[dict[str, Any]], dict[str, Any] | None],
     fmt: str,
+    misses: bool = False,
 ) -> list[str]:
+    """One row an engine; ``misses``: then a token's misses where the profile has them."""
     rows = []
     for name, record in results.items():
         if not name.startswith(prefix + "."):
@@ -319,10 +322,11 @@ def _kernel_rows(
         cats = found["by_category"]
         shown = [cats.get(c, {}).get("ms", 0.0) for c in KERNEL_COLUMNS]
         rest = sum(v["ms"] for c, v in cats.items() if c not in KERNEL_COLUMNS)
-        rows.append(
-            f"{label:16} {found['span_ms']:>8{fmt}} {found['busy_ms']:>8{fmt}} "
-            + " ".join(f"{v:>8{fmt}}" for v in (*shown, rest))
-        )
+        row = f"{label:16} {found['span_ms']:>8{fmt}} {found['busy_ms']:>8{fmt}} "
+        row += " ".join(f"{v:>8{fmt}}" for v in (*shown, rest))
+        if misses and "misses" in found:
+            row += f" {found['misses']:>8.1f}"
+        rows.append(row)
     return rows
 
 
