@@ -78,8 +78,8 @@ FAKE_FP8 = {
                 return method
         """,
     "vllm/model_executor/layers/fused_moe/oracle/fp8.py": """
+        import dataclasses
         import enum
-        from types import SimpleNamespace
 
         import torch
         import torch.nn.functional as F
@@ -90,14 +90,48 @@ FAKE_FP8 = {
             TRITON = "TRITON"
             MARLIN = "MARLIN"
 
+        @dataclasses.dataclass
+        class FusedMoEQuantDesc:
+            # vLLM's (fused_moe/config.py), reduced: an activation's or a weight's scales.
+            scale: object = None
+
+        @dataclasses.dataclass
+        class FusedMoEQuantConfig:
+            # vLLM's, reduced: the scales sit in the descriptors, read through properties.
+            _a1: FusedMoEQuantDesc
+            _a2: FusedMoEQuantDesc
+            _w1: FusedMoEQuantDesc
+            _w2: FusedMoEQuantDesc
+            block_shape: object = None
+
+            def config_name(self, dtype):
+                return "fp8_w8a8"
+
+            @property
+            def w1_scale(self):
+                return self._w1.scale
+
+            @property
+            def w2_scale(self):
+                return self._w2.scale
+
+            @property
+            def a1_scale(self):
+                return self._a1.scale
+
+            @property
+            def a2_scale(self):
+                return self._a2.scale
+
         def make_fp8_moe_quant_config(fp8_backend, w1_scale, w2_scale, a1_scale, a2_scale,
                                       w1_bias=None, w2_bias=None, block_shape=None,
                                       per_act_token_quant=False, per_out_ch_quant=False,
                                       swiglu_limit=None, gemm1_alpha=None, gemm1_beta=None,
                                       layer=None):
-            return SimpleNamespace(w1_scale=w1_scale, w2_scale=w2_scale, a1_scale=a1_scale,
-                                   a2_scale=a2_scale, block_shape=block_shape,
-                                   config_name=lambda dtype: "fp8_w8a8")
+            return FusedMoEQuantConfig(
+                FusedMoEQuantDesc(a1_scale), FusedMoEQuantDesc(a2_scale),
+                FusedMoEQuantDesc(w1_scale), FusedMoEQuantDesc(w2_scale), block_shape,
+            )
 
         def make_fp8_moe_kernel(moe_quant_config, moe_config, experts_cls, fp8_backend,
                                 routing_tables=None, layer=None):
@@ -525,6 +559,46 @@ def test_block_scaled_forward_is_bit_identical_to_vllms(
     assert (type(tap).__name__ == "_MoeSumTap") == cut_by_experts
     stats = plugin.expert_cache_stats(SimpleNamespace(named_modules=lambda: [("l0", cached)]))
     assert stats[0]["capacity"] == section["moe_expert_cache_size"] and stats[0]["forwards"] == 3
+
+
+@pytest.mark.parametrize("route", ["exact", "float32 sum"])
+def test_the_engines_exactness_probe_checks_block_fp8_layers(fake_fp8: Any, route: str) -> None:
+    """tools/vllm/harness/probes.exactness on block-scaled FP8 layers: the reference kernel
+    call reads the whole expert set's scales (by expert id) in place of the scale slots, and
+    gets the slots back after; the exact route is bit-identical at steps that need several
+    passes, the float32 sum of a cut step (experts that are not TritonExperts) is not. Online
+    per-tensor FP8 is counted as skipped."""
+    from tools.vllm.harness import probes
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    layers = []
+    for seed in range(2):
+        layer = _layer(fake_fp8, section)
+        layer.quant_method.moe = _moe(top_k=3)  # three entries a token: a pass's sum rounds
+        kernel = layer.quant_method.moe_kernel
+        if route == "float32 sum":
+            triton = kernel.fused_experts
+
+            class OtherExperts:  # reduces like TritonExperts, but is not one
+                moe_sum = triton.moe_sum
+                quant_config = triton.quant_config
+
+            kernel.fused_experts = OtherExperts()
+        layers.append((f"layers.{seed}.experts", layer))
+    layers.append(("layers.2.experts", _layer(fake_fp8, section, online=True)))
+    model = SimpleNamespace(named_modules=lambda: iter(layers))
+    found = probes.exactness(model, device="cpu", row_counts=(1, 6))
+    assert found["layers"] == 2 and found["skipped"] == 1
+    assert found["equal"]["1"] == 2  # one row: one pass, exact on either route
+    if route == "exact":
+        assert found["equal"]["6"] == 2 and found["max_abs"]["6"] == 0.0
+    else:
+        assert found["equal"]["6"] < 2 and found["max_abs"]["6"] > 0.0
+    for _, layer in layers[:2]:
+        method = layer.quant_method
+        quant = method.moe_kernel.fused_experts.quant_config
+        assert quant.w1_scale is method.rowcache_provider.buf_w13_scale
+        assert quant.w2_scale is method.rowcache_provider.buf_w2_scale
 
 
 def test_online_per_tensor_quantized_then_moved_to_the_host(fake_fp8: Any) -> None:

@@ -8,10 +8,12 @@ beyond the standard library at import time.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -302,6 +304,42 @@ def exactness_in(max_batched_tokens: int) -> Callable[[Any], dict[str, Any]]:
     return functools.partial(exactness, row_counts=exactness_rows(max_batched_tokens))
 
 
+def block_fp8_sources(method: Any) -> tuple[Any, Any, Any, Any] | None:
+    """A block-scaled FP8 layer's pinned ``(w13, w2, w13 scales, w2 scales)`` (the plugin's
+    ``_rowcache_hosts``, by vLLM's parameter names); None for any other method."""
+    hosts = getattr(method, "_rowcache_hosts", None) or {}
+    if getattr(method, "weight_block_size", None) is None:
+        return None
+    scale = getattr(method, "weight_scale_name", None)
+    names = ("w13_weight", "w2_weight", f"w13_{scale}", f"w2_{scale}")
+    if scale is None or any(n not in hosts for n in names):
+        return None
+    w13, w2, w13_scale, w2_scale = (hosts[n] for n in names)
+    return w13, w2, w13_scale, w2_scale
+
+
+@contextlib.contextmanager
+def whole_set_scales(kernel: Any, scales: tuple[Any, Any] | None) -> Iterator[None]:
+    """For the block below, the kernel's experts read ``scales`` (the whole expert set's, by
+    expert id) instead of the scale slots vLLM's ``_setup_kernel`` gave them (by slot):
+    ``quant_config`` is vLLM's ``FusedMoEQuantConfig`` dataclass, whose weight descriptors
+    ``_w1`` and ``_w2`` hold the scales. None: nothing changes (unquantized layers)."""
+    if scales is None:
+        yield
+        return
+    experts = kernel.fused_experts
+    kept = experts.quant_config
+    experts.quant_config = dataclasses.replace(
+        kept,
+        _w1=dataclasses.replace(kept._w1, scale=scales[0]),
+        _w2=dataclasses.replace(kept._w2, scale=scales[1]),
+    )
+    try:
+        yield
+    finally:
+        experts.quant_config = kept
+
+
 def exactness(
     model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
 ) -> dict[str, Any]:
@@ -310,9 +348,12 @@ def exactness(
     cached forward through the plugin (its passes, the tapped ``moe_sum``, the pinned tile
     configuration), the reference through the layer's kernel over the whole expert set copied
     from the host to the GPU. Independent of how two engines compile (their tokens can differ
-    without any cache). Unquantized layers only (``RowcacheMoEMethod``: ``_host`` is its
+    without any cache). Unquantized layers (``RowcacheMoEMethod``: ``_host`` is its
     ``(w13, w2)`` in pinned host memory; where the plugin released them for planes, the planes
-    decoded on ``device``); other layers are counted as skipped.
+    decoded on ``device``) and block-scaled FP8 layers (``RowcacheFp8MoEMethod``: its pinned
+    weights and scales, the reference's kernel reading the whole set's scales in place of the
+    scale slots for its call, :func:`whole_set_scales`); other layers (online per-tensor FP8,
+    whose steps cut into passes are inexact by design; MXFP4) are counted as skipped.
 
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
     largest difference}, "skipped": n}``. ``device`` and ``row_counts``: the CPU tests run it
@@ -330,12 +371,17 @@ def exactness(
         host = getattr(method, "_host", None)
         if method is None or provider is None:
             continue
+        scales: tuple[Any, Any] | None = None
+        fp8 = block_fp8_sources(method)
         if host is not None:
             # The layer's own weights: independent of what the provider holds.
             w13, w2 = (t.to(device, non_blocking=False) for t in host)
         elif getattr(provider, "compressed", ()):
             # The plugin released them (planes hold every bit): the planes decoded.
             w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
+        elif fp8 is not None:
+            w13, w2, *pair = (t.to(device, non_blocking=False) for t in fp8)
+            scales = (pair[0], pair[1])
         else:
             skipped += 1
             continue
@@ -348,19 +394,20 @@ def exactness(
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
-            reference = method.moe_kernel.apply(
-                hidden_states=x,
-                w1=w13,
-                w2=w2,
-                topk_weights=weights,
-                topk_ids=ids,
-                activation=module.activation,
-                global_num_experts=module.global_num_experts,
-                expert_map=None,
-                apply_router_weight_on_input=module.apply_router_weight_on_input,
-                shared_experts=None,
-                shared_experts_input=None,
-            ).clone()
+            with whole_set_scales(method.moe_kernel, scales):
+                reference = method.moe_kernel.apply(
+                    hidden_states=x,
+                    w1=w13,
+                    w2=w2,
+                    topk_weights=weights,
+                    topk_ids=ids,
+                    activation=module.activation,
+                    global_num_experts=module.global_num_experts,
+                    expert_map=None,
+                    apply_router_weight_on_input=module.apply_router_weight_on_input,
+                    shared_experts=None,
+                    shared_experts_input=None,
+                ).clone()
             cached = method._cached_apply(provider, module, x, weights, ids, None, None).clone()
             if cuda:
                 torch.cuda.synchronize()
@@ -368,7 +415,7 @@ def exactness(
                 equal[str(rows)] += 1
             difference = (reference.float() - cached.float()).abs().max().item()
             max_abs[str(rows)] = max(max_abs[str(rows)], float(difference))
-        del w13, w2
+        del w13, w2, scales
         if cuda:
             torch.cuda.empty_cache()
     return {
