@@ -159,16 +159,16 @@ def test_both_decode_profiles_start_from_one_cache_state_and_keep_their_counters
     """The longer generation runs unprofiled just before each profile (so the second one's
     prefill does not find the first's experts resident), and each profile carries the cached
     layers' counters over it alone; an engine without the cache has no counters."""
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, list[list[int]], int]] = []
     misses = [0]
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[Completion]:
-        calls.append(("generate", max_tokens))
+        calls.append(("generate", prompts, max_tokens))
         misses[0] += 100  # any unprofiled generation's misses stay out of the profiles
         return [Completion([1] * max_tokens) for _ in prompts]
 
     def profiler(prompt: list[int], tokens: int) -> dict[str, Any]:
-        calls.append(("profile", tokens))
+        calls.append(("profile", [prompt], tokens))
         misses[0] += 3 + 2 * tokens
         return {"activities": tokens}
 
@@ -178,7 +178,13 @@ def test_both_decode_profiles_start_from_one_cache_state_and_keep_their_counters
     w = Workload(batches=(1,), decode_kernel_profile=16)
     m = measure.Measurement(w, generate, 600.0, lambda: 0.0, stats)
     m.decode_kernels(profiler)
-    assert calls == [("generate", 17), ("profile", 1), ("generate", 17), ("profile", 17)]
+    one = [measure.decode_prompts(w, 1)[0]]  # the profiled prompt alone, each time
+    assert calls == [
+        ("generate", one, 17),
+        ("profile", one, 1),
+        ("generate", one, 17),
+        ("profile", one, 17),
+    ]
     found = m.record["decode_kernels"]
     assert found["first"]["cache"]["misses"] == 5 and found["whole"]["cache"]["misses"] == 37
     assert found["first"]["cache"]["hits"] == 0
@@ -273,4 +279,7 @@ def test_the_summary_shows_a_decode_token_by_category() -> None:
     assert mine.split()[-1] == "7.5"  # 30 misses over 4 tokens
     uva = next(x for x in lines if x.startswith("uva1959.full"))
     assert len(uva.split()) == len(mine.split()) - 1  # no counters: no misses
+    del results["models.ds2lite.row16dev.full"]  # no engine with counters: no misses column
+    lines = steps_report.kernel_lines(results, "models.ds2lite")
+    assert "misses" not in lines[0] and lines[1].split()[-1] == "rest"
     assert any(x.startswith("none.full") and x.endswith("no time left") for x in lines)

@@ -13,8 +13,9 @@ ran at once), and the time of each category and of the longest kernels.
 A decode token at batch 1 is the other question: where a cache engine's token goes beyond its
 misses' bytes at the link's rate (the plan, the gather, the launches of every layer). An engine
 whose workload asks (``Workload.decode_kernel_profile``) profiles the decode prompt twice, with
-its first token alone and with some more, each from the same cache state and with the cache's
-counters over it, and :func:`per_token` takes their difference: a token's time and misses.
+its first token alone and with some more, each after the same generation unprofiled (with LRU
+victims: from one cache state) and with the cache's counters over it, and :func:`per_token`
+takes their difference: a token's time and misses.
 
 :func:`summarize` and :func:`per_token` are pure and take plain data; :func:`device_activities`
 turns a profile's events into them, and :func:`profile_step` runs one generation under the

@@ -55,10 +55,10 @@ KERNEL_PROFILE_S = 15.0
 """Time the long prompt's kernel profile is started with at least: a 2,048-token step takes
 under 0.3 s, the profiler's start and the processing of its events some seconds."""
 DECODE_PROFILE_S = 30.0
-"""Time the two b1 decode profiles are started with at least: four generations of 17 decode
-tokens (two unprofiled) of a full-depth model's UVA engine take about 2 s, the profiles' events
-some seconds to process, and the engine's probes after the workload (the slot audit, the
-exactness probe) need the rest."""
+"""Time the two b1 decode profiles are started with at least: three generations of 17 decode
+tokens (two unprofiled) and one of a single token take a full-depth model's UVA engine about
+2 s, the profiles' events some seconds to process, and the engine's probes after the workload
+(the slot audit, the exactness probe) need the rest."""
 
 
 def decode_prompts(workload: Workload, batch: int) -> list[list[int]]:
@@ -257,10 +257,12 @@ class Measurement:
     def decode_kernels(self, profiler: KernelProfile | None) -> None:
         """b1 decode under the GPU profiler, where the workload asks for it: the decode prompt
         with its first token alone, then with ``decode_kernel_profile`` tokens more. Before
-        each profile the longer generation runs unprofiled, so both start from the cache state
-        it leaves: their difference is the tokens more, not also a prefill that found more of
-        its experts resident the second time. Each profile keeps the cached layers' counters
-        over it (``cache``), so a token's misses stand beside its gather time."""
+        each profile the longer generation runs unprofiled: with LRU victims both profiles then
+        start from the cache state it leaves (greedy tokens route the same way each time), so
+        their difference is the tokens more, not also a prefill that found more of its experts
+        resident the second time; with ``lfu`` the request counts keep growing between them, so
+        the two prefills can still differ. Each profile keeps the cached layers' counters over
+        it (``cache``), so a token's misses stand beside its gather time."""
         w = self.workload
         tokens = w.decode_kernel_profile
         if not tokens or profiler is None:

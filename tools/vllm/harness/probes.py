@@ -380,8 +380,9 @@ def exactness(
             # The plugin released them (planes hold every bit): the planes decoded.
             w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
         elif fp8 is not None:
-            w13, w2, *pair = (t.to(device, non_blocking=False) for t in fp8)
-            scales = (pair[0], pair[1])
+            w13, w2, w13_scale, w2_scale = (t.to(device, non_blocking=False) for t in fp8)
+            scales = (w13_scale, w2_scale)
+            del w13_scale, w2_scale
         else:
             skipped += 1
             continue

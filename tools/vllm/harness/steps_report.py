@@ -255,6 +255,11 @@ def kernel_lines(results: Results, prefix: str) -> list[str]:
     then a b1 decode token's share of them (``Workload.decode_kernel_profile``)."""
     prompt = _kernel_rows(results, prefix, lambda steps: steps.get("ttft_kernels"), ".2f")
     decode = _kernel_rows(results, prefix, _decode_token, ".3f", misses=True)
+    counted = any(
+        "misses" in (_decode_token(steps_of(r) or {}) or {})
+        for name, r in results.items()
+        if name.startswith(prefix + ".")
+    )
     lines = []
     if prompt:
         lines += [
@@ -266,9 +271,9 @@ def kernel_lines(results: Results, prefix: str) -> list[str]:
     if decode:
         lines += [
             "a b1 decode token on the GPU, by kernel category (ms: two profiles of the decode "
-            "prompt from one cache state, with its first token and with more, their difference "
-            "over the tokens more; misses: the cache's, a token):",
-            f"{KERNEL_HEADER} {'misses':>8}",
+            "prompt, with its first token and with more, their difference over the tokens more"
+            + ("; misses: the cache's, a token):" if counted else "):"),
+            f"{KERNEL_HEADER} {'misses':>8}" if counted else KERNEL_HEADER,
             *decode,
         ]
     return lines
