@@ -283,3 +283,58 @@ def test_the_summary_shows_a_decode_token_by_category() -> None:
     lines = steps_report.kernel_lines(results, "models.ds2lite")
     assert "misses" not in lines[0] and lines[1].split()[-1] == "rest"
     assert any(x.startswith("none.full") and x.endswith("no time left") for x in lines)
+
+
+def _step_misses(provider: Any, steps: list[torch.Tensor]) -> list[int]:
+    """Each step's misses, the provider fed the steps as an engine feeds it."""
+    from rowcache.forward import run_with_expert_cache
+
+    def run(weights: Any, rows: slice, shared: bool) -> torch.Tensor:
+        return torch.zeros(rows.stop - rows.start, 1)
+
+    found = []
+    for step in steps:
+        before = int(provider.stats()["misses"])
+        run_with_expert_cache(provider, step, run)
+        found.append(int(provider.stats()["misses"]) - before)
+    return found
+
+
+def test_with_lru_victims_both_decode_profiles_start_from_one_cache_state() -> None:
+    """The protocol's claim, on the providers' own device planner (CPU, 32 of 128 experts,
+    top-8): a greedy generation routes the same way each time, so after the same 17-token
+    generation the prompt's prefill misses as it did before the first profile, whatever ran
+    before (here three 64-row prompts); profiled straight after the first profile (the old
+    protocol) it misses fewer, which the difference counted against the decode tokens."""
+    from rowcache.row_provider import RowCacheWeightProvider
+
+    differed = 0
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+
+        def routing(rows: int, gen: torch.Generator = gen) -> torch.Tensor:
+            return torch.rand(rows, 128, generator=gen).topk(8, dim=1).indices.to(torch.int32)
+
+        long_prompts = [routing(64) for _ in range(3)]
+        generation = [routing(8), *(routing(1) for _ in range(16))]  # prefill, 16 tokens more
+        for protocol in ("unprofiled run before each", "old"):
+            provider = RowCacheWeightProvider(
+                torch.zeros(128, 2, 1),
+                torch.zeros(128, 1, 1),
+                capacity=32,
+                device="cpu",
+                split="expert",
+                planner="device",
+            )
+            _step_misses(provider, long_prompts)
+            if protocol != "old":
+                _step_misses(provider, generation)
+            first = _step_misses(provider, generation[:1])  # the first profile: prefill alone
+            if protocol != "old":
+                _step_misses(provider, generation)
+            whole = _step_misses(provider, generation)
+            if protocol == "old":
+                differed += whole[0] != first[0]
+            else:
+                assert whole[0] == first[0], seed
+    assert differed > 0  # the old protocol's bias, which the new one removes
