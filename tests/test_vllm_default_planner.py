@@ -74,13 +74,18 @@ def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> Non
     """The records (steps runs 3 and 6, FP8 run 2, the piecewise steps run): the device
     planner's tokens identical in full graphs, in eager mode and in piecewise graphs alone, the
     host planner's expert split's in eager mode, and the device planner's in full graphs on FP8
-    checkpoints; their raw output is in the repository. Eager mode (no speed record) stays on
+    checkpoints (again at full depth, 2026-12-06); their raw output is in the repository. Eager mode (no speed record) stays on
     the host planner, with the expert split; the host planner elsewhere takes the token split.
     FP8 in piecewise graphs and online FP8 (``fp8_per_tensor``) have no record. gpt-oss's
     models run of 2026-12-04 records the device planner's tokens in full graphs on its MXFP4
     experts. The planes steps of 2026-12-04 turn ``compress: auto`` on for the device planner's
     bf16 experts in full graphs only."""
-    full, eager, host_split, fp8, piecewise, gpt_oss, planes = EVIDENCE
+    full, eager, host_split, fp8, fp8_full_depth, piecewise, gpt_oss, planes = EVIDENCE
+    assert (fp8_full_depth.claim, fp8_full_depth.modes, fp8_full_depth.quantizations) == (
+        TOKENS_EXACT,
+        ("full",),
+        ("fp8",),
+    )
     assert (gpt_oss.claim, gpt_oss.modes, gpt_oss.quantizations) == (
         TOKENS_EXACT,
         ("full",),

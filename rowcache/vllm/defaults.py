@@ -26,7 +26,7 @@ experts again: about 2 times the misses of the expert split at 32 rows and over 
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
 entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It holds six records, five with 32 slots for 128 experts. In full graphs (vLLM's default
+It holds seven records, six with 32 slots for 128 experts. In full graphs (vLLM's default
 ``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
 and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
 control (docs/records/, steps run 3). In eager mode, steps run 6: the device planner's tokens
@@ -35,7 +35,8 @@ and 32 and in the first tokens of the 2,048-token prompts, on the plain and the 
 checkpoint. In full graphs on a block-scaled FP8 checkpoint, FP8 run 2 of 2026-12-02: the
 device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
 8, a narrower record than the unquantized one (no b32, no long prompt; docs/PLUGIN.md, "FP8
-experts"). In piecewise graphs alone (vLLM's ``PIECEWISE``), the piecewise steps run of
+experts"); and at full depth (48 layers of Qwen3-30B-A3B's shapes, 2026-12-06, an H100) at
+batch 1 and 8 and on 2,048-token prompts, beside a control. In piecewise graphs alone (vLLM's ``PIECEWISE``), the piecewise steps run of
 2026-12-02: the device planner's tokens identical to no offload at batch 1, 8 and 32 and in the
 first tokens of 2,048-token prompts, one generation each (docs/records/). gpt-oss-20b's MXFP4
 experts in full graphs (``gpt_oss_mxfp4``, vLLM's ``triton_unfused`` backend), 2026-12-04: the
@@ -160,6 +161,20 @@ EVIDENCE: tuple[Evidence, ...] = (
         vllm="vLLM 0.25.0",
         gpu="H200",
         record="docs/vllm/2026-12-02-fp8/run2/",
+    ),
+    # Qwen3-30B-A3B's shapes at full depth (48 layers, block FP8, random weights), 2026-12-06 on
+    # an H100: the device planner (32 of 128 slots) identical to no offload at batch 1 and 8 and
+    # on three 2,048-token prompts, plain and skewed router, beside a control, one generation
+    # each. The plain run's folder; the skewed one's is beside it.
+    Evidence(
+        claim=TOKENS_EXACT,
+        modes=("full",),
+        quantizations=("fp8",),
+        date="2026-12-06",
+        commit="5b1b96a",
+        vllm="vLLM 0.25.0",
+        gpu="H100",
+        record="docs/vllm/2026-12-06-qwen3-full-h100/plain/",
     ),
     # The piecewise steps run of 2026-12-02: vLLM's PIECEWISE graphs alone, unquantized,
     # batch 1, 8 and 32 and three 2,048-token prompts, one generation each.
