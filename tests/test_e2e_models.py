@@ -189,6 +189,26 @@ def test_targets_met_and_missed() -> None:
     assert "1 differ; first: model.layers.3.mlp.experts: expert 7 slot 2: w2): MISSED" in lines
 
 
+def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
+    """Its misses a token times one expert's host bytes, moved in the time its token takes
+    beyond no offload's; none between two runs, none for an engine without the cache."""
+    same = [[i, i + 1, i + 2] for i in range(8)]
+    results = _results(False, 45.0, same)  # no offload 600 tok/s
+    record = results["models.ds2lite.row16dev.full"]
+    record["cache"] = {"layers": 26, "capacity": 16}
+    record["probe"] = {"cached_layers": 26, "expert_host_bytes": 26 * 64 * 12_000_000}
+    # 40 misses a token over three timed generations of 64 tokens
+    record["steps"]["decode"]["1"].update(batch=1, cache={"misses": 3 * 64 * 40})
+    want = (
+        "  b1 row16dev.full: 40.0 misses a token (its prefill included) x 12.00 MB = 0.480 GB, "
+        "in 22.22 ms against none.full's 1.67 ms: 23.4 GB/s beside its work (no target)"
+    )
+    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == [want]
+    assert want in steps_report.report(results)
+    results["models.ds2lite.none.full"]["run_id"] = "another"
+    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == []
+
+
 def test_slots_line_without_a_record() -> None:
     assert steps_report.slots_line(None, "x") is None
     assert steps_report.slots_line({"slots": {"layers": 0, "slots": 0, "mismatches": []}}, "x") == (

@@ -74,8 +74,9 @@ def test_the_recorded_evidence_switches_full_graphs_and_the_eager_split() -> Non
     """The records (steps runs 3 and 6, FP8 run 2, the piecewise steps run): the device
     planner's tokens identical in full graphs, in eager mode and in piecewise graphs alone, the
     host planner's expert split's in eager mode, and the device planner's in full graphs on FP8
-    checkpoints (again at full depth, 2026-12-06); their raw output is in the repository. Eager mode (no speed record) stays on
-    the host planner, with the expert split; the host planner elsewhere takes the token split.
+    checkpoints (again at full depth, 2026-12-06); their raw output is in the repository. Eager
+    mode (no speed record) stays on the host planner, with the expert split; the host planner
+    elsewhere takes the token split.
     FP8 in piecewise graphs and online FP8 (``fp8_per_tensor``) have no record. gpt-oss's
     models run of 2026-12-04 records the device planner's tokens in full graphs on its MXFP4
     experts. The planes steps of 2026-12-04 turn ``compress: auto`` on for the device planner's

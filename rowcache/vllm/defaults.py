@@ -25,27 +25,28 @@ experts again: about 2 times the misses of the expert split at 32 rows and over 
 ``cached`` keeps the token split.
 
 ``EVIDENCE`` is the one place those records live: switching the default is one ``Evidence``
-entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change.
-It holds seven records, six with 32 slots for 128 experts. In full graphs (vLLM's default
+entry naming the run (date, commit, vLLM, GPU, where its raw output is kept), no code change. It
+holds seven records, six with 32 slots for 128 experts. In full graphs (vLLM's default
 ``FULL_AND_PIECEWISE``) the device planner's tokens were identical to no offload at batch 1, 8
 and 32 and in the first token of 2,048-token prompts, beside a second no-offload engine as the
 control (docs/records/, steps run 3). In eager mode, steps run 6: the device planner's tokens
 and the host planner's with its expert split were identical to eager no offload at batch 1, 8
 and 32 and in the first tokens of the 2,048-token prompts, on the plain and the skewed
-checkpoint. In full graphs on a block-scaled FP8 checkpoint, FP8 run 2 of 2026-12-02: the
-device planner's tokens were identical to the same FP8 engine without the cache at batch 1 and
-8, a narrower record than the unquantized one (no b32, no long prompt; docs/PLUGIN.md, "FP8
-experts"); and at full depth (48 layers of Qwen3-30B-A3B's shapes, 2026-12-06, an H100) at
-batch 1 and 8 and on 2,048-token prompts, beside a control. In piecewise graphs alone (vLLM's ``PIECEWISE``), the piecewise steps run of
-2026-12-02: the device planner's tokens identical to no offload at batch 1, 8 and 32 and in the
-first tokens of 2,048-token prompts, one generation each (docs/records/). gpt-oss-20b's MXFP4
-experts in full graphs (``gpt_oss_mxfp4``, vLLM's ``triton_unfused`` backend), 2026-12-04: the
-device planner with 8 of 32 slots identical to the same backend without the cache at batch 1 and
-8 and on 2,048-token prompts (four passes), beside a control, one generation each. FP8 in
-piecewise graphs, online FP8 and gpt-oss outside full graphs have no record yet.
-Eager mode has no speed record: in run 6 the device planner ran batch 1 at 0.925 times the host
-planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and 1.150 times on the skewed
-one, one generation each; so eager mode stays on the host planner, now with the expert split.
+checkpoint. In full graphs on a block-scaled FP8 checkpoint, FP8 run 2 of 2026-12-02: the device
+planner's tokens were identical to the same FP8 engine without the cache at batch 1 and 8, a
+narrower record than the unquantized one (no b32, no long prompt; docs/PLUGIN.md, "FP8
+experts"); and at full depth (48 layers of Qwen3-30B-A3B's shapes, 2026-12-06, an H100) at batch
+1 and 8 and on 2,048-token prompts, beside a control. In piecewise graphs alone (vLLM's
+``PIECEWISE``), the piecewise steps run of 2026-12-02: the device planner's tokens identical to
+no offload at batch 1, 8 and 32 and in the first tokens of 2,048-token prompts, one generation
+each (docs/records/). gpt-oss-20b's MXFP4 experts in full graphs (``gpt_oss_mxfp4``, vLLM's
+``triton_unfused`` backend), 2026-12-04: the device planner with 8 of 32 slots identical to the
+same backend without the cache at batch 1 and 8 and on 2,048-token prompts (four passes), beside
+a control, one generation each. FP8 in piecewise graphs, online FP8 and gpt-oss outside full
+graphs have no record yet. Eager mode has no speed record: in run 6 the device planner ran batch
+1 at 0.925 times the host planner's speed on the plain checkpoint (61.6 against 66.6 tok/s) and
+1.150 times on the skewed one, one generation each; so eager mode stays on the host planner, now
+with the expert split.
 
 ``moe_expert_cache_compress: auto`` is resolved with the planner by ``default_compress``: the
 device planner's experts are held as bf16 planes where a run recorded the planes' tokens

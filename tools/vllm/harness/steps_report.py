@@ -490,6 +490,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             "model's experts; the cache and its reference on the backend it serves)",
         )
     lines += offloaded_lines(results, prefix, budget)
+    lines += link_lines(results, prefix, budget)
     for label in (*engines.controls(budget), row_q, uva_q, row_h, uva_h):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
@@ -498,6 +499,44 @@ def models_targets(results: Results, prefix: str) -> list[str]:
         for line in (slots_line(record, label), exactness_line(record, label)):
             lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
+
+
+def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
+    """Where each cache engine's b1 token goes, from its counters (no target): its misses a
+    token (the decode prompt's prefill included) times the host bytes of one expert (the
+    probe's expert host bytes over its layers and ``budget.experts``: planes where it holds
+    planes, so the bytes the link moves), and the rate that moves them at in the time its token
+    takes beyond its no-offload reference's, measured in the same run."""
+    lines = []
+    for name, record in results.items():
+        if not name.startswith(prefix + ".") or "cache" not in record:
+            continue
+        spec = record.get("spec") or {}
+        reference_record = results.get((spec.get("compare_with") or [""])[0]) or {}
+        probe = record.get("probe") or {}
+        entry = (steps_of(record) or {}).get("decode", {}).get("1") or {}
+        counts, mine = entry.get("cache") or {}, speed(record, "b1")
+        theirs = speed(reference_record, "b1")
+        layers, host = probe.get("cached_layers"), probe.get("expert_host_bytes")
+        if not (mine and theirs and layers and host and "misses" in counts):
+            continue
+        if record.get("run_id") != reference_record.get("run_id"):
+            continue  # no figure between two runs
+        label, other = name[len(prefix) + 1 :], reference_record["spec"]["name"][len(prefix) + 1 :]
+        tokens = int(entry["batch"]) * int(spec["workload"]["decode_tokens"]) * entry["repeats_run"]
+        per_token = counts["misses"] / tokens
+        miss_bytes = host / (layers * budget.experts)
+        token_ms, reference_ms = 1000 / mine, 1000 / theirs
+        moved = per_token * miss_bytes
+        line = (
+            f"  b1 {label}: {per_token:.1f} misses a token (its prefill included) x "
+            f"{miss_bytes / 1e6:.2f} MB = {moved / 1e9:.3f} GB, in {token_ms:.2f} ms against "
+            f"{other}'s {reference_ms:.2f} ms"
+        )
+        if token_ms > reference_ms:
+            line += f": {moved / (token_ms - reference_ms) / 1e6:.1f} GB/s beside its work"
+        lines.append(line + " (no target)")
+    return lines
 
 
 def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
