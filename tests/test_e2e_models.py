@@ -60,7 +60,8 @@ def test_models_phase_engines() -> None:
         "models.ds2lite.none2.full",  # the control
         "models.ds2lite.row32dev.full",
         "models.ds2lite.uva1341.full",
-        "models.ds2lite.row16devlfu.full",  # the quarter's cache, victims by count: last
+        "models.ds2lite.row16devlfu.full",  # the quarter's cache, victims by count
+        "models.ds2lite.row16devlfuraw.full",  # the same on raw bytes (planes by default): last
     ]
     # Skewed: the quarter's pair first (the targets), then its token reference.
     assert [s.name.split(".", 2)[2] for s in skew] == [
@@ -71,6 +72,7 @@ def test_models_phase_engines() -> None:
         "row32dev.full",
         "uva1341.full",
         "row16devlfu.full",
+        "row16devlfuraw.full",
     ]
     for spec in plain + skew:
         prefix = engines.MODELS_PREFIX[spec.checkpoint]
@@ -87,15 +89,24 @@ def test_models_phase_engines() -> None:
         assert EngineSpec.from_json(spec.to_json()) == spec
     for label in ("row16dev.full", "uva1959.full", "uva1341.full", "row16devlfu.full"):
         assert label in engines.BUDGETED_LABELS
+    assert "row16devlfuraw.full" in engines.BUDGETED_LABELS
     # DeepSeek-V2-Lite's estimates come from its own run on the V1 runner.
     assert [(s.time_once_s, s.time_full_s) for s in plain[:3]] == [
         (80, 100),
         (160, 220),
         (160, 220),
     ]
-    lfu = plain[-1].knob
+    lfu, raw = plain[-2].knob, plain[-1].knob
     assert lfu is not None and lfu.size == 16 and lfu.planner is Planner.DEVICE
     assert lfu.config()["moe_expert_cache_policy"] == "lfu"
+    assert "moe_expert_cache_compress" not in lfu.config()  # the default: planes
+    assert raw is not None and raw.config() == {
+        **lfu.config(),
+        "moe_expert_cache_compress": "off",
+    }
+    # Models whose experts are not bf16 hold no planes: no raw-bytes engine.
+    for checkpoint in (engines.DS3, engines.QWEN48_FP8, engines.GPT_OSS):
+        assert not any("raw" in s.name for s in engines.models(checkpoint))
     [plain_phase, skew_phase] = phases.select(["deepseek", "deepseek_skew"])
     assert plain_phase.budgeted and skew_phase.budgeted
     assert [c.directory for c in skew_phase.checkpoints()] == ["deepseek-v2-lite-skew"]
@@ -170,6 +181,12 @@ def test_targets_met_and_missed() -> None:
     assert "b1 row16dev.full >= 1.3 x uva1959.full: 45 / 30 tok/s = 1.500 (met)" in lines
     assert "ttft row16dev.full <= 0.8 x uva1959.full: 100 / 200 ms = 0.500 (met)" in lines
     assert "tokens row16dev.full identical to none.full (b1, b8, ttft): met" in lines
+    # The quarter's lfu engine on raw bytes beside its planes and UVA, and both one's tokens.
+    assert "b1 row16devlfuraw.full >= 1 x row16devlfu.full: 45 / 45 tok/s = 1.000 (met)" in lines
+    assert "b1 row16devlfuraw.full >= 1.3 x uva1959.full: 45 / 30 tok/s = 1.500 (met)" in lines
+    for label in ("row16devlfu.full", "row16devlfuraw.full"):
+        assert f"tokens {label} identical to none.full (b1, b8, ttft): met" in lines
+        assert f"slots of {label} byte-identical to their host bytes (416 slots" in lines
     # The control: no offload run again; a diverging control is reported, not hidden.
     assert "tokens none2.full identical to none.full (b1, b8, ttft): met" in lines
     control = "models.ds2lite.none2.full"

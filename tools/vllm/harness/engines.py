@@ -422,6 +422,11 @@ def lfu_label(slots: int) -> str:
     return f"row{slots}devlfu.full"
 
 
+def lfu_raw_label(slots: int) -> str:
+    """The label of ``lfu_label``'s engine with ``moe_expert_cache_compress: off``."""
+    return f"row{slots}devlfuraw.full"
+
+
 # (label, UVA GiB offloaded or slots, (start and everything once, with every repeat) seconds),
 # in run order: the line and the two recorded points first, then the ends, then the rest. A
 # compiled engine starts in 70 to 95 s (UVA 70 to 95 s too); a b1 generation of 256 tokens
@@ -697,6 +702,10 @@ class ModelBudget:
     """GiB of routed experts in the checkpoint (all MoE layers)."""
     baseline: Baseline | None = None
     """Where UVA runs on another backend than the cache (gpt-oss); None: the same one."""
+    planes: bool = False
+    """Whether the cache holds these experts as planes by default (bf16 in full graphs): then
+    the quarter's ``lfu`` engine runs again holding raw bytes (``lfu_raw_label``), the
+    format's gain or loss on this model's shapes beside the same policy."""
 
     def slots(self, fraction: float) -> int:
         return round(self.experts * fraction)
@@ -735,10 +744,13 @@ class ModelBudget:
         return self.expert_gib
 
 
-DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125)
+DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125, planes=True)
 """DeepSeek-V2-Lite: 26 MoE layers x 64 experts x 3 x 1408 x 2048 x 2 bytes (16.5 MiB an
 expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 layers (7.22
-GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB)."""
+GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB). bf16: the cache
+holds planes by default, and the phases run the quarter's ``lfu`` engine on raw bytes too
+(its planes moved 27 GB/s beside the forward at b1 on an H100, where Qwen3's FP8 raw bytes
+moved 44 to 48: [the record](docs/records/2026-12-06-qwen3-full-depth.md))."""
 DS3_BUDGET = ModelBudget(experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXPERT_BYTES / 2**30)
 """The reduced DeepSeek-V3 (``deepseek_layout.V3_REDUCED``): 9 MoE layers x 256 FP8 experts of
 ``FP8_EXPERT_BYTES`` (1.125 GiB a layer). A quarter: 64 slots (2.53 GiB) against UVA keeping 3
@@ -890,8 +902,13 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
         size=budget.slots(QUARTER), provider=Provider.ROW, planner=Planner.DEVICE, policy="lfu"
     )
     by_count = ModelEngine(lfu_label(budget.slots(QUARTER)), lfu, None, cache_backend, reference)
+    raw = []
+    if budget.planes:
+        lfu_raw = replace(lfu, compress="off")
+        label = lfu_raw_label(budget.slots(QUARTER))
+        raw.append(ModelEngine(label, lfu_raw, None, cache_backend, reference))
     # The baseline's control after the targets: it tells noise from UVA's own effect.
-    return [*out, *extra_controls, by_count]
+    return [*out, *extra_controls, by_count, *raw]
 
 
 def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:

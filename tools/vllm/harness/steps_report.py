@@ -489,12 +489,21 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             f"  (UVA on vLLM's {baseline.backend} MoE backend, where it offloads this "
             "model's experts; the cache and its reference on the backend it serves)",
         )
+    quarter = budget.slots(engines.QUARTER)
+    lfu, raw = engines.lfu_label(quarter), engines.lfu_raw_label(quarter)
+    if budget.planes:
+        versus = [("b1", lfu, 1.0, True, raw), ("b1", uva_q, factor, True, raw)]
+        found = [line for w in versus if (line := _ratio(results, prefix, *w)) is not None]
+        if found:
+            lines += ["  (the quarter's lfu on raw bytes: against its planes and UVA, no target)"]
+            lines += found
     lines += offloaded_lines(results, prefix, budget)
     lines += link_lines(results, prefix, budget)
-    for label in (*engines.controls(budget), row_q, uva_q, row_h, uva_h):
+    cached = (row_q, row_h, lfu, *((raw,) if budget.planes else ()))
+    for label in (*engines.controls(budget), uva_q, uva_h, *cached):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
-    for label in (row_q, row_h):
+    for label in cached:
         record = results.get(f"{prefix}.{label}")
         for line in (slots_line(record, label), exactness_line(record, label)):
             lines += [line] if line is not None else []
