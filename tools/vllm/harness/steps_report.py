@@ -514,7 +514,7 @@ def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> li
     """Where each cache engine's b1 token goes, from its counters (no target): its misses a
     token (the decode prompt's prefill included) times the host bytes of one expert (the
     probe's expert host bytes over its layers and ``budget.experts``: planes where it holds
-    planes, so the bytes the link moves), and the rate that moves them at in the time its token
+    planes, so the bytes the link moves), and the rate at which they move in the time its token
     takes beyond its no-offload reference's, measured in the same run."""
     lines = []
     for name, record in results.items():
