@@ -72,6 +72,29 @@ def test_cuda_without_a_gpu_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
     assert not (tmp_path / "decode_gather.json").exists()
 
 
+@pytest.mark.parametrize("shape", ["qwen3", "deepseek-v2-lite"])
+def test_shape_names_the_layer_measured_on_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """``--shape`` picks the layer measured on a GPU (DeepSeek-V2-Lite's wider experts); an
+    unknown name is refused by the parser."""
+    import rowcache.bench.decode_gather as bench
+
+    seen: list[dict[str, int]] = []
+
+    def measure(layer: dict[str, int], device: torch.device, **_: object) -> dict[str, object]:
+        seen.append(layer)
+        return {"rows": [], "configs": [[4, 8]]}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "measure", measure)
+    assert main(["--out", str(tmp_path), "--shape", shape]) == 0
+    want = {"qwen3": (128, 768), "deepseek-v2-lite": (64, 1408)}[shape]
+    assert [(s["experts"], s["intermediate"]) for s in seen] == [want]
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--shape", "mixtral"])
+
+
 SEEDED = {
     # The sign dropped in every decode.
     "sign": """

@@ -1,8 +1,9 @@
 """The decode of bf16 planes into slots against the pinned copy ceiling, in CUDA graphs:
 ``python -m rowcache.bench.decode_gather --out DIR``.
 
-One layer of Qwen3-30B-A3B expert shapes (``E`` experts of w13 ``[2I, H]`` and w2 ``[H, I]``
-in bf16, Gaussian weights as the checkpoint builder makes them) is encoded into bf16 planes
+One layer of Qwen3-30B-A3B expert shapes (``--shape deepseek-v2-lite``: DeepSeek-V2-Lite's;
+``E`` experts of w13 ``[2I, H]`` and w2 ``[H, I]`` in bf16, Gaussian weights as the checkpoint
+builder makes them) is encoded into bf16 planes
 (``rowcache.compress``) held in pinned host memory. For each miss count ``m`` (1, 2, 8, 32):
 
 * **decode**: a CUDA graph of the two decode launches (w13 and w2) over a miss list of ``m``
@@ -50,6 +51,10 @@ __all__ = ["main"]
 
 MISSES = (1, 2, 8, 32)
 QWEN3 = {"experts": 128, "hidden": 2048, "intermediate": 768}
+DEEPSEEK_V2_LITE = {"experts": 64, "hidden": 2048, "intermediate": 1408}
+SHAPES = {"qwen3": QWEN3, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+"""The layers ``--shape`` names: Qwen3-30B-A3B's, and DeepSeek-V2-Lite's routed experts (wider:
+its planes moved about 30 GB/s beside the forward in its engines on an H100)."""
 QUICK = {"experts": 6, "hidden": 64, "intermediate": 24}
 PROGRAMS_PER_SM = GATHER_PROGRAMS_PER_SM
 """The device planner's launch (``rowcache.device_plan.kernels``)."""
@@ -310,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3",
+        help="the layer's expert shapes (default qwen3; --quick and the CPU take tiny ones)",
+    )
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument(
         "--code-bits",
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(result, indent=1))
 
     result = measure(
-        QUICK if quick else QWEN3,
+        QUICK if quick else SHAPES[args.shape],
         device,
         repeats=3 if quick else args.repeats,
         warmup=1 if quick else 5,
