@@ -28,6 +28,7 @@ from test_vllm_register import (  # noqa: F401 (fixtures)
     _engine,
     _moe,
     _rowcache_warnings,
+    check_probe,
     fresh_plugin,
 )
 
@@ -568,7 +569,6 @@ def test_the_engines_exactness_probe_checks_block_fp8_layers(fake_fp8: Any, rout
     gets the slots back after; the exact route is bit-identical at steps that need several
     passes, the float32 sum of a cut step (experts that are not TritonExperts) is not. Online
     per-tensor FP8 is counted as skipped."""
-    from tools.vllm.harness import probes
 
     section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
     layers = []
@@ -586,14 +586,7 @@ def test_the_engines_exactness_probe_checks_block_fp8_layers(fake_fp8: Any, rout
             kernel.fused_experts = OtherExperts()
         layers.append((f"layers.{seed}.experts", layer))
     layers.append(("layers.2.experts", _layer(fake_fp8, section, online=True)))
-    model = SimpleNamespace(named_modules=lambda: iter(layers))
-    found = probes.exactness(model, device="cpu", row_counts=(1, 6))
-    assert found["layers"] == 2 and found["skipped"] == 1
-    assert found["equal"]["1"] == 2  # one row: one pass, exact on either route
-    if route == "exact":
-        assert found["equal"]["6"] == 2 and found["max_abs"]["6"] == 0.0
-    else:
-        assert found["equal"]["6"] < 2 and found["max_abs"]["6"] > 0.0
+    check_probe(layers, route, rows=6, skipped=1)
     for _, layer in layers[:2]:
         method = layer.quant_method
         quant = method.moe_kernel.fused_experts.quant_config

@@ -1158,7 +1158,6 @@ def test_the_engines_exactness_probe_catches_an_inexact_route(fake_vllm: Any, ro
     the exact route bit-identical, and the float32 sum of a cut step (a kernel whose experts
     are not TritonExperts) not, at row counts whose steps need several passes."""
     from rowcache.row_provider import RowCacheWeightProvider
-    from tools.vllm.harness import probes
 
     section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
     layers = []
@@ -1180,14 +1179,23 @@ def test_the_engines_exactness_probe_catches_an_inexact_route(fake_vllm: Any, ro
         )
         layer.quant_method = method
         layers.append((f"layers.{seed}.experts", layer))
+    check_probe(layers, route, rows=16, skipped=0)
+
+
+def check_probe(layers: list[tuple[str, Any]], route: str, rows: int, skipped: int) -> None:
+    """The in-engine exactness probe over two cached ``layers`` (and ``skipped`` it cannot
+    check): one row is one pass, exact on either route; ``rows`` rows need several passes,
+    bit-identical on the exact route and not on the float32 sum of a cut step."""
+    from tools.vllm.harness import probes
+
     model = SimpleNamespace(named_modules=lambda: iter(layers))
-    found = probes.exactness(model, device="cpu", row_counts=(1, 16))
-    assert found["layers"] == 2 and found["skipped"] == 0
-    assert found["equal"]["1"] == 2  # one row: one pass, exact on either route
+    found = probes.exactness(model, device="cpu", row_counts=(1, rows))
+    assert found["layers"] == 2 and found["skipped"] == skipped
+    assert found["equal"]["1"] == 2
     if route == "exact":
-        assert found["equal"]["16"] == 2 and found["max_abs"]["16"] == 0.0
+        assert found["equal"][str(rows)] == 2 and found["max_abs"][str(rows)] == 0.0
     else:
-        assert found["equal"]["16"] < 2 and found["max_abs"]["16"] > 0.0
+        assert found["equal"][str(rows)] < 2 and found["max_abs"][str(rows)] > 0.0
 
 
 def test_the_refusals_serve_refusals_looks_for(fake_vllm: Any) -> None:
