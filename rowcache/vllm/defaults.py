@@ -165,8 +165,8 @@ EVIDENCE: tuple[Evidence, ...] = (
     ),
     # Qwen3-30B-A3B's shapes at full depth (48 layers, block FP8, random weights), 2026-12-06 on
     # an H100: the device planner (32 of 128 slots) identical to no offload at batch 1 and 8 and
-    # on three 2,048-token prompts, plain and skewed router, beside a control, one generation
-    # each. The plain run's folder; the skewed one's is beside it.
+    # on three 2,048-token prompts, beside a control, one generation each. The plain router's
+    # run (the records checked); the skewed router's run, beside it, gave the same.
     Evidence(
         claim=TOKENS_EXACT,
         modes=("full",),

@@ -666,9 +666,9 @@ MODELS_WORKLOAD = Workload(batches=(1, 8), decode_tokens=64, decode_kernel_profi
 distinct 2,048-token prompts: a full-depth model's UVA engine takes about 0.2 s a b8 step
 (every MoE layer's offloaded experts read over the host link), so 256 tokens would not leave
 room for the other engines in one call. Last, 16 b1 decode tokens under the GPU profiler:
-where a token's device time goes (on DeepSeek-V2-Lite `row` at a quarter of the experts moved
-its misses at about 26 GB/s, where the gather alone reached about 50 on the H200:
-docs/records/2026-12-06-deepseek-v2-lite-lfu-half.md)."""
+where a token's device time goes (on DeepSeek-V2-Lite `row` moved its planes at 25 to 30 GB/s
+beside the forward, where the gather alone reached about 50 on the H200:
+docs/records/2026-12-06-qwen3-full-depth.md)."""
 
 
 @dataclass(frozen=True)
@@ -750,7 +750,7 @@ expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 
 GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB). bf16: the cache
 holds planes by default, and the phases run the quarter's ``lfu`` engine on raw bytes too
 (its planes moved 25 to 30 GB/s beside the forward at b1 on an H100, where Qwen3's FP8 raw bytes
-moved 44 to 48: [the record](docs/records/2026-12-06-qwen3-full-depth.md))."""
+moved 43 to 48 at as many misses or more: docs/records/2026-12-06-qwen3-full-depth.md)."""
 DS3_BUDGET = ModelBudget(experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXPERT_BYTES / 2**30)
 """The reduced DeepSeek-V3 (``deepseek_layout.V3_REDUCED``): 9 MoE layers x 256 FP8 experts of
 ``FP8_EXPERT_BYTES`` (1.125 GiB a layer). A quarter: 64 slots (2.53 GiB) against UVA keeping 3

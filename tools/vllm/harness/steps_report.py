@@ -343,11 +343,14 @@ def _ratio(
     factor: float,
     higher: bool,
     label: str = ROW,
+    *,
+    verdict: bool = True,
 ) -> str | None:
     """``label``'s ``measure`` against ``factor`` x ``other``'s: a target line; none where
     either is not measured, and no ratio between records of two runs (``run_id``: the machine,
     its load and vLLM's compilation differ from run to run; records without one are of runs
-    made before ids, each merged file one run)."""
+    made before ids, each merged file one run). ``verdict`` False: the ratio alone, no target
+    (``factor`` unused)."""
     mine_record = results.get(f"{prefix}.{label}", {})
     their_record = results.get(f"{prefix}.{other}", {})
     mine, theirs = speed(mine_record, measure), speed(their_record, measure)
@@ -363,6 +366,8 @@ def _ratio(
     met = ratio >= factor if higher else ratio <= factor
     sign = ">=" if higher else "<="
     unit = "ms" if measure == "ttft" else "tok/s"
+    if not verdict:
+        return f"  {measure} {label} / {other}: {mine:g} / {theirs:g} {unit} = {ratio:.3f}"
     return (
         f"  {measure} {label} {sign} {factor:g} x {other}: {mine:g} / {theirs:g} {unit} = "
         f"{ratio:.3f} ({'met' if met else 'MISSED'})"
@@ -492,8 +497,10 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     quarter = budget.slots(engines.QUARTER)
     lfu, raw = engines.lfu_label(quarter), engines.lfu_raw_label(quarter)
     if budget.planes:
-        versus = [("b1", lfu, 1.0, True, raw), ("b1", uva_q, factor, True, raw)]
-        found = [line for w in versus if (line := _ratio(results, prefix, *w)) is not None]
+        versus = [("b1", lfu, 1.0, True, raw), ("b1", uva_q, 1.0, True, raw)]
+        found = [
+            line for w in versus if (line := _ratio(results, prefix, *w, verdict=False)) is not None
+        ]
         if found:
             lines += ["  (the quarter's lfu on raw bytes: against its planes and UVA, no target)"]
             lines += found
@@ -521,28 +528,29 @@ def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> li
         if not name.startswith(prefix + ".") or "cache" not in record:
             continue
         spec = record.get("spec") or {}
-        reference_record = results.get((spec.get("compare_with") or [""])[0]) or {}
+        other = (spec.get("compare_with") or [""])[0]
+        reference_record = results.get(other) or {}
         probe = record.get("probe") or {}
-        entry = (steps_of(record) or {}).get("decode", {}).get("1") or {}
+        entry = ((steps_of(record) or {}).get("decode") or {}).get("1") or {}
         counts, mine = entry.get("cache") or {}, speed(record, "b1")
         theirs = speed(reference_record, "b1")
         layers, host = probe.get("cached_layers"), probe.get("expert_host_bytes")
-        if not (mine and theirs and layers and host and "misses" in counts):
+        decode_tokens = (spec.get("workload") or {}).get("decode_tokens")
+        tokens = (entry.get("batch") or 0) * (decode_tokens or 0) * (entry.get("repeats_run") or 0)
+        if not (mine and theirs and layers and host and tokens and "misses" in counts):
             continue
         if record.get("run_id") != reference_record.get("run_id"):
             continue  # no figure between two runs
-        label, other = name[len(prefix) + 1 :], reference_record["spec"]["name"][len(prefix) + 1 :]
-        tokens = int(entry["batch"]) * int(spec["workload"]["decode_tokens"]) * entry["repeats_run"]
         per_token = counts["misses"] / tokens
         miss_bytes = host / (layers * budget.experts)
         token_ms, reference_ms = 1000 / mine, 1000 / theirs
         moved = per_token * miss_bytes
         line = (
-            f"  b1 {label}: {per_token:.1f} misses a token (its prefill included) x "
-            f"{miss_bytes / 1e6:.2f} MB = {moved / 1e9:.3f} GB, in {token_ms:.2f} ms against "
-            f"{other}'s {reference_ms:.2f} ms"
+            f"  b1 {name[len(prefix) + 1 :]}: {per_token:.1f} misses a token (its prefill "
+            f"included) x {miss_bytes / 1e6:.2f} MB = {moved / 1e9:.3f} GB, in {token_ms:.2f} ms "
+            f"against {other.rsplit('.', 2)[-2]}.full's {reference_ms:.2f} ms"
         )
-        if token_ms > reference_ms:
+        if moved > 0 and token_ms > reference_ms:
             line += f": {moved / (token_ms - reference_ms) / 1e6:.1f} GB/s beside its work"
         lines.append(line + " (no target)")
     return lines
