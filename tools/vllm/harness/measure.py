@@ -87,6 +87,17 @@ def totals(per_layer: list[dict[str, Any]]) -> dict[str, int]:
     return {k: sum(int(s.get(k, 0)) for s in per_layer) for k in STAT_KEYS}
 
 
+def counter_difference(
+    before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None
+) -> dict[str, int] | None:
+    """The cached layers' counters over a span, from their ``stats()`` read before and after
+    it (None where either read found none: no cache)."""
+    if not before or not after:
+        return None
+    b, a = totals(before), totals(after)
+    return {k: a[k] - b[k] for k in STAT_KEYS}
+
+
 def hit_rate(counts: dict[str, int]) -> float | None:
     requests = counts.get("hits", 0) + counts.get("misses", 0)
     return round(counts["hits"] / requests, 4) if requests else None
@@ -174,11 +185,11 @@ class Measurement:
         if self.jit is not None:
             self._built.setdefault(key, []).extend(self.jit.since(mark))
         after = self.stats() if self.stats is not None else None
-        if before and after:
-            b, a = totals(before), totals(after)
+        span = counter_difference(before, after)
+        if span is not None:
             counts = self._counts.setdefault(key, dict.fromkeys(STAT_KEYS, 0))
             for k in STAT_KEYS:
-                counts[k] += a[k] - b[k]
+                counts[k] += span[k]
         return elapsed, outs
 
     def _jit(self, key: str) -> list[str] | None:
@@ -273,11 +284,8 @@ class Measurement:
             self.generate([prompt], 1 + tokens)
             before = self.stats() if self.stats is not None else None
             found = profiler(prompt, count)
-            after = self.stats() if self.stats is not None else None
-            if before and after:
-                b, a = totals(before), totals(after)
-                found = {**found, "cache": {k: a[k] - b[k] for k in STAT_KEYS}}
-            return found
+            span = counter_difference(before, self.stats() if self.stats is not None else None)
+            return found if span is None else {**found, "cache": span}
 
         def both() -> dict[str, Any]:
             first = profiled(1)

@@ -306,15 +306,15 @@ def exactness_in(max_batched_tokens: int) -> Callable[[Any], dict[str, Any]]:
 
 def block_fp8_sources(method: Any) -> tuple[Any, Any, Any, Any] | None:
     """A block-scaled FP8 layer's pinned ``(w13, w2, w13 scales, w2 scales)`` (the plugin's
-    ``_rowcache_hosts``, by vLLM's parameter names); None for any other method."""
-    hosts = getattr(method, "_rowcache_hosts", None) or {}
-    if getattr(method, "weight_block_size", None) is None:
+    ``_rowcache_hosts``, by the names ``rowcache.vllm._fp8`` gives them); None for any other
+    method (online per-tensor FP8 included: its cut steps are inexact by design)."""
+    if type(method).__name__ != "RowcacheFp8MoEMethod":
         return None
-    scale = getattr(method, "weight_scale_name", None)
-    names = ("w13_weight", "w2_weight", f"w13_{scale}", f"w2_{scale}")
-    if scale is None or any(n not in hosts for n in names):
-        return None
-    w13, w2, w13_scale, w2_scale = (hosts[n] for n in names)
+    # Imported here: only an engine with FP8 layers has (and needs) vLLM's FP8 modules.
+    from rowcache.vllm._fp8 import WEIGHTS, _scale_names
+
+    hosts = method._rowcache_hosts
+    w13, w2, w13_scale, w2_scale = (hosts[n] for n in (*WEIGHTS, *_scale_names(method)))
     return w13, w2, w13_scale, w2_scale
 
 

@@ -548,7 +548,7 @@ def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> li
         line = (
             f"  b1 {name[len(prefix) + 1 :]}: {per_token:.1f} misses a token (its prefill "
             f"included) x {miss_bytes / 1e6:.2f} MB = {moved / 1e9:.3f} GB, in {token_ms:.2f} ms "
-            f"against {other.rsplit('.', 2)[-2]}.full's {reference_ms:.2f} ms"
+            f"against {other.removeprefix(prefix + '.')}'s {reference_ms:.2f} ms"
         )
         if moved > 0 and token_ms > reference_ms:
             line += f": {moved / (token_ms - reference_ms) / 1e6:.1f} GB/s beside its work"
