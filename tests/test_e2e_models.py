@@ -433,6 +433,24 @@ def test_a_uva_engine_that_kept_its_experts_on_the_gpu_is_named() -> None:
     results[control]["steps"]["ttft"]["first_tokens"] = [0, 99, 2]
     lines = "\n".join(steps_report.report(results))
     assert "tokens nonemarlin2.full identical to nonemarlin.full (b1, b8, ttft): MISSED" in lines
+    # Where the Marlin control differs (the prompts, as on the H100 of 2026-12-06), its UVA
+    # engines' tokens there are not judged; the cache's reference has its own control.
+    results[uva]["steps"]["ttft"]["first_tokens"] = [5, 99, 2]
+    lines = "\n".join(steps_report.report(results))
+    noise = "ttft not judged: the control nonemarlin2.full differs from its reference there"
+    assert f"tokens uva774marlin.full identical to nonemarlin.full (b1, b8): met; {noise}" in lines
+    assert "tokens row8dev.full identical to none.full (b1, b8, ttft): met" in lines
+    results[uva]["steps"]["decode"]["8"]["tokens"][2] = [2, 99, 4]
+    lines = "\n".join(steps_report.report(results))
+    assert (
+        f"tokens uva774marlin.full identical to nonemarlin.full (b1, b8): MISSED; {noise}" in lines
+    )
+    for measure in ("1", "8"):
+        results[control]["steps"]["decode"][measure]["tokens"][0] = [0, 99, 2]
+    lines = "\n".join(steps_report.report(results))
+    assert (
+        "tokens uva774marlin.full identical to nonemarlin.full: not judged; b1 not judged" in lines
+    )
 
 
 def test_a_skewed_phase_alone_builds_its_plain_source_first() -> None:

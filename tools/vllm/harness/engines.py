@@ -854,8 +854,9 @@ say whether a comparison at batch 8 can tell the cache from the engine's own noi
 def controls(budget: ModelBudget) -> tuple[str, ...]:
     """The controls of a model's engines: :data:`CONTROL`, and where UVA runs on another
     backend (``budget.baseline``) that backend's no-offload engine run again (on gpt-oss's
-    Marlin, UVA changed the first token of every 2,048-token prompt: whether Marlin itself
-    does from run to run, only its control tells)."""
+    Marlin, UVA changed the first token of every 2,048-token prompt; so did Marlin without
+    offload from one engine to the next, on the skewed checkpoint on an H100: the summary
+    judges no token where a control differs from its reference)."""
     if budget.baseline is None:
         return (CONTROL,)
     return (CONTROL, f"none{budget.baseline.suffix}2.full")

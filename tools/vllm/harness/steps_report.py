@@ -387,15 +387,47 @@ def _token_verdict(results: Results, name: str, measures: tuple[str, ...] = MEAS
     return verdict + (f" (not measured: {', '.join(missing)})" if missing else "")
 
 
-def _tokens(results: Results, prefix: str, label: str, measures: tuple[str, ...]) -> str | None:
+def _tokens(
+    results: Results,
+    prefix: str,
+    label: str,
+    measures: tuple[str, ...],
+    noisy: dict[str, dict[str, str]] | None = None,
+) -> str | None:
     """Whether ``label``'s tokens are identical to its reference's in ``measures``: a target
-    line (None where the engine has no record)."""
+    line (None where the engine has no record). ``noisy`` (:func:`control_noise`) takes out
+    the measures where a control showed the reference differing from itself: there a
+    difference cannot be told from the engine's own noise, and the line says so."""
     name = f"{prefix}.{label}"
-    verdict = _token_verdict(results, name, measures)
-    if verdict is None:
+    if name not in results or not steps_of(results[name]):
         return None
-    ref = reference(results, name)[len(prefix) + 1 :]
-    return f"  tokens {label} identical to {ref} ({', '.join(measures)}): {verdict}"
+    ref = reference(results, name)
+    unjudged = (noisy or {}).get(ref, {})
+    judged = tuple(m for m in measures if m not in unjudged)
+    verdict = _token_verdict(results, name, judged) if judged else None
+    line = f"  tokens {label} identical to {ref[len(prefix) + 1 :]}"
+    line += f" ({', '.join(judged)}): {verdict}" if judged else ": not judged"
+    for measure in (m for m in measures if m in unjudged):
+        control = unjudged[measure]
+        line += f"; {measure} not judged: the control {control} differs from its reference there"
+    return line
+
+
+def control_noise(
+    results: Results, prefix: str, controls: tuple[str, ...]
+) -> dict[str, dict[str, str]]:
+    """Per reference engine, the measures where its control (the same engine run again)
+    gave other tokens, each with the control's label: {reference name: {measure: label}}."""
+    out: dict[str, dict[str, str]] = {}
+    for label in controls:
+        name = f"{prefix}.{label}"
+        if name not in results or not steps_of(results[name]):
+            continue
+        ref = reference(results, name)
+        for measure, found in compare(results, name, ref).items():
+            if found is not None and any(p is not None for p in found):
+                out.setdefault(ref, {})[measure] = label
+    return out
 
 
 FP8_UVA = engines.FP8_UVA_LABEL
@@ -507,8 +539,13 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     lines += offloaded_lines(results, prefix, budget)
     lines += link_lines(results, prefix, budget)
     cached = (row_q, row_h, lfu, *((raw,) if budget.planes else ()))
-    for label in (*engines.controls(budget), uva_q, uva_h, *cached):
+    controls = engines.controls(budget)
+    noisy = control_noise(results, prefix, controls)
+    for label in controls:
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
+        lines += [line] if line is not None else []
+    for label in (uva_q, uva_h, *cached):
+        line = _tokens(results, prefix, label, ("b1", "b8", "ttft"), noisy)
         lines += [line] if line is not None else []
     for label in cached:
         record = results.get(f"{prefix}.{label}")
