@@ -203,6 +203,12 @@ def test_builder_writes_the_plan_in_shards(arch: str, tmp_path: Path) -> None:
     assert 0.04 < router.std().item() < 0.12
     record = json.loads((out / "rowcache_router_skew.json").read_text())
     assert record["drawn_on"] == "cpu" and record["arch"] == arch
+    # DeepSeek-V3's correction biases are zeros: a drawn one decided the routing on its own.
+    biases = [n for n in plan if n.endswith("e_score_correction_bias")]
+    assert len(biases) == (len(dl.moe_layers(config)) if arch == "deepseek_v3" else 0)
+    for name in biases:
+        bias = shards.read_tensor(out, name)
+        assert bias.dtype == torch.float32 and torch.equal(bias, torch.zeros_like(bias))
 
 
 def test_fp8_weights_dequantize_to_their_draw(tmp_path: Path) -> None:

@@ -17,11 +17,11 @@ The tensors (``load_plan``) are those vLLM 0.25.0's ``DeepseekV2ForCausalLM`` /
 ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; a dense MLP (``gate_proj``, ``up_proj``,
 ``down_proj``) in layers below ``first_k_dense_replace``; above, the router ``mlp.gate``
 (``GateLinear``, never quantized; with ``gate.e_score_correction_bias`` in float32 where
-``topk_method`` is ``noaux_tc``), the routed experts ``mlp.experts.E.gate_proj/up_proj/
-down_proj`` (loaded into the FusedMoE layer by ``fused_moe_make_expert_params_mapping``) and
-the shared experts ``mlp.shared_experts.*`` of width ``moe_intermediate_size x
-n_shared_experts``, a dense MLP beside the routed ones that vLLM passes to its FusedMoE layer
-as ``shared_experts``: never in the expert cache.
+``topk_method`` is ``noaux_tc``, written as zeros by the builder), the routed experts
+``mlp.experts.E.gate_proj/up_proj/down_proj`` (loaded into the FusedMoE layer by
+``fused_moe_make_expert_params_mapping``) and the shared experts ``mlp.shared_experts.*`` of
+width ``moe_intermediate_size x n_shared_experts``, a dense MLP beside the routed ones that
+vLLM passes to its FusedMoE layer as ``shared_experts``: never in the expert cache.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@
         DIR, the same checkpoint built before without --router-skew (the skewed twin then costs
         only its routers)
     python3 tools/vllm/make_moe_checkpoint.py --estimate --qwen3-30b-a3b --router-skew ALPHA
-        print the simulated LRU hit rate at 32 slots (isotropic hidden states; no checkpoint)
+        print the simulated LRU hit rate at 32 slots (isotropic hidden states; no checkpoint;
+        with --arch deepseek_v3 through its grouped sigmoid routing, --slots 64 a quarter)
 
 Qwen3-MoE (the default ``--arch qwen3``) is built through transformers' model class. Mixtral
 and Qwen2-MoE are written directly (``config.json`` and ``model.safetensors``, no transformers
@@ -70,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -82,7 +84,7 @@ if __package__ in (None, ""):  # run as a script: the checkout on the path for t
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from tools.vllm import deepseek_layout, gpt_oss_layout, shards, word_tokenizer
-from tools.vllm.router_skew import estimate_hit_rate, skew_router_, zipf_scales
+from tools.vllm.router_skew import GroupedSigmoid, estimate_hit_rate, skew_router_, zipf_scales
 
 TINY = {
     "vocab_size": 512,
@@ -475,7 +477,8 @@ def sharded_tensor(
     routers: dict[str, int],
     device: torch.device,
 ) -> torch.Tensor:
-    """One tensor of a sharded checkpoint as stored: norms 1; gpt-oss's packed MXFP4 values
+    """One tensor of a sharded checkpoint as stored: norms 1; DeepSeek-V3's correction biases
+    0; gpt-oss's packed MXFP4 values
     uniform random bytes and their e8m0 scales in ``gpt_oss_layout.SCALE_BYTES``; everything
     else N(0, 0.08), each from the tensor's own generator; a router scaled by ``skew`` (its
     layer's own seed, as the other builders); an FP8 weight quantized per 128 x 128 block, and
@@ -493,6 +496,11 @@ def sharded_tensor(
         low, high = gpt_oss_layout.SCALE_BYTES
         generator = torch.Generator(device=device).manual_seed(shards.tensor_seed(seed, name))
         return torch.randint(low, high, shape, generator=generator, device=device).to(dtype)
+    if name.endswith("e_score_correction_bias"):
+        # Zeros: drawn N(0, 0.08) like the rest, the bias alone decided DeepSeek-V3's routing
+        # (sigmoid scores saturate; router_skew's docstring), a hit rate of 0.97 at a quarter
+        # of the experts. A trained model's bias balances load, which a random router is.
+        return torch.zeros(shape, dtype=dtype, device=device)
     if name.endswith("norm.weight"):
         value = torch.ones(shape, device=device)
     else:
@@ -507,6 +515,16 @@ def sharded_tensor(
 
 ROUTED_STD = 0.08
 """The sharded layouts' matrices and vectors are N(0, 0.08), like the builder's others."""
+
+
+def grouped_routing(config: dict[str, Any]) -> GroupedSigmoid | None:
+    """How ``--estimate`` routes a config with DeepSeek-V3's sigmoid scores: its groups, the
+    logits of the builder's router over unit hidden states (N(0, 0.08) rows of ``hidden_size``)
+    and the builder's zero correction bias; None for a top-k of the logits."""
+    if config.get("scoring_func") != "sigmoid":
+        return None
+    logit_std = ROUTED_STD * math.sqrt(int(config["hidden_size"]))
+    return GroupedSigmoid(int(config["n_group"]), int(config["topk_group"]), logit_std, 0.0)
 
 
 def qwen3_plan(config: dict[str, Any]) -> shards.Plan:
@@ -752,7 +770,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--router-skew must be >= 0, got {args.router_skew}")
     if args.estimate:
         experts, top_k = experts_of(config)
-        rate = estimate_hit_rate(experts, top_k, args.slots, args.router_skew)
+        rate = estimate_hit_rate(
+            experts, top_k, args.slots, args.router_skew, grouped=grouped_routing(config)
+        )
         print(
             f"simulated LRU hit rate, {args.slots} of {experts} slots, top-"
             f"{top_k}, router skew {args.router_skew}: {rate:.3f}"
