@@ -162,4 +162,5 @@ def test_the_named_geometries_are_known_but_not_defaults() -> None:
     from rowcache.bench.geometry import KNOWN_GEOMETRIES
 
     assert set(GEOMETRIES) == {"bf16", "nvfp4", "bf16_large"}
-    assert set(KNOWN_GEOMETRIES) == {*GEOMETRIES, "fp8_block", "mxfp4"}
+    assert set(KNOWN_GEOMETRIES) == {*GEOMETRIES, "fp8_block", "mxfp4", "deepseek_v2_lite"}
+    assert KNOWN_GEOMETRIES["deepseek_v2_lite"].expert_bytes == 3 * 2048 * 1408 * 2 == 17_301_504

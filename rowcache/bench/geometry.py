@@ -112,8 +112,26 @@ them before its Hopper swizzle (which keeps each expert's bytes contiguous); six
 13.25 MB per expert. Not in ``GEOMETRIES``, for the reason ``FP8_BLOCK`` gives: a bench takes
 it by name (``--geometries mxfp4``)."""
 
+DEEPSEEK_V2_LITE = Geometry(
+    "deepseek_v2_lite",
+    (
+        TensorSpec("w13", (2816, 2048), torch.bfloat16),
+        TensorSpec("w2", (2048, 1408), torch.bfloat16),
+    ),
+)
+"""A DeepSeek-V2-Lite routed expert in bf16 (hidden 2048, intermediate 1408): w13 [2816, 2048],
+w2 [2048, 1408], 17.30 MB per expert, rows of 4,096 and 2,816 bytes. Its raw bytes moved 33.6
+GB/s beside the engine's forward at b1 (1.7 misses a layer a token), where full-depth Qwen3's
+FP8 experts moved 43 to 48 at 0.75 to 2.9 (docs/records/2026-12-06-deepseek-v2-lite-raw.md):
+a bench takes it by name to measure the gather at these shapes beside ``bf16``'s."""
+
 GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (BF16, NVFP4, BF16_LARGE)}
-KNOWN_GEOMETRIES: dict[str, Geometry] = {**GEOMETRIES, FP8_BLOCK.name: FP8_BLOCK, MXFP4.name: MXFP4}
+KNOWN_GEOMETRIES: dict[str, Geometry] = {
+    **GEOMETRIES,
+    FP8_BLOCK.name: FP8_BLOCK,
+    MXFP4.name: MXFP4,
+    DEEPSEEK_V2_LITE.name: DEEPSEEK_V2_LITE,
+}
 """What a bench takes by name: the defaults and those it runs only when named."""
 
 FILL_BLOCK = 64 << 20
