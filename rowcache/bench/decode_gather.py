@@ -53,9 +53,9 @@ MISSES = (1, 2, 8, 32)
 QWEN3 = {"experts": 128, "hidden": 2048, "intermediate": 768}
 DEEPSEEK_V2_LITE = {"experts": 64, "hidden": 2048, "intermediate": 1408}
 SHAPES = {"qwen3": QWEN3, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
-"""The layers ``--shape`` names: Qwen3-30B-A3B's, and DeepSeek-V2-Lite's routed experts (wider:
-its planes moved 25 to 30 GB/s beside the forward in its engines on an H100, where Qwen3's FP8
-raw bytes moved 43 to 48 at as many misses or more)."""
+"""The layers ``--shape`` names: Qwen3-30B-A3B's, and DeepSeek-V2-Lite's routed experts (wider;
+on an H100 the decode ran at 0.79 to 0.80 x the pinned copy at these shapes, and inside the
+engine at that same rate: docs/records/2026-12-06-bench-decode-gather-ds2.md)."""
 QUICK = {"experts": 6, "hidden": 64, "intermediate": 24}
 PROGRAMS_PER_SM = GATHER_PROGRAMS_PER_SM
 """The device planner's launch (``rowcache.device_plan.kernels``)."""

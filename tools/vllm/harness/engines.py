@@ -748,9 +748,9 @@ DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125, planes=T
 """DeepSeek-V2-Lite: 26 MoE layers x 64 experts x 3 x 1408 x 2048 x 2 bytes (16.5 MiB an
 expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 layers (7.22
 GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB). bf16: the cache
-holds planes by default, and the phases run the quarter's ``lfu`` engine on raw bytes too
-(its planes moved 25 to 30 GB/s beside the forward at b1 on an H100, where Qwen3's FP8 raw bytes
-moved 43 to 48 at as many misses or more: docs/records/2026-12-06-qwen3-full-depth.md)."""
+holds planes by default, and the phases run the quarter's ``lfu`` engine on raw bytes too (on
+the skewed router on an H100 raw bytes ran b1 at 0.834 x the planes: the planes read 0.699 of
+the bytes; docs/records/2026-12-06-deepseek-v2-lite-raw.md)."""
 DS3_BUDGET = ModelBudget(experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXPERT_BYTES / 2**30)
 """The reduced DeepSeek-V3 (``deepseek_layout.V3_REDUCED``): 9 MoE layers x 256 FP8 experts of
 ``FP8_EXPERT_BYTES`` (1.125 GiB a layer). A quarter: 64 slots (2.53 GiB) against UVA keeping 3
