@@ -19,8 +19,15 @@ from tools.vllm.harness.specs import Workload
     ("name", "label"),
     [
         ("gather_kernel", "rowcache gather"),
+        ("decode_gather_kernel", "rowcache gather"),
         ("plan_kernel", "rowcache planner"),
+        ("void at::native::vectorized_gather_kernel<16, long>(char*, ...)", "elementwise"),
         ("fused_moe_kernel", "MoE GEMM"),
+        ("_matmul_ogs_NNT_bf16xbf16xmxfp4_16x256x128x1", "MoE GEMM"),
+        (
+            "void marlin_moe_wna16::Marlin<1125899906909960l, 128, 1, 4>(int4 const*, ...)",
+            "MoE GEMM",
+        ),
         ("void vllm::moe::moe_align_block_size_kernel<int>(...)", "MoE align and sort"),
         ("void vllm::moe::moe_sum_kernel<c10::BFloat16, 8>(...)", "MoE sum"),
         ("void flash::flash_fwd_kernel<...>", "attention"),

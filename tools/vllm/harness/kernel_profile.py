@@ -28,10 +28,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+ROWCACHE_KERNELS = {
+    "gather_kernel": "rowcache gather",
+    "decode_gather_kernel": "rowcache gather",
+    "plan_kernel": "rowcache planner",
+    "invalidate_kernel": "rowcache planner",
+}
+"""rowcache's Triton kernels, by their whole names as the profiler gives them (a fragment would
+also take torch's ``at::native::vectorized_gather_kernel``, which engines without the cache
+run: gpt-oss's, 2026-12-06)."""
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("rowcache gather", ("gather_kernel",)),
-    ("rowcache planner", ("plan_kernel",)),
-    ("MoE GEMM", ("fused_moe_kernel",)),
+    ("MoE GEMM", ("fused_moe_kernel", "_matmul_ogs", "marlin_moe")),
     ("MoE align and sort", ("moe_align", "count_and_sort", "sort_")),
     ("MoE sum", ("moe_sum",)),
     ("attention", ("flash", "fmha", "attn")),
@@ -40,9 +47,10 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("set", ("memset",)),
     ("elementwise", ("elementwise", "triton_poi", "triton_per", "triton_red", "vectorized")),
 )
-"""A device activity's category: the first whose fragments one is in its lower-cased name;
-"other" when none is. Ordered: rowcache's and the MoE kernels' names are matched before the
-generic fragments a name may also hold."""
+"""A device activity's category, after :data:`ROWCACHE_KERNELS`: the first whose fragments one
+is in its lower-cased name; "other" when none is. Ordered: the MoE kernels' names (vLLM's
+Triton kernel, the ``triton_kernels`` MXFP4 GEMM of gpt-oss's ``triton_unfused`` backend,
+Marlin's) are matched before the generic fragments a name may also hold."""
 OTHER = "other"
 TOP = 15
 """Kernels listed by name, the longest in total first."""
@@ -58,6 +66,8 @@ class Activity:
 
 
 def category(name: str) -> str:
+    if name in ROWCACHE_KERNELS:
+        return ROWCACHE_KERNELS[name]
     lower = name.lower()
     for label, fragments in CATEGORIES:
         if any(fragment in lower for fragment in fragments):
