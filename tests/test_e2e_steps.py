@@ -298,6 +298,24 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path, monkeypatch: pytest.Monk
         assert again.get("profile") == expected and again["steps"]["decode"]["1"]["tok_s"]
     assert again["profile_error"] == "RuntimeError: profiler busy"
     assert asked_profile[0][2] == [{"prompt_token_ids": measure.decode_prompts(small, 1)[0]}]
+
+    # The decode profile leaves time for the probes after the workload only where they run:
+    # a cache engine's, not no offload's.
+    probes_after: list[bool] = []
+    real = child.run_workload
+
+    def spy(*args: Any) -> dict[str, Any]:
+        probes_after.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(child, "run_workload", spy)
+    plain = engines.steps(only=("none.full",))[0]
+    plain = EngineSpec.from_json({**plain.to_json(), "workload": spec.to_json()["workload"]})
+    for engine in (spec, plain):
+        child.workload(
+            Job(engine, "/m", str(tmp_path), 30.0), LLM(), rpc, {}, saved.append, sampling
+        )
+    assert probes_after == [True, False]
     assert json.loads(out.read_text())["steps"]["decode"]["1"]["repeats_run"] == 3
 
 

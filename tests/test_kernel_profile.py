@@ -160,6 +160,19 @@ def test_the_measurement_profiles_b1_decode_twice_last_where_asked() -> None:
     m.decode_kernels(profiler)
     assert seen == [(measure.prefill_prompts(w)[1], 1)]
     assert m.record["decode_kernels"] == {"skipped": "deadline: no time left"}
+    # An engine without the cache runs no probe after its workload: its decode profiles need
+    # only their own time.
+    seen.clear()
+    fake = _Clock()
+    left = (measure.DECODE_PROFILE_ALONE_S + measure.DECODE_PROFILE_S) / 2
+    alone = measure.Measurement(
+        w, fake.generate, fake.now + left, lambda: fake.now, probes_after=False
+    )
+    alone.decode_kernels(profiler)
+    assert [count for _, count in seen] == [1, 17]
+    cached = measure.Measurement(w, fake.generate, fake.now + left, lambda: fake.now)
+    cached.decode_kernels(profiler)
+    assert cached.record["decode_kernels"] == {"skipped": "deadline: no time left"}
 
 
 def test_both_decode_profiles_start_from_one_cache_state_and_keep_their_counters() -> None:

@@ -202,7 +202,7 @@ def workload(
         return kernel_profile.profile_step(lambda: generate([prompt], tokens))
 
     result["steps"] = run_workload(
-        spec.workload, generate, deadline, time.time, stats, keep, kernels, jit
+        spec.workload, generate, deadline, time.time, stats, keep, kernels, jit, spec.caches
     )
     if spec.caches:
         result["route"] = rpc(probes.routes, None)
