@@ -194,6 +194,19 @@ def test_targets_met_and_missed() -> None:
     lines = "\n".join(steps_report.report(results))
     assert "tokens none2.full identical to none.full (b1, b8, ttft): MISSED" in lines
     assert "slots of row16dev.full byte-identical to their host bytes (416 slots" in lines
+    differs = "b8 not judged: the control none2.full differs from its reference there"
+    assert f"tokens row16dev.full identical to none.full (b1, ttft): met; {differs}" in lines
+    # Without a control of the reference's own run, b8 is not judged either (merged results
+    # can hold a control of another run).
+    alone = "b8 not judged: no control of its reference in this run"
+    for change in ("run", "drop"):
+        results = _results(False, 45.0, same)
+        if change == "run":
+            results[control]["run_id"] = "another"
+        else:
+            del results[control]
+        lines = "\n".join(steps_report.report(results))
+        assert f"tokens row16dev.full identical to none.full (b1, ttft): met; {alone}" in lines
     # Skewed: 3 x is asked; a diverging token and a bad slot are caught.
     bad = [list(t) for t in same]
     bad[5][2] = 99

@@ -66,8 +66,9 @@ def test_estimate_prints_and_needs_no_checkpoint(capsys: pytest.CaptureFixture[s
 
 def test_grouped_sigmoid_picks_inside_the_best_groups_by_hand() -> None:
     # 4 experts in 2 groups of 2; one group kept. Group 0 (experts 0, 1) sums 0.6 + 0.6 with
-    # the bias; group 1 holds the single best expert (3) but sums less: 0.9 + 0.1.
-    logits = torch.logit(torch.tensor([[0.5, 0.5, 0.1, 0.9]]))
+    # the bias; group 1 holds the single best expert (3) but sums less: 0.9 + 0.15. Without
+    # the bias in the group scores group 1 would win (1.05 against 1.0).
+    logits = torch.logit(torch.tensor([[0.5, 0.5, 0.15, 0.9]]))
     bias = torch.tensor([0.1, 0.1, 0.0, 0.0])
     assert grouped_sigmoid_topk(logits, bias, 2, 1, 2).sort().values.tolist() == [[0, 1]]
     assert grouped_sigmoid_topk(logits, bias, 2, 2, 1).tolist() == [[3]]

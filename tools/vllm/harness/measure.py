@@ -60,9 +60,9 @@ tokens (two unprofiled) and one of a single token take a full-depth model's UVA 
 2 s, the profiles' events some seconds to process, and the engine's probes after the workload
 (the slot audit, the exactness probe) need the rest."""
 DECODE_PROFILE_ALONE_S = 10.0
-"""The same for an engine without the cache, which runs no probe after its workload: on the
-H100 of 2026-12-06 both profiles took 0.6 to 1.5 s for no offload and 1.1 to 4.7 s for UVA,
-where the 30 s reserve left five no-offload engines unprofiled with 22 to 28 s to spare."""
+"""The same for an engine without the cache, which runs no probe after its workload: on two
+H100s on 2026-12-06 both profiles took 0.6 to 2.2 s for no offload and 1.1 to 4.7 s for UVA,
+where the 30 s reserve left four no-offload engines unprofiled with 21.7 to 28.1 s to spare."""
 
 
 def decode_prompts(workload: Workload, batch: int) -> list[list[int]]:

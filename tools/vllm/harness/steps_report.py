@@ -8,6 +8,7 @@ combines several calls'), never on the GPU machine's engines.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tools.vllm.harness import engines, kernel_profile
@@ -392,42 +393,73 @@ def _tokens(
     prefix: str,
     label: str,
     measures: tuple[str, ...],
-    noisy: dict[str, dict[str, str]] | None = None,
+    controls: ControlCheck | None = None,
 ) -> str | None:
     """Whether ``label``'s tokens are identical to its reference's in ``measures``: a target
-    line (None where the engine has no record). ``noisy`` (:func:`control_noise`) takes out
-    the measures where a control showed the reference differing from itself: there a
-    difference cannot be told from the engine's own noise, and the line says so."""
+    line (None where the engine has no record). With ``controls`` (:func:`control_check`) a
+    measure is not judged where a control showed the reference differing from itself, nor at
+    a batch of 8 or more without a control of the reference's run (no offload itself is not
+    reproducible there without one), and the line says which and why."""
     name = f"{prefix}.{label}"
     if name not in results or not steps_of(results[name]):
         return None
     ref = reference(results, name)
-    unjudged = (noisy or {}).get(ref, {})
+    unjudged = controls.unjudged(ref, measures) if controls is not None else {}
     judged = tuple(m for m in measures if m not in unjudged)
     verdict = _token_verdict(results, name, judged) if judged else None
     line = f"  tokens {label} identical to {ref[len(prefix) + 1 :]}"
     line += f" ({', '.join(judged)}): {verdict}" if judged else ": not judged"
     for measure in (m for m in measures if m in unjudged):
-        control = unjudged[measure]
-        line += f"; {measure} not judged: the control {control} differs from its reference there"
+        line += f"; {measure} not judged: {unjudged[measure]}"
     return line
 
 
-def control_noise(
-    results: Results, prefix: str, controls: tuple[str, ...]
-) -> dict[str, dict[str, str]]:
-    """Per reference engine, the measures where its control (the same engine run again)
-    gave other tokens, each with the control's label: {reference name: {measure: label}}."""
-    out: dict[str, dict[str, str]] = {}
+BATCHED = ("b8", "b32")
+"""The measures whose token comparison needs a control: vLLM without offload is not
+reproducible from run to run at b32 (and is not known to be at b8) outside its
+batch-invariant mode."""
+
+
+@dataclass(frozen=True)
+class ControlCheck:
+    """What the controls (a reference engine run again) say of each reference: the measures
+    where one gave other tokens (with its label), and those a control of the reference's own
+    run measured at all."""
+
+    differs: dict[str, dict[str, str]]
+    measured: dict[str, set[str]]
+
+    def unjudged(self, ref: str, measures: tuple[str, ...]) -> dict[str, str]:
+        """The measures of ``measures`` not to judge against ``ref``, each with why."""
+        out: dict[str, str] = {}
+        for measure in measures:
+            control = self.differs.get(ref, {}).get(measure)
+            if control is not None:
+                out[measure] = f"the control {control} differs from its reference there"
+            elif measure in BATCHED and measure not in self.measured.get(ref, set()):
+                out[measure] = "no control of its reference in this run"
+        return out
+
+
+def control_check(results: Results, prefix: str, controls: tuple[str, ...]) -> ControlCheck:
+    """:class:`ControlCheck` of ``controls`` (labels): a control counts only where it ran in
+    its reference's run (``run_id``: merged results hold several)."""
+    differs: dict[str, dict[str, str]] = {}
+    measured: dict[str, set[str]] = {}
     for label in controls:
         name = f"{prefix}.{label}"
         if name not in results or not steps_of(results[name]):
             continue
         ref = reference(results, name)
+        if results[name].get("run_id") != results.get(ref, {}).get("run_id"):
+            continue
         for measure, found in compare(results, name, ref).items():
-            if found is not None and any(p is not None for p in found):
-                out.setdefault(ref, {})[measure] = label
-    return out
+            if found is None:
+                continue
+            measured.setdefault(ref, set()).add(measure)
+            if any(p is not None for p in found):
+                differs.setdefault(ref, {})[measure] = label
+    return ControlCheck(differs, measured)
 
 
 FP8_UVA = engines.FP8_UVA_LABEL
@@ -540,12 +572,12 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     lines += link_lines(results, prefix, budget)
     cached = (row_q, row_h, lfu, *((raw,) if budget.planes else ()))
     controls = engines.controls(budget)
-    noisy = control_noise(results, prefix, controls)
+    checked = control_check(results, prefix, controls)
     for label in controls:
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
     for label in (uva_q, uva_h, *cached):
-        line = _tokens(results, prefix, label, ("b1", "b8", "ttft"), noisy)
+        line = _tokens(results, prefix, label, ("b1", "b8", "ttft"), checked)
         lines += [line] if line is not None else []
     for label in cached:
         record = results.get(f"{prefix}.{label}")
