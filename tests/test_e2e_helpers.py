@@ -415,7 +415,11 @@ def test_background_build_with_nothing_to_build(tmp_path: Path) -> None:
     (tmp_path / "qwen8" / "config.json").write_text("{}")
     # config.json alone: a build stopped halfway (save_pretrained writes it first).
     assert checkpoints.missing(tmp_path, [engines.QWEN8]) == [engines.QWEN8]
+    # A marker of an older builder (empty: before version 2) is no whole checkpoint of this one.
     (tmp_path / "qwen8" / checkpoints.BUILT).touch()
+    assert checkpoints.missing(tmp_path, [engines.QWEN8]) == [engines.QWEN8]
+    checkpoints.mark_built(tmp_path / "qwen8")
+    assert checkpoints.missing(tmp_path, [engines.QWEN8]) == []
     build = checkpoints.Background(tmp_path, [engines.TINY, engines.QWEN8], tmp_path / "b.log")
     assert build.proc is None and build.done() and build.wait(1.0)
     assert not build.needed_by([engines.QWEN8])
@@ -464,6 +468,14 @@ def test_background_build_says_each_checkpoint_ready_once_it_is_whole(
     (gate / second.directory).write_text("")
     assert build.wait(30)
     assert build.ready(second)
+    assert (work / second.directory / checkpoints.BUILT).read_text().strip() == "2"
+    # A checkpoint of an older builder is removed and built anew, nothing of it left behind.
+    stale = work / first.directory
+    (stale / checkpoints.BUILT).write_text("1\n")
+    (stale / "left-over.safetensors").write_text("")
+    again = checkpoints.Background(work, [first, second], tmp_path / "again.log")
+    assert again.checkpoints == [first] and again.wait(30)
+    assert not (stale / "left-over.safetensors").exists() and checkpoints.is_built(stale)
     # A build that fails ends: its engines start and fail to load, saying why.
     monkeypatch.setattr(checkpoints, "CKPT_TOOL", str(tmp_path / "missing.py"))
     failing = checkpoints.Background(work / "other", [first], tmp_path / "f.log")

@@ -686,15 +686,16 @@ def build_checkpoint(model: Path, build_args: str) -> None:
     has returned. A ``config.json`` without the marker is a build that stopped halfway
     (``save_pretrained`` writes it first) or a model built elsewhere; either is left as it is,
     with an error, rather than served half-built or overwritten."""
-    from tools.vllm.harness.checkpoints import BUILT, is_built, mark_built
+    from tools.vllm.harness.checkpoints import BUILDER_VERSION, BUILT, is_built, mark_built
 
     if is_built(model):
         return
     if (model / "config.json").exists():
         raise SystemExit(
-            f"serve_check.py: --build: {model} has a config.json but no {BUILT} marker (a "
-            "build that stopped before its end, or a model not built by --build); remove the "
-            "directory to build it again, or leave out --build to serve it as it is"
+            f"serve_check.py: --build: {model} has a config.json but no {BUILT} marker of "
+            f"builder version {BUILDER_VERSION} (a build that stopped before its end, one by "
+            "an older builder, or a model not built by --build); remove the directory to "
+            "build it again, or leave out --build to serve it as it is"
         )
     tool = Path(__file__).resolve().parent / "make_moe_checkpoint.py"
     subprocess.run([sys.executable, str(tool), str(model), *build_args.split()], check=True)

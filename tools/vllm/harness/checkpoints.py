@@ -2,8 +2,9 @@
 
 The builder is ``tools/vllm/make_moe_checkpoint.py`` (``$ROWCACHE_CKPT_TOOL`` names another),
 which makes the GPU bundle's checkpoints from the same seed and can skew the routers. A
-checkpoint built whole before (a warm machine: ``BUILT`` in its directory) is not built
-again. Foreground
+checkpoint built whole before by this builder (a warm machine: ``BUILT`` in its directory,
+holding ``BUILDER_VERSION``) is not built again; any other directory in its place is removed
+and built anew. Foreground
 checkpoints (seconds) are built before any engine starts; the others in one background process,
 in the order the phases first need them, while the phases that do not need them run. An engine
 of a budgeted phase starts once its own checkpoint is built (``Background.ready``); timed
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,16 +42,22 @@ BUILT = ".rowcache-built"
 """Written into a checkpoint's directory once its builder has returned: the checkpoint is
 whole. ``config.json`` alone is no sign (transformers' ``save_pretrained`` writes it before the
 weights, so a build stopped halfway leaves one)."""
+BUILDER_VERSION = "2"
+"""What ``BUILT`` holds: the builder's output format. A checkpoint whose marker holds another
+(or none: before 2) is built again. 2: DeepSeek-V3's correction biases are zeros (drawn, they
+decided its routing alone; docs/records/2026-12-06-deepseek-v3-reduced.md)."""
 
 
 def is_built(directory: Path) -> bool:
-    """Whether the checkpoint in ``directory`` was built whole (its ``BUILT`` marker)."""
-    return (directory / BUILT).exists()
+    """Whether the checkpoint in ``directory`` was built whole by this builder (its ``BUILT``
+    marker, holding ``BUILDER_VERSION``)."""
+    marker = directory / BUILT
+    return marker.is_file() and marker.read_text().strip() == BUILDER_VERSION
 
 
 def mark_built(directory: Path) -> None:
     """Say that the checkpoint in ``directory`` is whole (after its builder returned)."""
-    (directory / BUILT).touch()
+    (directory / BUILT).write_text(BUILDER_VERSION + "\n")
 
 
 def with_sources(needed: list[Checkpoint], known: list[Checkpoint]) -> list[Checkpoint]:
@@ -80,6 +88,7 @@ def missing(work: Path, checkpoints: list[Checkpoint]) -> list[Checkpoint]:
 def build_foreground(work: Path, checkpoints: list[Checkpoint]) -> None:
     """Build the foreground ones among ``checkpoints`` now (a failure stops the run)."""
     for checkpoint in missing(work, [c for c in checkpoints if c.foreground]):
+        shutil.rmtree(location(work, checkpoint), ignore_errors=True)
         subprocess.run(command(work, checkpoint), check=True)
         mark_built(location(work, checkpoint))
 
@@ -97,8 +106,14 @@ class Background:
             return
         steps = ["set -e", "date +%s"]
         for checkpoint in self.checkpoints:
+            directory = shlex.quote(str(location(work, checkpoint)))
             built = shlex.quote(str(location(work, checkpoint) / BUILT))
-            steps += [shlex.join(command(work, checkpoint)), f"touch {built}", "date +%s"]
+            steps += [
+                f"rm -rf {directory}",  # half built, or by another builder version
+                shlex.join(command(work, checkpoint)),
+                f"echo {BUILDER_VERSION} > {built}",
+                "date +%s",
+            ]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 ["bash", "-c", "; ".join(steps)], stdout=out, stderr=subprocess.STDOUT
