@@ -52,7 +52,9 @@ class Command:
 def candidates(text: str) -> Iterator[str]:
     """Text that may hold a command: fenced lines, backtick spans, indented code lines."""
     for block in _FENCE.findall(text):
-        yield from block.splitlines()[1:-1]
+        # A line ending in a backslash goes on in the next one, as the shell reads it.
+        joined = re.sub(r"\\\n\s*", " ", block)
+        yield from joined.splitlines()[1:-1]
     text = _FENCE.sub("", text)
     for span in _SPAN.findall(text):
         yield " ".join(span.split())
