@@ -254,13 +254,12 @@ def kernel_lines(results: Results, prefix: str) -> list[str]:
     """One profiled 2,048-token prompt step per engine (``Workload.ttft_kernel_profile``): its
     GPU span, busy time (the union of its activities) and the time of each category, in ms;
     then a b1 decode token's share of them (``Workload.decode_kernel_profile``)."""
-    prompt = _kernel_rows(results, prefix, lambda steps: steps.get("ttft_kernels"), ".2f")
-    decode = _kernel_rows(results, prefix, _decode_token, ".3f", misses=True)
-    counted = any(
-        "misses" in (_decode_token(steps_of(r) or {}) or {})
-        for name, r in results.items()
-        if name.startswith(prefix + ".")
+    prompt = _kernel_rows(
+        _profiles(results, prefix, lambda steps: steps.get("ttft_kernels")), ".2f"
     )
+    tokens = _profiles(results, prefix, _decode_token)
+    counted = any("misses" in found for _, found in tokens)
+    decode = _kernel_rows(tokens, ".3f", misses=counted)
     lines = []
     if prompt:
         lines += [
@@ -305,22 +304,27 @@ def _decode_token(steps: dict[str, Any]) -> dict[str, Any] | None:
     return kernel_profile.per_token(found["first"], found["whole"], int(found["tokens"]))
 
 
-def _kernel_rows(
+def _profiles(
     results: Results,
     prefix: str,
     profile_of: Callable[[dict[str, Any]], dict[str, Any] | None],
-    fmt: str,
-    misses: bool = False,
+) -> list[tuple[str, dict[str, Any]]]:
+    """(label, profile) of every engine of ``prefix`` whose record has one."""
+    out = []
+    for name, record in results.items():
+        if name.startswith(prefix + "."):
+            found = profile_of(steps_of(record) or {})
+            if found:
+                out.append((name[len(prefix) + 1 :], found))
+    return out
+
+
+def _kernel_rows(
+    profiles: list[tuple[str, dict[str, Any]]], fmt: str, misses: bool = False
 ) -> list[str]:
     """One row an engine; ``misses``: then a token's misses where the profile has them."""
     rows = []
-    for name, record in results.items():
-        if not name.startswith(prefix + "."):
-            continue
-        found = profile_of(steps_of(record) or {})
-        if not found:
-            continue
-        label = name[len(prefix) + 1 :]
+    for label, found in profiles:
         if "by_category" not in found:
             why = found.get("skipped") or found.get("error") or "no device activity"
             rows.append(f"{label:16} {str(why)[:120]}")
