@@ -1,0 +1,174 @@
+"""scripts/device_bundle.sh: the offline vLLM bundle cut into pieces that fit one device call
+each, joined and checked on the GPU machine before anything unpacks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import lzma
+import math
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "device_bundle.sh"
+PARTS = ("core.tar.xz.partaa", "core.tar.xz.partab", "core.tar.xz.partac")
+
+CALL_LIMIT = 64 << 20
+"""What one device call carries: the tracked checkout and the ignored paths it names."""
+BUNDLE_BYTES = 127_402_888
+"""The shared builder's bundle for vLLM 0.25.0 (three parts of 42,467,629 to 42,467,630 bytes)."""
+SMALL_PATHS = 1 << 20
+"""The rowcache wheel, the manifest and the two FP8 wheels, carried with the last piece."""
+
+
+def _bundle(gpu: Path, payload: bytes) -> None:
+    """A bundle as the shared builder leaves it: a tar.xz cut in three, and its checksum."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("pkg/data.bin")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    whole = lzma.compress(buf.getvalue(), preset=0)
+    (gpu / "parts").mkdir(parents=True)
+    (gpu / "tools").mkdir()
+    cut = math.ceil(len(whole) / 3)
+    for i, name in enumerate(PARTS):
+        (gpu / "parts" / name).write_bytes(whole[i * cut : (i + 1) * cut])
+    (gpu / "tools" / "SHA256").write_text(hashlib.sha256(whole).hexdigest() + "\n")
+
+
+def _run(cmd: str, tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {
+        **os.environ,
+        "BUNDLE_GPU": str(tmp / ".gpu"),
+        "BUNDLE_VP": str(tmp / "vp"),
+        "BUNDLE_SITE": str(tmp / "site"),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), cmd], cwd=tmp, env=full, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> tuple[Path, bytes]:
+    payload = os.urandom(200_000)  # incompressible: the pieces carry real bytes
+    _bundle(tmp_path / ".gpu", payload)
+    return tmp_path, payload
+
+
+def _arrive(tmp: Path, skip: str = "") -> list[Path]:
+    """The device calls: each piece copied to the machine's /tmp/vp."""
+    vp = tmp / "vp"
+    vp.mkdir(exist_ok=True)
+    pieces = sorted((tmp / ".gpu" / "pieces").iterdir())
+    for piece in pieces:
+        if piece.name != skip:
+            (vp / piece.name).write_bytes(piece.read_bytes())
+    return pieces
+
+
+def test_split_then_join_gives_back_the_bundle(bundle: tuple[Path, bytes]) -> None:
+    tmp, payload = bundle
+    out = _run("split", tmp)
+    assert out.returncode == 0, out.stderr
+    pieces = _arrive(tmp)
+    assert [p.name for p in pieces] == [f"core.tar.xz.piece{i}" for i in range(4)]
+    whole = b"".join((tmp / ".gpu" / "parts" / n).read_bytes() for n in PARTS)
+    assert b"".join(p.read_bytes() for p in pieces) == whole
+    assert max(p.stat().st_size for p in pieces) <= math.ceil(len(whole) / 4)
+    manifest = (tmp / ".gpu" / "tools" / "PIECES").read_text().split("\n")
+    assert manifest[0] == f"core.tar.xz.piece0 {pieces[0].stat().st_size}"
+    (tmp / "site").mkdir()  # an earlier call's site folder: replaced whole
+    (tmp / "site" / "stale").write_text("old")
+    out = _run("join", tmp)
+    assert out.returncode == 0, out.stderr
+    assert (tmp / "site" / "pkg" / "data.bin").read_bytes() == payload
+    assert sorted(p.name for p in (tmp / "site").iterdir()) == ["pkg"]
+    assert not (tmp / "vp" / "core.tar.xz").exists()
+
+
+def test_a_missing_piece_is_named_and_the_site_kept(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp, skip="core.tar.xz.piece2")
+    (tmp / "site").mkdir()
+    (tmp / "site" / "old").write_text("kept")
+    out = _run("join", tmp)
+    assert out.returncode == 2
+    assert "pieces missing" in out.stderr and "core.tar.xz.piece2" in out.stderr
+    assert (tmp / "site" / "old").read_text() == "kept"
+
+
+def test_a_changed_byte_fails_the_checksum_and_nothing_unpacks(
+    bundle: tuple[Path, bytes],
+) -> None:
+    tmp, _ = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp)
+    piece = tmp / "vp" / "core.tar.xz.piece1"
+    data = bytearray(piece.read_bytes())
+    data[17] ^= 1
+    piece.write_bytes(bytes(data))
+    out = _run("join", tmp)
+    assert out.returncode == 2
+    assert "do not match" in out.stderr
+    assert not (tmp / "site").exists()
+    assert not (tmp / "vp" / "core.tar.xz").exists()
+
+
+def test_a_short_piece_is_named_with_both_sizes(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp)
+    piece = tmp / "vp" / "core.tar.xz.piece3"
+    size = piece.stat().st_size
+    piece.write_bytes(piece.read_bytes()[:-1])
+    out = _run("join", tmp)
+    assert out.returncode == 2
+    assert f"has {size - 1} bytes, the manifest says {size}" in out.stderr
+
+
+def test_split_refuses_parts_that_fail_their_checksum(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    (tmp / ".gpu" / "parts" / PARTS[1]).write_bytes(b"not the part")
+    out = _run("split", tmp)
+    assert out.returncode == 2
+    assert "do not match" in out.stderr
+    assert not (tmp / ".gpu" / "pieces").exists()
+    assert not (tmp / ".gpu" / "tools" / "PIECES").exists()
+
+
+@pytest.mark.parametrize("count", ["1", "10", "four"])
+def test_split_names_a_bad_piece_count(bundle: tuple[Path, bytes], count: str) -> None:
+    tmp, _ = bundle
+    out = _run("split", tmp, BUNDLE_PIECES=count)
+    assert out.returncode == 2
+    assert count in out.stderr and "2 to 9" in out.stderr
+    assert not (tmp / ".gpu" / "pieces").exists()
+
+
+def test_split_without_a_bundle_says_how_to_build_one(tmp_path: Path) -> None:
+    out = _run("split", tmp_path)
+    assert out.returncode == 2
+    assert "build_vllm_bundle.sh" in out.stderr
+
+
+def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
+    """The tracked files (the raw outputs under docs/ grow with every record) plus the largest
+    piece and the small paths of the last call stay within one call's 64 MiB."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    tracked = sum((ROOT / os.fsdecode(name)).stat().st_size for name in listed if name)
+    piece = math.ceil(BUNDLE_BYTES / 4)
+    assert tracked + piece + SMALL_PATHS <= CALL_LIMIT, (
+        f"tracked files {tracked:,} B + a piece {piece:,} B + {SMALL_PATHS:,} B exceed one "
+        f"device call's {CALL_LIMIT:,} B: cut the bundle into more pieces (BUNDLE_PIECES) or "
+        "pack the raw outputs"
+    )
