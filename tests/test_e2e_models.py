@@ -233,17 +233,56 @@ def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
         "  b1 row16dev.full: 40.0 misses a token (its prefill included) x 12.00 MB = 0.480 GB, "
         "in 22.22 ms against none.full's 1.67 ms: 23.4 GB/s beside its work (no target)"
     )
-    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == [want]
-    assert want in steps_report.report(results)
-    # No misses: no rate; a reference from another run, or a partial record: no line.
+    # UVA at the quarter keeps 7 of 26 layers: a b1 token reads the 19 others' 6 routed experts
+    # of 3 x 1408 x 2048 x 2 bytes (the half's engine alike, 13 layers).
+    uva = [
+        "  b1 uva1959.full: reads 19 offloaded layers x 6 routed experts x 17.30 MB a decode "
+        "token (its prefill's reads not counted) = 1.972 GB, in 33.33 ms against none.full's "
+        "1.67 ms: 62.3 GB/s beside its work (no target)",
+        "  b1 uva1341.full: reads 13 offloaded layers x 6 routed experts x 17.30 MB a decode "
+        "token (its prefill's reads not counted) = 1.350 GB, in 33.33 ms against none.full's "
+        "1.67 ms: 42.6 GB/s beside its work (no target)",
+    ]
+    versus = (
+        "  b1 row16dev.full moves 0.24 x the bytes uva1959.full reads a token (the cache's "
+        "prefill misses included; no target)"
+    )
+    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    assert sorted(found) == sorted([want, *uva, versus])
+    assert found[-1] == versus
+    assert want in steps_report.report(results) and versus in steps_report.report(results)
+    # No misses: no rate, nor a comparison of bytes; a reference from another run, or a
+    # partial record: no line of the cache engine.
     record["steps"]["decode"]["1"]["cache"] = {"misses": 0}
-    [line] = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    [line] = [line for line in found if "row16dev" in line]
     assert "= 0.000 GB" in line and "GB/s" not in line
     workload = record["spec"].pop("workload")
-    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == []
+    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == uva
     record["spec"]["workload"] = workload
     results["models.ds2lite.none.full"]["run_id"] = "another"
     assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == []
+
+
+def test_uva_reads_its_backends_experts_of_its_offloaded_layers() -> None:
+    """gpt-oss's UVA runs on Marlin, whose experts are padded: its layers and bytes are
+    Marlin's, its reference Marlin without offload."""
+    budget = engines.GPT_OSS_BUDGET
+    assert budget.uva_offloaded_layers(budget.uva_offloaded_gib(engines.QUARTER), "marlin") == 18
+    assert budget.uva_offloaded_layers(budget.uva_offloaded_gib(engines.HALF), "marlin") == 12
+    assert budget.expert_bytes("marlin") == engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    assert budget.expert_bytes("triton_unfused") == engines.GPT_OSS_EXPERT_BYTES
+    assert engines.DS3_BUDGET.expert_bytes() == engines.FP8_EXPERT_BYTES
+
+
+@pytest.mark.parametrize("checkpoint", sorted(engines.MODEL_BUDGETS, key=str))
+def test_a_budgets_experts_and_top_k_are_its_checkpoints(checkpoint: Any) -> None:
+    budget = engines.MODEL_BUDGETS[checkpoint]
+    if checkpoint.arch == "qwen3":
+        config = mk.fp8_config(True, checkpoint.layers)
+    else:
+        config = mk.sharded_config(checkpoint.arch, checkpoint.layers)
+    assert mk.experts_of(config) == (budget.experts, budget.top_k)
 
 
 def test_slots_line_without_a_record() -> None:

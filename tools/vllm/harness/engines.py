@@ -700,6 +700,9 @@ class ModelBudget:
     moe_layers: int
     expert_gib: float
     """GiB of routed experts in the checkpoint (all MoE layers)."""
+    top_k: int
+    """Routed experts a token asks for in each MoE layer: a b1 decode token of UVA reads this
+    many experts of every offloaded layer over the link."""
     baseline: Baseline | None = None
     """Where UVA runs on another backend than the cache (gpt-oss); None: the same one."""
     planes: bool = False
@@ -727,6 +730,15 @@ class ModelBudget:
         the GPU."""
         return self.layer_gib(backend) * self.moe_layers - offloaded_gib
 
+    def uva_offloaded_layers(self, offloaded_gib: float, backend: str | None) -> int:
+        """Whole MoE layers whose experts a UVA engine on ``backend`` with ``cpu_offload_gb``
+        of ``offloaded_gib`` keeps in host memory."""
+        return round(offloaded_gib / self.layer_gib(backend))
+
+    def expert_bytes(self, backend: str | None = None) -> float:
+        """Bytes of one routed expert as ``backend`` creates them (:meth:`layer_gib`)."""
+        return self.layer_gib(backend) * 2**30 / self.experts
+
     def uva_offloaded_gib(self, fraction: float) -> float:
         """``cpu_offload_gb`` that offloads the experts of whole MoE layers, leaving at least
         ``fraction`` of the expert memory on the GPU: vLLM's UVA offloader takes parameters in
@@ -744,20 +756,25 @@ class ModelBudget:
         return self.expert_gib
 
 
-DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125, planes=True)
+DS2_BUDGET = ModelBudget(experts=64, moe_layers=26, expert_gib=26.8125, top_k=6, planes=True)
 """DeepSeek-V2-Lite: 26 MoE layers x 64 experts x 3 x 1408 x 2048 x 2 bytes (16.5 MiB an
 expert, 1.03 GiB a layer). A quarter: 16 slots (6.70 GiB) against UVA keeping 7 layers (7.22
 GiB); a half: 32 slots (13.41 GiB) against UVA keeping 13 layers (13.41 GiB). bf16: the cache
 holds planes by default, and the phases run the quarter's ``lfu`` engine on raw bytes too (on
 the skewed router on an H100 raw bytes ran b1 at 0.834 x the planes: the planes read 0.699 of
 the bytes; docs/records/2026-12-06-deepseek-v2-lite-raw.md)."""
-DS3_BUDGET = ModelBudget(experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXPERT_BYTES / 2**30)
+DS3_BUDGET = ModelBudget(
+    experts=256, moe_layers=9, expert_gib=9 * 256 * FP8_EXPERT_BYTES / 2**30, top_k=8
+)
 """The reduced DeepSeek-V3 (``deepseek_layout.V3_REDUCED``): 9 MoE layers x 256 FP8 experts of
 ``FP8_EXPERT_BYTES`` (1.125 GiB a layer). A quarter: 64 slots (2.53 GiB) against UVA keeping 3
 layers (3.38 GiB); a half: 128 slots (5.06 GiB) against UVA keeping 5 layers (5.63 GiB): with
 9 layers, whole layers give UVA up to a third more memory than the slots."""
 QWEN48_FP8_BUDGET = ModelBudget(
-    experts=QWEN_EXPERTS, moe_layers=48, expert_gib=48 * QWEN_EXPERTS * FP8_EXPERT_BYTES / 2**30
+    experts=QWEN_EXPERTS,
+    moe_layers=48,
+    expert_gib=48 * QWEN_EXPERTS * FP8_EXPERT_BYTES / 2**30,
+    top_k=8,
 )
 """Qwen3-30B-A3B at full depth in block FP8: 48 MoE layers x 128 experts of
 ``FP8_EXPERT_BYTES`` (27.0 GiB, 0.563 GiB a layer). A quarter: 32 slots (6.75 GiB) against UVA
@@ -779,6 +796,7 @@ GPT_OSS_BUDGET = ModelBudget(
     experts=32,
     moe_layers=24,
     expert_gib=24 * 32 * GPT_OSS_EXPERT_BYTES / 2**30,
+    top_k=4,
     baseline=Baseline("marlin", 32 * GPT_OSS_MARLIN_EXPERT_BYTES, "marlin"),
 )
 """gpt-oss-20b at full depth: 24 MoE layers x 32 MXFP4 experts (9.50 GiB, 0.396 GiB a layer). A

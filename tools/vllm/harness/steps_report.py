@@ -591,42 +591,81 @@ def models_targets(results: Results, prefix: str) -> list[str]:
 
 
 def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
-    """Where each cache engine's b1 token goes, from its counters (no target): its misses a
-    token (the decode prompt's prefill included) times the host bytes of one expert (the
-    probe's expert host bytes over its layers and ``budget.experts``: planes where it holds
-    planes, so the bytes the link moves), and the rate at which they move in the time its token
-    takes beyond its no-offload reference's, measured in the same run."""
-    lines = []
+    """Where each engine's b1 token goes over the link (no target), measured against its
+    no-offload reference of the same run: a cache engine's misses a token (the decode prompt's
+    prefill included) times the host bytes of one expert (the probe's expert host bytes over its
+    layers and ``budget.experts``: planes where it holds planes, so the bytes the link moves); a
+    UVA engine's offloaded layers times ``budget.top_k`` routed experts of its backend's size
+    (vLLM's MoE kernels read only the routed experts; its prompt's prefill reads not counted);
+    each moved in the time its token takes beyond the reference's. Then every cache engine's
+    bytes a token against those of UVA at its budget: where the cache moves as many, only a
+    faster rate than UVA's would make it faster."""
+    lines, moved = [], {}
     for name, record in results.items():
-        if not name.startswith(prefix + ".") or "cache" not in record:
+        if not name.startswith(prefix + "."):
             continue
-        spec = record.get("spec") or {}
-        other = (spec.get("compare_with") or [""])[0]
-        reference_record = results.get(other) or {}
+        found = _b1_link(results, prefix, name, record, budget)
+        if found is not None:
+            moved[name[len(prefix) + 1 :]], line = found
+            lines.append(line)
+    row_q, uva_q, row_h, uva_h = engines.model_roles(budget)
+    quarter = budget.slots(engines.QUARTER)
+    pairs = [(row_q, uva_q), (row_h, uva_h), (engines.lfu_label(quarter), uva_q)]
+    pairs += [(engines.lfu_raw_label(quarter), uva_q)] if budget.planes else []
+    for cache, uva in pairs:
+        if moved.get(cache) and moved.get(uva):
+            lines.append(
+                f"  b1 {cache} moves {moved[cache] / moved[uva]:.2f} x the bytes {uva} reads a "
+                "token (the cache's prefill misses included; no target)"
+            )
+    return lines
+
+
+def _b1_link(
+    results: Results, prefix: str, name: str, record: dict[str, Any], budget: engines.ModelBudget
+) -> tuple[float, str] | None:
+    """The bytes an engine's b1 decode token moves over the link and its line
+    (:func:`link_lines`); None for an engine that moves none, or without the figures, or whose
+    reference ran in another run."""
+    spec = record.get("spec") or {}
+    other = (spec.get("compare_with") or [""])[0]
+    reference_record = results.get(other) or {}
+    entry = ((steps_of(record) or {}).get("decode") or {}).get("1") or {}
+    mine, theirs = speed(record, "b1"), speed(reference_record, "b1")
+    if not (mine and theirs) or record.get("run_id") != reference_record.get("run_id"):
+        return None  # no figure between two runs
+    offload = spec.get("offload") or {}
+    if "cache" in record:
         probe = record.get("probe") or {}
-        entry = ((steps_of(record) or {}).get("decode") or {}).get("1") or {}
-        counts, mine = entry.get("cache") or {}, speed(record, "b1")
-        theirs = speed(reference_record, "b1")
+        counts = entry.get("cache") or {}
         layers, host = probe.get("cached_layers"), probe.get("expert_host_bytes")
         decode_tokens = (spec.get("workload") or {}).get("decode_tokens")
         tokens = (entry.get("batch") or 0) * (decode_tokens or 0) * (entry.get("repeats_run") or 0)
-        if not (mine and theirs and layers and host and tokens and "misses" in counts):
-            continue
-        if record.get("run_id") != reference_record.get("run_id"):
-            continue  # no figure between two runs
+        if not (layers and host and tokens and "misses" in counts):
+            return None
         per_token = counts["misses"] / tokens
         miss_bytes = host / (layers * budget.experts)
-        token_ms, reference_ms = 1000 / mine, 1000 / theirs
         moved = per_token * miss_bytes
-        line = (
-            f"  b1 {name[len(prefix) + 1 :]}: {per_token:.1f} misses a token (its prefill "
-            f"included) x {miss_bytes / 1e6:.2f} MB = {moved / 1e9:.3f} GB, in {token_ms:.2f} ms "
-            f"against {other.removeprefix(prefix + '.')}'s {reference_ms:.2f} ms"
+        what = f"{per_token:.1f} misses a token (its prefill included) x {miss_bytes / 1e6:.2f} MB"
+    elif offload.get("backend") == "uva":
+        backend = spec.get("moe_backend")
+        layers = budget.uva_offloaded_layers(float(offload["cpu_offload_gb"]), backend)
+        expert = budget.expert_bytes(backend)
+        moved = layers * budget.top_k * expert
+        what = (
+            f"reads {layers} offloaded layers x {budget.top_k} routed experts x "
+            f"{expert / 1e6:.2f} MB a decode token (its prefill's reads not counted)"
         )
-        if moved > 0 and token_ms > reference_ms:
-            line += f": {moved / (token_ms - reference_ms) / 1e6:.1f} GB/s beside its work"
-        lines.append(line + " (no target)")
-    return lines
+    else:
+        return None
+    token_ms, reference_ms = 1000 / mine, 1000 / theirs
+    line = (
+        f"  b1 {name.removeprefix(prefix + '.')}: {what} = {moved / 1e9:.3f} GB, in "
+        f"{token_ms:.2f} ms against {other.removeprefix(prefix + '.')}'s {reference_ms:.2f} ms"
+    )
+    if moved > 0 and token_ms > reference_ms:
+        line += f": {moved / (token_ms - reference_ms) / 1e6:.1f} GB/s beside its work"
+    return moved, line + " (no target)"
 
 
 def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
