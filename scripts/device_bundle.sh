@@ -38,8 +38,10 @@ split_pieces() {
   [ "$COUNT" -ge 2 ] && [ "$COUNT" -le 9 ] || die "BUNDLE_PIECES must be from 2 to 9, not $COUNT"
   rm -rf "$GPU/pieces.new" && mkdir -p "$GPU/pieces.new"
   (cd "$GPU/parts" && cat $PARTS) > "$GPU/pieces.new/whole"
-  echo "$(cat "$GPU/tools/SHA256")  $GPU/pieces.new/whole" | sha256sum -c --quiet - \
-    || die "the parts in $GPU/parts do not match $GPU/tools/SHA256: build the bundle again"
+  if ! echo "$(cat "$GPU/tools/SHA256")  $GPU/pieces.new/whole" | sha256sum -c --quiet -; then
+    rm -rf "$GPU/pieces.new"
+    die "the parts in $GPU/parts do not match $GPU/tools/SHA256: build the bundle again"
+  fi
   split -n "$COUNT" -d -a 1 "$GPU/pieces.new/whole" "$GPU/pieces.new/core.tar.xz.piece"
   rm "$GPU/pieces.new/whole"
   # The manifest travels in .gpu/tools with the last piece: names and sizes, so that `join`
@@ -52,7 +54,7 @@ split_pieces() {
 }
 
 join_pieces() {
-  local manifest="$GPU/tools/PIECES" name size have missing="" names=()
+  local manifest="$GPU/tools/PIECES" name size have missing="" names=() unpacked=yes
   [ -f "$manifest" ] || die "no $manifest: carry $GPU/tools (it holds the manifest) with the last piece"
   [ -f "$GPU/tools/SHA256" ] || die "no $GPU/tools/SHA256: carry $GPU/tools with the last piece"
   while read -r name size; do
@@ -71,10 +73,19 @@ join_pieces() {
     rm -f "$whole"
     die "the joined pieces do not match $GPU/tools/SHA256: copy the pieces again"
   fi
-  # Unpacked beside, then moved: a failed unpack leaves no half site folder.
+  # Unpacked beside, then moved: a failed unpack leaves the earlier site folder as it was.
   rm -rf "$SITE.new" && mkdir -p "$SITE.new"
-  tar -C "$SITE.new" -xJf "$whole"
+  if command -v xz > /dev/null; then
+    tar -C "$SITE.new" -xJf "$whole" || unpacked=no
+  else  # the shared assembler's fallback where the machine has no xz
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+      "$whole" "$SITE.new" || unpacked=no
+  fi
   rm -f "$whole"
+  if [ "$unpacked" = no ]; then
+    rm -rf "$SITE.new"
+    die "unpacking the bundle into $SITE.new failed (above); $SITE is as it was"
+  fi
   rm -rf "$SITE" && mv "$SITE.new" "$SITE"
   du -sh "$SITE"
 }
@@ -105,15 +116,22 @@ join)
 setup)
   log=${2:-/tmp/setup}
   mkdir -p "$log"
-  join_pieces > "$log/join.log" 2>&1 || { cat "$log/join.log" >&2; exit 3; }
+  # The join in a process of its own: inside `if` or `||` a function would run without
+  # `set -e`, and its `die` would end this script before the log is shown.
+  if ! bash "$0" join > "$log/join.log" 2>&1; then
+    cat "$log/join.log" >&2
+    exit 3
+  fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
     "$GPU"/tools/rowcache-*.whl > "$log/pip.log" 2>&1
   rm -rf "$SITE-extra"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE-extra" \
     "$GPU"/extra/*.whl >> "$log/pip.log" 2>&1
   cp -rn "$SITE-extra"/* "$SITE"/
-  python3 -c "import sys; sys.path.insert(0, '$SITE'); import rowcache, compressed_tensors, loguru; \
-print('setup ok', rowcache.__file__)"
+  # vLLM is looked up, not imported (an import takes 20 s): the bundle's unpack put it there.
+  python3 -c "import sys, importlib.util; sys.path.insert(0, '$SITE'); \
+import rowcache, compressed_tensors, loguru; \
+assert importlib.util.find_spec('vllm'), 'no vllm in $SITE'; print('setup ok', rowcache.__file__)"
   ;;
 *)
   die "usage: bash scripts/device_bundle.sh split|prepare|join|setup [LOGDIR] (see its header)"

@@ -22,18 +22,20 @@ CALL_LIMIT = 64 << 20
 """What one device call carries: the tracked checkout and the ignored paths it names."""
 BUNDLE_BYTES = 127_402_888
 """The shared builder's bundle for vLLM 0.25.0 (three parts of 42,467,629 to 42,467,630 bytes)."""
-SMALL_PATHS = 1 << 20
-"""The rowcache wheel, the manifest and the two FP8 wheels, carried with the last piece."""
+SMALL_PATHS = 3 << 20
+"""What the last piece's call carries beside it: the rowcache wheel, the manifest and the two
+FP8 wheels (0.5 MiB), or `vllm serve`'s seven wheels (1.0 MiB), with room to spare."""
 
 
-def _bundle(gpu: Path, payload: bytes) -> None:
-    """A bundle as the shared builder leaves it: a tar.xz cut in three, and its checksum."""
+def _bundle(gpu: Path, payload: bytes, packed: bool = True) -> None:
+    """A bundle as the shared builder leaves it: a tar.xz cut in three, and its checksum
+    (``packed=False``: bytes that are no tar.xz, under a checksum that matches them)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         info = tarfile.TarInfo("pkg/data.bin")
         info.size = len(payload)
         tar.addfile(info, io.BytesIO(payload))
-    whole = lzma.compress(buf.getvalue(), preset=0)
+    whole = lzma.compress(buf.getvalue(), preset=0) if packed else payload
     (gpu / "parts").mkdir(parents=True)
     (gpu / "tools").mkdir()
     cut = math.ceil(len(whole) / 3)
@@ -42,7 +44,7 @@ def _bundle(gpu: Path, payload: bytes) -> None:
     (gpu / "tools" / "SHA256").write_text(hashlib.sha256(whole).hexdigest() + "\n")
 
 
-def _run(cmd: str, tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(cmd: str, tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {
         **os.environ,
         "BUNDLE_GPU": str(tmp / ".gpu"),
@@ -51,7 +53,12 @@ def _run(cmd: str, tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
         **env,
     }
     return subprocess.run(
-        ["bash", str(SCRIPT), cmd], cwd=tmp, env=full, capture_output=True, text=True, check=False
+        ["bash", str(SCRIPT), cmd, *args],
+        cwd=tmp,
+        env=full,
+        capture_output=True,
+        text=True,
+        check=False,
     )
 
 
@@ -134,6 +141,36 @@ def test_a_short_piece_is_named_with_both_sizes(bundle: tuple[Path, bytes]) -> N
     assert f"has {size - 1} bytes, the manifest says {size}" in out.stderr
 
 
+@pytest.mark.parametrize("command", ["join", "setup"])
+def test_a_failed_unpack_keeps_the_earlier_site(tmp_path: Path, command: str) -> None:
+    """Bytes that pass the checksum but do not unpack: the earlier site folder stays, nothing
+    half-unpacked or joined is left, and set-up stops with the reason on its stderr."""
+    _bundle(tmp_path / ".gpu", os.urandom(50_000), packed=False)
+    assert _run("split", tmp_path).returncode == 0
+    _arrive(tmp_path)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "old").write_text("kept")
+    log = [str(tmp_path / "log")] if command == "setup" else []
+    out = _run(command, tmp_path, *log)
+    assert out.returncode == (2 if command == "join" else 3)
+    assert "unpacking the bundle" in out.stderr and "is as it was" in out.stderr
+    left = {".gpu", "site", "vp", *(["log"] if log else [])}
+    assert {p.name for p in tmp_path.iterdir()} == left
+    assert [p.name for p in (tmp_path / "site").iterdir()] == ["old"]
+    assert not (tmp_path / "vp" / "core.tar.xz").exists()
+
+
+def test_setup_shows_why_a_join_failed(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp, skip="core.tar.xz.piece0")
+    out = _run("setup", tmp, str(tmp / "log"))
+    assert out.returncode == 3
+    assert "pieces missing" in out.stderr and "core.tar.xz.piece0" in out.stderr
+    assert "core.tar.xz.piece0" in (tmp / "log" / "join.log").read_text()
+    assert not (tmp / "site").exists()
+
+
 def test_split_refuses_parts_that_fail_their_checksum(bundle: tuple[Path, bytes]) -> None:
     tmp, _ = bundle
     (tmp / ".gpu" / "parts" / PARTS[1]).write_bytes(b"not the part")
@@ -141,6 +178,7 @@ def test_split_refuses_parts_that_fail_their_checksum(bundle: tuple[Path, bytes]
     assert out.returncode == 2
     assert "do not match" in out.stderr
     assert not (tmp / ".gpu" / "pieces").exists()
+    assert not (tmp / ".gpu" / "pieces.new").exists()  # the joined parts not left behind
     assert not (tmp / ".gpu" / "tools" / "PIECES").exists()
 
 
