@@ -1,0 +1,396 @@
+"""SM reads of host memory against the copy engine, on this machine:
+``python -m rowcache.bench.link --out DIR``.
+
+The device planner's gather reads each miss from pinned host memory with the GPU's SMs, and on
+some H100 machines those reads ran at 0.62 of a pinned copy's rate where others ran at 0.93
+(docs/LINK.md). This bench asks whether any launch or memory makes SM reads faster on a
+machine: one buffer of ``--mib`` MiB of random words in host memory is read into device memory
+
+* by the copy engine (``copy_`` of pinned memory on a side stream): the ceiling;
+* by SM reads (``rowcache.bench.link_kernel``), for each launch of a sweep of programs per SM,
+  words a load, warps and the load's cache modifier, the gather's own launch first;
+* both again from write-combined host memory (``--write-combined``, CUDA only).
+
+Every read is checked word for word against the source before its time counts (a read that is
+fast and wrong is reported as wrong, not timed). Writes ``link.json`` (every launch's median
+seconds, GB/s and fraction of the copy's rate) and prints a table. ``--device cpu`` runs the
+same code under Triton's interpreter (``TRITON_INTERPRET=1``) at a tiny size with host timers:
+a check of the bench itself, its times meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import importlib
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from rowcache.bench.link_kernel import CACHE_MODIFIERS, read_kernel
+from rowcache.device_plan.kernels import GATHER_PROGRAMS_PER_SM
+from rowcache.device_plan.regions import CHUNK_BYTES
+
+__all__ = ["Launch", "gather_launch", "launches", "main", "measure", "read_words", "write_combined"]
+
+MAX_MIB = 4096
+"""The largest buffer taken: pinned memory is the machine's, and 4 GiB times a copy is plenty
+for a rate."""
+
+
+class Launch(NamedTuple):
+    """One SM read's launch: programs per SM, int64 words a load, warps, the load's modifier."""
+
+    per_sm: int
+    block: int
+    warps: int
+    cache: str
+
+    def name(self) -> str:
+        return f"{self.per_sm}/SM x {self.block * 8} B x {self.warps}w {self.cache or '-'}"
+
+
+def gather_launch() -> Launch:
+    """The device planner's gather launch (``DeviceGather``'s defaults)."""
+    return Launch(GATHER_PROGRAMS_PER_SM, CHUNK_BYTES // 8, 4, "")
+
+
+def _numbers(text: str, what: str, low: int, high: int, power_of_two: bool = False) -> list[int]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a whole number") from None
+        if not low <= value <= high or (power_of_two and value & (value - 1)):
+            two = " and a power of two" if power_of_two else ""
+            raise ValueError(f"{what}: {value} must be from {low} to {high}{two}")
+        values.append(value)
+    return values
+
+
+def launches(per_sm: str, blocks: str, warps: str, caches: str) -> list[Launch]:
+    """The sweep: every combination of the comma-separated lists (``blocks`` in bytes a load,
+    ``caches`` Triton's modifiers, ``none`` for none), the gather's own launch first."""
+    modifiers = ["" if c == "none" else c for c in caches.split(",")]
+    for modifier in modifiers:
+        if modifier not in CACHE_MODIFIERS:
+            names = ", ".join(m or "none" for m in CACHE_MODIFIERS)
+            raise ValueError(f"caches: {modifier!r} is not one of {names}")
+    sweep = [
+        Launch(p, b // 8, w, c)
+        for p, b, w, c in itertools.product(
+            _numbers(per_sm, "programs per SM", 1, 64),
+            _numbers(blocks, "bytes a load", 64, 65536, power_of_two=True),
+            _numbers(warps, "warps", 1, 32, power_of_two=True),
+            modifiers,
+        )
+    ]
+    first = gather_launch()
+    return [first, *[launch for launch in sweep if launch != first]]
+
+
+_HOST_ALLOC_MAPPED = 2  # cudaHostAllocMapped (cuda_runtime_api.h)
+_HOST_ALLOC_WRITE_COMBINED = 4  # cudaHostAllocWriteCombined: not snooped by the CPU's caches
+
+
+def _cudart() -> Any:
+    """``cuda.bindings.runtime`` (cuda-bindings), for what torch does not do: write-combined
+    host memory and a copy from an address."""
+    try:
+        return importlib.import_module("cuda.bindings.runtime")
+    except ImportError as missing:
+        raise RuntimeError(
+            "write-combined host memory needs cuda-bindings (module cuda.bindings.runtime)"
+        ) from missing
+
+
+def read_words(
+    src_addr: int, dst: torch.Tensor, *, programs: int, block: int, warps: int, cache: str
+) -> None:
+    """Copy ``dst.numel()`` int64 words from the device-visible address ``src_addr`` into
+    ``dst`` (int64, on the device) with ``programs`` programs of ``warps`` warps, each load
+    ``block`` words with ``cache`` as its modifier."""
+    if dst.dtype != torch.int64:
+        raise ValueError(f"dst must be int64 words, got {dst.dtype}")
+    if cache not in CACHE_MODIFIERS:
+        raise ValueError(f"cache modifier {cache!r} is not one of {CACHE_MODIFIERS}")
+    read_kernel[(programs,)](src_addr, dst, dst.numel(), BLOCK=block, CACHE=cache, num_warps=warps)
+
+
+@contextmanager
+def write_combined(data: torch.Tensor) -> Iterator[int]:
+    """``data``'s bytes (a CPU tensor) in write-combined, mapped host memory for the duration;
+    yields the device-visible address."""
+    cudart = _cudart()
+    size = data.numel() * data.element_size()
+    err, host = cudart.cudaHostAlloc(size, _HOST_ALLOC_MAPPED | _HOST_ALLOC_WRITE_COMBINED)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaHostAlloc of {size} write-combined bytes failed: {err}")
+    try:
+        ctypes.memmove(host, data.data_ptr(), size)
+        err, device = cudart.cudaHostGetDevicePointer(host, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
+        yield int(device)
+    finally:
+        torch.cuda.synchronize()
+        cudart.cudaFreeHost(host)
+
+
+class _Timer:
+    """Median seconds of a callable: CUDA events on the GPU, the host's clock elsewhere."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+
+    def __call__(self, run: Callable[[], None]) -> float:
+        times = []
+        for index in range(self.warmup + self.repeats):
+            if self.device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                began = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - began
+            if index >= self.warmup:
+                times.append(seconds)
+        return float(statistics.median(times))
+
+
+@contextmanager
+def _pinned(data: torch.Tensor, device: torch.device) -> Iterator[torch.Tensor]:
+    """``data`` in page-locked host memory as torch pins it (its address is the device's too,
+    under unified addressing); on the CPU a copy."""
+    yield data.pin_memory() if device.type == "cuda" else data.clone()
+
+
+def measure(
+    device: torch.device,
+    *,
+    num_bytes: int,
+    sweep: Sequence[Launch],
+    repeats: int,
+    warmup: int,
+    memories: Sequence[str] = ("pinned",),
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The copy's and every launch's read of ``num_bytes`` from each of ``memories``
+    (``pinned``, ``write_combined``), each checked against the source before it is timed."""
+    if num_bytes % 8 or num_bytes <= 0:
+        raise ValueError(f"num_bytes must be a positive multiple of 8, got {num_bytes}")
+    sms = 2  # the interpreter's stand-in
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randint(
+        -(2**62), 2**62, (num_bytes // 8,), dtype=torch.int64, generator=generator
+    )
+    reference = source.to(device)
+    timer = _Timer(device, repeats, warmup)
+    result: dict[str, Any] = {"bytes": num_bytes, "sms": sms, "memories": []}
+    for memory in memories:
+        if memory == "write_combined" and device.type != "cuda":
+            raise ValueError("write-combined host memory is CUDA's: --write-combined needs a GPU")
+        with _pinned(source, device) as pinned:
+            if memory == "write_combined":
+                with write_combined(source) as address:
+                    copy = _address_copy(address, num_bytes)
+                    row = _memory_row(address, copy, reference, sms, sweep, timer)
+            else:
+                copy = _tensor_copy(pinned, reference.device)
+                row = _memory_row(pinned.data_ptr(), copy, reference, sms, sweep, timer)
+        result["memories"].append({"memory": memory, **row})
+        if on_row is not None:
+            on_row(result)
+    return result
+
+
+def _tensor_copy(pinned: torch.Tensor, device: torch.device) -> Callable[[torch.Tensor], None]:
+    """The copy engine's read of ``pinned`` into a target, on a stream of its own as the
+    providers' copies run, ordered between the timer's events on the current stream."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+    def copy(target: torch.Tensor) -> None:
+        if stream is None:
+            target.copy_(pinned)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            target.copy_(pinned, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    return copy
+
+
+def _address_copy(address: int, num_bytes: int) -> Callable[[torch.Tensor], None]:
+    """The copy engine's read of host memory that no tensor describes (write-combined)."""
+    return lambda target: _copy_address(target, address, num_bytes)
+
+
+def _memory_row(
+    address: int,
+    copy: Callable[[torch.Tensor], None],
+    reference: torch.Tensor,
+    sms: int,
+    sweep: Sequence[Launch],
+    timer: _Timer,
+) -> dict[str, Any]:
+    """The copy's and every launch's read from one host memory at ``address``."""
+    target = torch.empty_like(reference)
+    row: dict[str, Any] = {"copy": _timed(timer, lambda: copy(target), target, reference)}
+    row["launches"] = []
+    for launch in sweep:
+
+        def read(launch: Launch = launch) -> None:
+            read_words(
+                address,
+                target,
+                programs=sms * launch.per_sm,
+                block=launch.block,
+                warps=launch.warps,
+                cache=launch.cache,
+            )
+
+        entry = _timed(timer, read, target, reference)
+        entry["launch"] = launch._asdict()
+        if entry["exact"] and row["copy"]["exact"]:
+            entry["over_copy"] = row["copy"]["seconds"] / entry["seconds"]
+        row["launches"].append(entry)
+    return row
+
+
+def _copy_address(target: torch.Tensor, address: int, num_bytes: int) -> None:
+    """The copy engine's read of host memory that no tensor describes (write-combined)."""
+    cudart = _cudart()
+    stream = torch.cuda.current_stream().cuda_stream
+    kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+    (err,) = cudart.cudaMemcpyAsync(target.data_ptr(), address, num_bytes, kind, stream)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMemcpyAsync of {num_bytes} bytes failed: {err}")
+
+
+def _timed(
+    timer: _Timer, run: Callable[[], None], target: torch.Tensor, reference: torch.Tensor
+) -> dict[str, Any]:
+    target.zero_()
+    run()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    if not torch.equal(target, reference):
+        return {"exact": False}
+    seconds = timer(run)
+    num_bytes = target.numel() * target.element_size()
+    return {"exact": True, "seconds": seconds, "gbps": num_bytes / seconds / 1e9}
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    lines = [
+        f"the link, {result['bytes']:,} bytes from host memory ({result['sms']} SMs; "
+        "GB/s, and the fraction of the copy engine's rate from the same memory)"
+    ]
+    for row in result["memories"]:
+        copy = row["copy"]
+        rate = f"{copy['gbps']:.1f} GB/s" if copy["exact"] else "WRONG"
+        lines.append(f"{row['memory']}: copy engine {rate}")
+        for entry in row["launches"]:
+            name = Launch(**entry["launch"]).name()
+            if not entry["exact"]:
+                lines.append(f"  {name:<28} WRONG")
+                continue
+            over = f"{entry['over_copy']:.3f}" if "over_copy" in entry else "-"
+            lines.append(f"  {name:<28} {entry['gbps']:8.1f} GB/s  {over}")
+        exact = [e for e in row["launches"] if e["exact"] and "over_copy" in e]
+        if exact:
+            best = max(exact, key=lambda e: e["over_copy"])
+            first = row["launches"][0]
+            first_over = f"{first['over_copy']:.3f}" if "over_copy" in first else "-"
+            lines.append(
+                f"  best: {Launch(**best['launch']).name()} at {best['over_copy']:.3f} of the "
+                f"copy; the gather's launch at {first_over}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rowcache.bench.link")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--mib", type=int, default=256, help=f"MiB read (at most {MAX_MIB})")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--per-sm", default="2,8,32", help="programs per SM, comma-separated")
+    parser.add_argument("--blocks", default="1024,16384", help="bytes a load, comma-separated")
+    parser.add_argument("--warps", default="4,8", help="warps a program, comma-separated")
+    parser.add_argument("--caches", default="none,.cg", help="load modifiers (none, .cg, .cv)")
+    parser.add_argument(
+        "--write-combined",
+        action="store_true",
+        help="also read from write-combined host memory (CUDA; needs cuda-bindings)",
+    )
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("link: --device cuda needs a CUDA device (none here)", file=sys.stderr)
+        return 2
+    try:
+        if not 1 <= args.mib <= MAX_MIB:
+            raise ValueError(f"--mib {args.mib} must be from 1 to {MAX_MIB}")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats {args.repeats} must be at least 1")
+        if args.write_combined and device.type != "cuda":
+            raise ValueError("--write-combined reads CUDA's write-combined memory: needs a GPU")
+        sweep = launches(args.per_sm, args.blocks, args.warps, args.caches)
+    except ValueError as error:
+        print(f"link: {error}", file=sys.stderr)
+        return 2
+    quick = device.type != "cuda"
+    path = args.out / "link.json"
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python -m rowcache.bench.link " + " ".join(argv or sys.argv[1:]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+    def write(result: dict[str, Any]) -> None:  # after every memory: a run cut short keeps it
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, **result}, indent=1))
+
+    result = measure(
+        device,
+        num_bytes=4096 if quick else args.mib << 20,
+        sweep=sweep,
+        repeats=2 if quick else args.repeats,
+        warmup=1 if quick else 3,
+        memories=("pinned", "write_combined") if args.write_combined else ("pinned",),
+        on_row=write,
+    )
+    write(result)
+    print(format_rows(result))
+    wrong = sum(not e["exact"] for row in result["memories"] for e in row["launches"])
+    wrong += sum(not row["copy"]["exact"] for row in result["memories"])
+    if wrong:
+        print(f"link: {wrong} reads gave wrong words (WRONG above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
