@@ -122,11 +122,12 @@ setup)
     cat "$log/join.log" >&2
     exit 3
   fi
+  pip_failed() { tail -20 "$log/pip.log" >&2; echo "device_bundle: pip failed ($log/pip.log)" >&2; exit 3; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
-    "$GPU"/tools/rowcache-*.whl > "$log/pip.log" 2>&1
+    "$GPU"/tools/rowcache-*.whl > "$log/pip.log" 2>&1 || pip_failed
   rm -rf "$SITE-extra"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE-extra" \
-    "$GPU"/extra/*.whl >> "$log/pip.log" 2>&1
+    "$GPU"/extra/*.whl >> "$log/pip.log" 2>&1 || pip_failed
   cp -rn "$SITE-extra"/* "$SITE"/
   # vLLM is looked up, not imported (an import takes 20 s): the bundle's unpack put it there.
   python3 -c "import sys, importlib.util; sys.path.insert(0, '$SITE'); \

@@ -210,3 +210,14 @@ def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
         f"device call's {CALL_LIMIT:,} B: cut the bundle into more pieces (BUNDLE_PIECES) or "
         "pack the raw outputs"
     )
+
+
+def test_setup_stops_where_pip_fails(bundle: tuple[Path, bytes]) -> None:
+    """No rowcache wheel carried: the bundle is unpacked, then set-up stops with pip's reason."""
+    tmp, payload = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp)
+    out = _run("setup", tmp, str(tmp / "log"))
+    assert out.returncode == 3
+    assert "pip failed" in out.stderr and "setup ok" not in out.stdout
+    assert (tmp / "site" / "pkg" / "data.bin").read_bytes() == payload
