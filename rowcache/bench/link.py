@@ -279,7 +279,7 @@ def _memory_row(
 def _copy_address(target: torch.Tensor, address: int, num_bytes: int) -> None:
     """The copy engine's read of host memory that no tensor describes (write-combined)."""
     cudart = _cudart()
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = cudart.cudaStream_t(torch.cuda.current_stream().cuda_stream)
     kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
     (err,) = cudart.cudaMemcpyAsync(target.data_ptr(), address, num_bytes, kind, stream)
     if err != cudart.cudaError_t.cudaSuccess:
