@@ -251,6 +251,13 @@ def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
     assert sorted(found) == sorted([want, *uva, versus])
     assert found[-1] == versus
     assert want in steps_report.report(results) and versus in steps_report.report(results)
+    # A UVA engine that kept every expert on the GPU read none over the link: no line of it.
+    uva_record = results["models.ds2lite.uva1959.full"]
+    uva_record["probe"] = {"expert_gpu_bytes": 26 * 64 * 17_301_504}
+    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    assert sorted(found) == sorted([want, uva[1]])
+    uva_record["probe"] = {"expert_gpu_bytes": 7 * 64 * 17_301_504}  # the 7 layers it keeps
+    assert versus in steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
     # No misses: no rate, nor a comparison of bytes; a reference from another run, or a
     # partial record: no line of the cache engine.
     record["steps"]["decode"]["1"]["cache"] = {"misses": 0}

@@ -649,7 +649,11 @@ def _b1_link(
         what = f"{per_token:.1f} misses a token (its prefill included) x {miss_bytes / 1e6:.2f} MB"
     elif offload.get("backend") == "uva":
         backend = spec.get("moe_backend")
-        layers = budget.uva_offloaded_layers(float(offload["cpu_offload_gb"]), backend)
+        asked = float(offload["cpu_offload_gb"])
+        kept = (record.get("probe") or {}).get("expert_gpu_bytes")
+        if kept is not None and kept > budget.uva_kept_gib(asked, backend) * 2**30 * 1.01:
+            return None  # vLLM offloaded less than asked (offloaded_lines says so)
+        layers = budget.uva_offloaded_layers(asked, backend)
         expert = budget.expert_bytes(backend)
         moved = layers * budget.top_k * expert
         what = (
