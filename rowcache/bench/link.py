@@ -26,7 +26,9 @@ import datetime
 import importlib
 import itertools
 import json
+import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -46,6 +48,9 @@ __all__ = ["Launch", "gather_launch", "launches", "main", "measure", "read_words
 MAX_MIB = 4096
 """The largest buffer taken: pinned memory is the machine's, and 4 GiB times a copy is plenty
 for a rate."""
+MIN_MIB = 64
+"""The smallest on a GPU: above an H100's 50 MiB of L2, so that no repeat reads from L2, and
+large enough that a launch's host time does not count."""
 
 
 class Launch(NamedTuple):
@@ -82,6 +87,8 @@ def _numbers(text: str, what: str, low: int, high: int, power_of_two: bool = Fal
 def launches(per_sm: str, blocks: str, warps: str, caches: str) -> list[Launch]:
     """The sweep: every combination of the comma-separated lists (``blocks`` in bytes a load,
     ``caches`` Triton's modifiers, ``none`` for none), the gather's own launch first."""
+    if any(not c.strip() for c in caches.split(",")):
+        raise ValueError(f"caches: {caches!r} has an empty item (write none for no modifier)")
     modifiers = ["" if c == "none" else c for c in caches.split(",")]
     for modifier in modifiers:
         if modifier not in CACHE_MODIFIERS:
@@ -117,21 +124,26 @@ def _cudart() -> Any:
 
 def read_words(
     src_addr: int, dst: torch.Tensor, *, programs: int, block: int, warps: int, cache: str
-) -> None:
+) -> list[str]:
     """Copy ``dst.numel()`` int64 words from the device-visible address ``src_addr`` into
     ``dst`` (int64, on the device) with ``programs`` programs of ``warps`` warps, each load
-    ``block`` words with ``cache`` as its modifier."""
+    ``block`` words with ``cache`` as its modifier. Returns the global loads the compiled
+    kernel issues, from its PTX (what ran, not what was asked; none under the interpreter)."""
     if dst.dtype != torch.int64:
         raise ValueError(f"dst must be int64 words, got {dst.dtype}")
     if cache not in CACHE_MODIFIERS:
         raise ValueError(f"cache modifier {cache!r} is not one of {CACHE_MODIFIERS}")
-    read_kernel[(programs,)](src_addr, dst, dst.numel(), BLOCK=block, CACHE=cache, num_warps=warps)
+    kernel = read_kernel[(programs,)](
+        src_addr, dst, dst.numel(), BLOCK=block, CACHE=cache, num_warps=warps
+    )
+    ptx = (getattr(kernel, "asm", None) or {}).get("ptx") or ""
+    return sorted(set(re.findall(r"ld\.global[\w.:]*", ptx)))
 
 
 @contextmanager
-def write_combined(data: torch.Tensor) -> Iterator[int]:
+def write_combined(data: torch.Tensor) -> Iterator[tuple[int, int]]:
     """``data``'s bytes (a CPU tensor) in write-combined, mapped host memory for the duration;
-    yields the device-visible address."""
+    yields its host address and its device-visible address."""
     cudart = _cudart()
     size = data.numel() * data.element_size()
     err, host = cudart.cudaHostAlloc(size, _HOST_ALLOC_MAPPED | _HOST_ALLOC_WRITE_COMBINED)
@@ -142,10 +154,12 @@ def write_combined(data: torch.Tensor) -> Iterator[int]:
         err, device = cudart.cudaHostGetDevicePointer(host, 0)
         if err != cudart.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
-        yield int(device)
+        yield int(host), int(device)
     finally:
         torch.cuda.synchronize()
-        cudart.cudaFreeHost(host)
+        (err,) = cudart.cudaFreeHost(host)[:1]
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaFreeHost failed: {err}")
 
 
 class _Timer:
@@ -174,13 +188,6 @@ class _Timer:
         return float(statistics.median(times))
 
 
-@contextmanager
-def _pinned(data: torch.Tensor, device: torch.device) -> Iterator[torch.Tensor]:
-    """``data`` in page-locked host memory as torch pins it (its address is the device's too,
-    under unified addressing); on the CPU a copy."""
-    yield data.pin_memory() if device.type == "cuda" else data.clone()
-
-
 def measure(
     device: torch.device,
     *,
@@ -192,9 +199,16 @@ def measure(
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The copy's and every launch's read of ``num_bytes`` from each of ``memories``
-    (``pinned``, ``write_combined``), each checked against the source before it is timed."""
+    (``pinned``, ``write_combined``), each checked against the source before it is timed;
+    ``on_row`` gets the result after the copy and after every launch (a run cut short keeps
+    what it measured; a row still going says ``"done": false``)."""
     if num_bytes % 8 or num_bytes <= 0:
         raise ValueError(f"num_bytes must be a positive multiple of 8, got {num_bytes}")
+    for memory in memories:
+        if memory not in ("pinned", "write_combined"):
+            raise ValueError(f"memory {memory!r} is not pinned or write_combined")
+        if memory == "write_combined" and device.type != "cuda":
+            raise ValueError("write-combined host memory is CUDA's: --write-combined needs a GPU")
     sms = 2  # the interpreter's stand-in
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -205,20 +219,25 @@ def measure(
     reference = source.to(device)
     timer = _Timer(device, repeats, warmup)
     result: dict[str, Any] = {"bytes": num_bytes, "sms": sms, "memories": []}
-    for memory in memories:
-        if memory == "write_combined" and device.type != "cuda":
-            raise ValueError("write-combined host memory is CUDA's: --write-combined needs a GPU")
-        with _pinned(source, device) as pinned:
-            if memory == "write_combined":
-                with write_combined(source) as address:
-                    copy = _address_copy(address, num_bytes)
-                    row = _memory_row(address, copy, reference, sms, sweep, timer)
-            else:
-                copy = _tensor_copy(pinned, reference.device)
-                row = _memory_row(pinned.data_ptr(), copy, reference, sms, sweep, timer)
-        result["memories"].append({"memory": memory, **row})
+
+    def report(row: dict[str, Any]) -> None:
         if on_row is not None:
             on_row(result)
+
+    for memory in memories:
+        row: dict[str, Any] = {"memory": memory, "done": False, "launches": []}
+        result["memories"].append(row)
+        if memory == "write_combined":
+            with write_combined(source) as (host, address):
+                copy = _address_copy(host, num_bytes)
+                _memory_row(row, address, copy, reference, sms, sweep, timer, report)
+        else:
+            pinned = source.pin_memory() if device.type == "cuda" else source.clone()
+            copy = _tensor_copy(pinned, reference.device)
+            _memory_row(row, pinned.data_ptr(), copy, reference, sms, sweep, timer, report)
+            del pinned
+        row["done"] = True
+        report(row)
     return result
 
 
@@ -239,27 +258,31 @@ def _tensor_copy(pinned: torch.Tensor, device: torch.device) -> Callable[[torch.
     return copy
 
 
-def _address_copy(address: int, num_bytes: int) -> Callable[[torch.Tensor], None]:
+def _address_copy(host: int, num_bytes: int) -> Callable[[torch.Tensor], None]:
     """The copy engine's read of host memory that no tensor describes (write-combined)."""
-    return lambda target: _copy_address(target, address, num_bytes)
+    return lambda target: _copy_address(target, host, num_bytes)
 
 
 def _memory_row(
+    row: dict[str, Any],
     address: int,
     copy: Callable[[torch.Tensor], None],
     reference: torch.Tensor,
     sms: int,
     sweep: Sequence[Launch],
     timer: _Timer,
-) -> dict[str, Any]:
-    """The copy's and every launch's read from one host memory at ``address``."""
+    report: Callable[[dict[str, Any]], None],
+) -> None:
+    """The copy's and every launch's read from one host memory at ``address`` into ``row``;
+    a launch that fails (a kernel that does not build, a CUDA error) is recorded as failed."""
     target = torch.empty_like(reference)
-    row: dict[str, Any] = {"copy": _timed(timer, lambda: copy(target), target, reference)}
-    row["launches"] = []
+    row["copy"] = _timed(timer, lambda: copy(target), target, reference)
+    report(row)
     for launch in sweep:
+        loads: list[str] = []
 
-        def read(launch: Launch = launch) -> None:
-            read_words(
+        def read(launch: Launch = launch, loads: list[str] = loads) -> None:
+            loads[:] = read_words(
                 address,
                 target,
                 programs=sms * launch.per_sm,
@@ -268,20 +291,25 @@ def _memory_row(
                 cache=launch.cache,
             )
 
-        entry = _timed(timer, read, target, reference)
+        try:
+            entry = _timed(timer, read, target, reference)
+        except Exception as error:  # recorded, and the sweep goes on: one launch is one cell
+            entry = {"exact": False, "error": f"{type(error).__name__}: {error}"}
         entry["launch"] = launch._asdict()
+        entry["loads"] = list(loads)
         if entry["exact"] and row["copy"]["exact"]:
             entry["over_copy"] = row["copy"]["seconds"] / entry["seconds"]
         row["launches"].append(entry)
-    return row
+        report(row)
 
 
-def _copy_address(target: torch.Tensor, address: int, num_bytes: int) -> None:
-    """The copy engine's read of host memory that no tensor describes (write-combined)."""
+def _copy_address(target: torch.Tensor, host: int, num_bytes: int) -> None:
+    """The copy engine's read of host memory that no tensor describes (write-combined), from
+    its host address."""
     cudart = _cudart()
     stream = cudart.cudaStream_t(torch.cuda.current_stream().cuda_stream)
     kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-    (err,) = cudart.cudaMemcpyAsync(target.data_ptr(), address, num_bytes, kind, stream)
+    err = cudart.cudaMemcpyAsync(target.data_ptr(), host, num_bytes, kind, stream)[0]
     if err != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"cudaMemcpyAsync of {num_bytes} bytes failed: {err}")
 
@@ -306,16 +334,20 @@ def format_rows(result: dict[str, Any]) -> str:
         "GB/s, and the fraction of the copy engine's rate from the same memory)"
     ]
     for row in result["memories"]:
-        copy = row["copy"]
+        copy = row.get("copy") or {"exact": False}
         rate = f"{copy['gbps']:.1f} GB/s" if copy["exact"] else "WRONG"
         lines.append(f"{row['memory']}: copy engine {rate}")
         for entry in row["launches"]:
             name = Launch(**entry["launch"]).name()
+            if "error" in entry:
+                lines.append(f"  {name:<28} FAILED: {entry['error']}")
+                continue
             if not entry["exact"]:
                 lines.append(f"  {name:<28} WRONG")
                 continue
             over = f"{entry['over_copy']:.3f}" if "over_copy" in entry else "-"
-            lines.append(f"  {name:<28} {entry['gbps']:8.1f} GB/s  {over}")
+            loads = " ".join(entry.get("loads") or [])
+            lines.append(f"  {name:<28} {entry['gbps']:8.1f} GB/s  {over}  {loads}".rstrip())
         exact = [e for e in row["launches"] if e["exact"] and "over_copy" in e]
         if exact:
             best = max(exact, key=lambda e: e["over_copy"])
@@ -328,34 +360,54 @@ def format_rows(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _checked(args: argparse.Namespace) -> tuple[torch.device, list[Launch]]:
+    """The device and the sweep, or ValueError naming the value and its limit."""
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device!r} must be cpu or cuda (the current GPU)")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA device (none here)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "--device cpu runs the kernel under Triton's interpreter: set TRITON_INTERPRET=1"
+        )
+    low = MIN_MIB if device.type == "cuda" else 1
+    if not low <= args.mib <= MAX_MIB:
+        raise ValueError(f"--mib {args.mib} must be from {low} to {MAX_MIB}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats} must be at least 1")
+    if args.write_combined:
+        if device.type != "cuda":
+            raise ValueError("--write-combined reads CUDA's write-combined memory: needs a GPU")
+        try:
+            _cudart()
+        except RuntimeError as missing:
+            raise ValueError(f"--write-combined: {missing}") from None
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder")
+    return device, launches(args.per_sm, args.blocks, args.warps, args.caches)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rowcache.bench.link")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--mib", type=int, default=256, help=f"MiB read (at most {MAX_MIB})")
+    parser.add_argument("--device", default="cuda", help="cuda (the current GPU) or cpu")
+    parser.add_argument(
+        "--mib", type=int, default=256, help=f"MiB read ({MIN_MIB} to {MAX_MIB} on a GPU)"
+    )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--per-sm", default="2,8,32", help="programs per SM, comma-separated")
     parser.add_argument("--blocks", default="1024,16384", help="bytes a load, comma-separated")
     parser.add_argument("--warps", default="4,8", help="warps a program, comma-separated")
-    parser.add_argument("--caches", default="none,.cg", help="load modifiers (none, .cg, .cv)")
+    parser.add_argument("--caches", default="none,.cg", help="load modifiers (none, .cg)")
     parser.add_argument(
         "--write-combined",
         action="store_true",
         help="also read from write-combined host memory (CUDA; needs cuda-bindings)",
     )
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("link: --device cuda needs a CUDA device (none here)", file=sys.stderr)
-        return 2
     try:
-        if not 1 <= args.mib <= MAX_MIB:
-            raise ValueError(f"--mib {args.mib} must be from 1 to {MAX_MIB}")
-        if args.repeats < 1:
-            raise ValueError(f"--repeats {args.repeats} must be at least 1")
-        if args.write_combined and device.type != "cuda":
-            raise ValueError("--write-combined reads CUDA's write-combined memory: needs a GPU")
-        sweep = launches(args.per_sm, args.blocks, args.warps, args.caches)
+        device, sweep = _checked(args)
     except ValueError as error:
         print(f"link: {error}", file=sys.stderr)
         return 2
@@ -366,10 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m rowcache.bench.link " + " ".join(argv or sys.argv[1:]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": importlib.import_module("triton").__version__,
         "python": platform.python_version(),
     }
 
-    def write(result: dict[str, Any]) -> None:  # after every memory: a run cut short keeps it
+    def write(result: dict[str, Any]) -> None:  # after every launch: a run cut short keeps it
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"meta": meta, **result}, indent=1))
 
@@ -387,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     wrong = sum(not e["exact"] for row in result["memories"] for e in row["launches"])
     wrong += sum(not row["copy"]["exact"] for row in result["memories"])
     if wrong:
-        print(f"link: {wrong} reads gave wrong words (WRONG above)", file=sys.stderr)
+        print(f"link: {wrong} reads wrong or failed (WRONG, FAILED above)", file=sys.stderr)
         return 1
     return 0
 
