@@ -66,6 +66,7 @@ join_pieces() {
       [ "$have" = "$size" ] || die "$VP/$name has $have bytes, the manifest says $size: copy it again"
     fi
   done < "$manifest"
+  [ ${#names[@]} -gt 0 ] || die "$manifest lists no pieces: run split (or prepare) again"
   [ -z "$missing" ] || die "pieces missing in $VP:$missing (one device call each, see the header)"
   local whole="$VP/core.tar.xz"
   cat "${names[@]}" > "$whole"
@@ -98,11 +99,12 @@ prepare)
   split_pieces
   PY=${PYTHON:-.venv/bin/python}
   # The wheel of HEAD (git archive), not of the working tree: ROWCACHE_COMMIT names what ran.
-  src=$(mktemp -d)
+  src=$(mktemp -d) && built=$(mktemp -d)
+  trap 'rm -rf "$src" "$built"' EXIT
   git archive HEAD | tar -x -C "$src"
-  rm -f "$GPU"/tools/rowcache-*.whl
-  "$PY" -m pip wheel -q --no-deps -w "$GPU/tools" "$src"
-  rm -rf "$src"
+  "$PY" -m pip wheel -q --no-deps -w "$built" "$src"
+  rm -f "$GPU"/tools/rowcache-*.whl  # the old wheel goes only once the new one is built
+  mv "$built"/rowcache-*.whl "$GPU/tools/"
   mkdir -p "$GPU/extra"
   # shellcheck disable=SC2086
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -128,11 +130,15 @@ setup)
   rm -rf "$SITE-extra"
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE-extra" \
     "$GPU"/extra/*.whl >> "$log/pip.log" 2>&1 || pip_failed
-  cp -rn "$SITE-extra"/* "$SITE"/
+  # What the bundle lacks, only: `cp -n` exits 1 on a skipped file in some coreutils.
+  for extra in "$SITE-extra"/*; do
+    [ -e "$SITE/${extra##*/}" ] || cp -r "$extra" "$SITE/"
+  done
   # vLLM is looked up, not imported (an import takes 20 s): the bundle's unpack put it there.
   python3 -c "import sys, importlib.util; sys.path.insert(0, '$SITE'); \
 import rowcache, compressed_tensors, loguru; \
-assert importlib.util.find_spec('vllm'), 'no vllm in $SITE'; print('setup ok', rowcache.__file__)"
+assert importlib.util.find_spec('vllm'), 'no vllm in $SITE'; print('setup ok', rowcache.__file__)" \
+    || { echo "device_bundle: the set-up site $SITE does not import (above)" >&2; exit 3; }
   ;;
 *)
   die "usage: bash scripts/device_bundle.sh split|prepare|join|setup [LOGDIR] (see its header)"

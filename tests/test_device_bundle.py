@@ -9,7 +9,9 @@ import lzma
 import math
 import os
 import subprocess
+import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,14 +29,17 @@ SMALL_PATHS = 3 << 20
 FP8 wheels (0.5 MiB), or `vllm serve`'s seven wheels (1.0 MiB), with room to spare."""
 
 
-def _bundle(gpu: Path, payload: bytes, packed: bool = True) -> None:
+def _bundle(gpu: Path, payload: bytes, packed: bool = True, vllm: bool = True) -> None:
     """A bundle as the shared builder leaves it: a tar.xz cut in three, and its checksum
-    (``packed=False``: bytes that are no tar.xz, under a checksum that matches them)."""
+    (``packed=False``: bytes that are no tar.xz, under a checksum that matches them). It holds
+    ``pkg/data.bin`` and a stand-in ``vllm`` package."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        info = tarfile.TarInfo("pkg/data.bin")
-        info.size = len(payload)
-        tar.addfile(info, io.BytesIO(payload))
+        members = [("pkg/data.bin", payload)] + ([("vllm/__init__.py", b"")] if vllm else [])
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     whole = lzma.compress(buf.getvalue(), preset=0) if packed else payload
     (gpu / "parts").mkdir(parents=True)
     (gpu / "tools").mkdir()
@@ -96,7 +101,7 @@ def test_split_then_join_gives_back_the_bundle(bundle: tuple[Path, bytes]) -> No
     out = _run("join", tmp)
     assert out.returncode == 0, out.stderr
     assert (tmp / "site" / "pkg" / "data.bin").read_bytes() == payload
-    assert sorted(p.name for p in (tmp / "site").iterdir()) == ["pkg"]
+    assert sorted(p.name for p in (tmp / "site").iterdir()) == ["pkg", "vllm"]
     assert not (tmp / "vp" / "core.tar.xz").exists()
 
 
@@ -200,10 +205,14 @@ def test_split_without_a_bundle_says_how_to_build_one(tmp_path: Path) -> None:
 def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
     """The tracked files (the raw outputs under docs/ grow with every record) plus the largest
     piece and the small paths of the last call stay within one call's 64 MiB."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    listed = subprocess.run(  # what a call carries: tracked, and untracked but not ignored
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
     ).stdout.split(b"\0")
-    tracked = sum((ROOT / os.fsdecode(name)).stat().st_size for name in listed if name)
+    paths = [ROOT / os.fsdecode(name) for name in listed if name]
+    tracked = sum(path.stat().st_size for path in paths if path.exists())
     piece = math.ceil(BUNDLE_BYTES / 4)
     assert tracked + piece + SMALL_PATHS <= CALL_LIMIT, (
         f"tracked files {tracked:,} B + a piece {piece:,} B + {SMALL_PATHS:,} B exceed one "
@@ -221,3 +230,76 @@ def test_setup_stops_where_pip_fails(bundle: tuple[Path, bytes]) -> None:
     assert out.returncode == 3
     assert "pip failed" in out.stderr and "setup ok" not in out.stdout
     assert (tmp / "site" / "pkg" / "data.bin").read_bytes() == payload
+
+
+def _wheel(folder: Path, name: str, version: str, module: str) -> None:
+    """A minimal wheel of one module (``module/__init__.py``), as pip installs it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{module}/__init__.py": f"NAME = {name!r}\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as whl:
+        for path, text in files.items():
+            whl.writestr(path, text)
+
+
+def _wheels(tmp: Path) -> str:
+    """The rowcache wheel and the extras as the last call carries them; the PATH on which
+    ``python3`` is this interpreter (one with pip)."""
+    _wheel(tmp / ".gpu" / "tools", "rowcache", "0.1.0", "rowcache")
+    _wheel(tmp / ".gpu" / "extra", "compressed_tensors", "0.17.0", "compressed_tensors")
+    _wheel(tmp / ".gpu" / "extra", "loguru", "0.7.3", "loguru")
+    _wheel(tmp / ".gpu" / "extra", "pkg_clash", "1.0", "pkg")  # the bundle has its own pkg
+    return f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_setup_installs_the_wheels_beside_the_bundle(bundle: tuple[Path, bytes]) -> None:
+    """The whole set-up: pieces joined and unpacked, the rowcache wheel installed into the site,
+    the extras added where the bundle lacks them (never over its own files), vLLM found."""
+    tmp, payload = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp)
+    out = _run("setup", tmp, str(tmp / "log"), PATH=_wheels(tmp))
+    assert out.returncode == 0, out.stderr
+    assert "setup ok" in out.stdout and str(tmp / "site" / "rowcache") in out.stdout
+    site = tmp / "site"
+    for module in ("rowcache", "compressed_tensors", "loguru", "vllm"):
+        assert (site / module / "__init__.py").exists(), module
+    assert (site / "pkg" / "data.bin").read_bytes() == payload
+    assert not (site / "pkg" / "__init__.py").exists()  # the extra's pkg did not go over it
+
+
+def test_setup_without_vllm_in_the_bundle_stops(tmp_path: Path) -> None:
+    _bundle(tmp_path / ".gpu", b"payload", vllm=False)
+    assert _run("split", tmp_path).returncode == 0
+    _arrive(tmp_path)
+    out = _run("setup", tmp_path, str(tmp_path / "log"), PATH=_wheels(tmp_path))
+    assert out.returncode == 3 and "setup ok" not in out.stdout
+    assert "no vllm in" in out.stderr and "does not import" in out.stderr
+
+
+def test_setup_stops_on_an_extra_that_does_not_install(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp)
+    path = _wheels(tmp)
+    (tmp / ".gpu" / "extra" / "loguru-0.7.3-py3-none-any.whl").write_bytes(b"no zip")
+    out = _run("setup", tmp, str(tmp / "log"), PATH=path)
+    assert out.returncode == 3
+    assert "pip failed" in out.stderr and "setup ok" not in out.stdout
+
+
+def test_an_empty_manifest_is_named(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    assert _run("split", tmp).returncode == 0
+    _arrive(tmp)
+    (tmp / ".gpu" / "tools" / "PIECES").write_text("")
+    out = _run("join", tmp)
+    assert out.returncode == 2 and "lists no pieces" in out.stderr
+    assert not (tmp / "site").exists()
