@@ -247,6 +247,11 @@ def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
         "  b1 row16dev.full moves 0.24 x the bytes uva1959.full reads a token (the cache's "
         "prefill misses included; no target)"
     )
+    # A UVA engine the probe did not count: whether it offloaded is not known, no line.
+    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    assert found == [want]
+    for label, kept in (("uva1959.full", 7), ("uva1341.full", 13)):
+        results[f"models.ds2lite.{label}"]["probe"] = {"expert_gpu_bytes": kept * 64 * 17_301_504}
     found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
     assert sorted(found) == sorted([want, *uva, versus])
     assert found[-1] == versus
@@ -256,6 +261,8 @@ def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
     uva_record["probe"] = {"expert_gpu_bytes": 26 * 64 * 17_301_504}
     found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
     assert sorted(found) == sorted([want, uva[1]])
+    uva_record["probe"] = {"expert_gpu_bytes": 8 * 64 * 17_301_504}  # one layer not offloaded
+    assert uva[0] not in steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
     uva_record["probe"] = {"expert_gpu_bytes": 7 * 64 * 17_301_504}  # the 7 layers it keeps
     assert versus in steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
     # No misses: no rate, nor a comparison of bytes; a reference from another run, or a
@@ -269,6 +276,46 @@ def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
     record["spec"]["workload"] = workload
     results["models.ds2lite.none.full"]["run_id"] = "another"
     assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == []
+
+
+def test_gpt_oss_uva_is_read_on_marlin_against_marlin() -> None:
+    """gpt-oss's UVA engines run on Marlin: their link lines count Marlin's padded experts of
+    18 and 12 offloaded layers, against Marlin without offload; each cache engine's bytes are
+    set against the UVA of its budget (the quarter's `lfu` against the quarter's)."""
+    tokens = [[i, i + 1, i + 2] for i in range(8)]
+    speeds = {"none": 300.0, "row": 40.0, "uva": 30.0}
+    results = {}
+    for spec in engines.models(engines.GPT_OSS):
+        kind = "row" if spec.knob else "uva" if spec.offload else "none"
+        results[spec.name] = _record(spec, speeds[kind], 100.0, tokens)
+    prefix = "models.gptoss20b"
+    budget = engines.GPT_OSS_BUDGET
+    host = 24 * 32 * engines.GPT_OSS_EXPERT_BYTES
+    for label, misses in (("row8dev.full", 52), ("row16dev.full", 30), ("row8devlfu.full", 40)):
+        record = results[f"{prefix}.{label}"]
+        record["cache"] = {"layers": 24}
+        record["probe"] = {"cached_layers": 24, "expert_host_bytes": host}
+        record["steps"]["decode"]["1"].update(batch=1, cache={"misses": 3 * 64 * misses})
+    marlin_layer = 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    for label, kept in (("uva774marlin.full", 6), ("uva516marlin.full", 12)):
+        results[f"{prefix}.{label}"]["probe"] = {"expert_gpu_bytes": kept * marlin_layer}
+    found = steps_report.link_lines(results, prefix, budget)
+    assert (
+        "  b1 uva774marlin.full: reads 18 offloaded layers x 4 routed experts x 14.43 MB a "
+        "decode token (its prefill's reads not counted) = 1.039 GB, in 33.33 ms against "
+        "nonemarlin.full's 3.33 ms: 34.6 GB/s beside its work (no target)"
+    ) in found
+    assert (
+        "  b1 uva516marlin.full: reads 12 offloaded layers x 4 routed experts x 14.43 MB a "
+        "decode token (its prefill's reads not counted) = 0.693 GB, in 33.33 ms against "
+        "nonemarlin.full's 3.33 ms: 23.1 GB/s beside its work (no target)"
+    ) in found
+    ratios = [line.split(" (the cache's")[0] for line in found if " moves " in line]
+    assert ratios == [
+        "  b1 row8dev.full moves 0.66 x the bytes uva774marlin.full reads a token",
+        "  b1 row16dev.full moves 0.58 x the bytes uva516marlin.full reads a token",
+        "  b1 row8devlfu.full moves 0.51 x the bytes uva774marlin.full reads a token",
+    ]
 
 
 def test_uva_reads_its_backends_experts_of_its_offloaded_layers() -> None:

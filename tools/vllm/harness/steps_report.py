@@ -650,9 +650,8 @@ def _b1_link(
     elif offload.get("backend") == "uva":
         backend = spec.get("moe_backend")
         asked = float(offload["cpu_offload_gb"])
-        kept = (record.get("probe") or {}).get("expert_gpu_bytes")
-        if kept is not None and kept > budget.uva_kept_gib(asked, backend) * 2**30 * 1.01:
-            return None  # vLLM offloaded less than asked (offloaded_lines says so)
+        if _kept_beyond_offload(record, budget) is not False:
+            return None  # not probed, or vLLM offloaded less than asked (offloaded_lines)
         layers = budget.uva_offloaded_layers(asked, backend)
         expert = budget.expert_bytes(backend)
         moved = layers * budget.top_k * expert
@@ -672,6 +671,20 @@ def _b1_link(
     return moved, line + " (no target)"
 
 
+def _kept_beyond_offload(record: dict[str, Any], budget: engines.ModelBudget) -> bool | None:
+    """For a UVA engine whose experts the probe counted: whether it kept more of them on the
+    GPU than its ``cpu_offload_gb`` leaves (vLLM offloaded less than asked); None for any other
+    engine, or one not probed."""
+    spec = record.get("spec") or {}
+    offload = spec.get("offload") or {}
+    kept = (record.get("probe") or {}).get("expert_gpu_bytes")
+    if kept is None or offload.get("backend") != "uva":
+        return None
+    asked = float(offload["cpu_offload_gb"])
+    allowed = budget.uva_kept_gib(asked, spec.get("moe_backend")) * 2**30
+    return bool(kept > allowed * 1.01)
+
+
 def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
     """A line for every UVA engine of ``prefix`` that kept more of the experts on the GPU than
     its ``cpu_offload_gb`` leaves (vLLM offloaded less than asked, or nothing: on gpt-oss's
@@ -679,21 +692,17 @@ def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) 
     again): its ratios compare with an engine that holds the experts on the GPU."""
     lines = []
     for name, record in results.items():
-        if not name.startswith(prefix + "."):
+        if not name.startswith(prefix + ".") or not _kept_beyond_offload(record, budget):
             continue
-        kept = (record.get("probe") or {}).get("expert_gpu_bytes")
-        spec = record.get("spec") or {}
-        offload = spec.get("offload") or {}
-        if kept is None or offload.get("backend") != "uva":
-            continue
-        asked = float(offload["cpu_offload_gb"])
-        allowed = budget.uva_kept_gib(asked, spec.get("moe_backend")) * 2**30
-        if kept > allowed * 1.01:
-            lines.append(
-                f"  {name[len(prefix) + 1 :]} kept {kept / 2**30:.2f} GiB of experts on the GPU "
-                f"against the {allowed / 2**30:.2f} GiB its offload leaves: vLLM did not "
-                "offload them, and its ratios compare with an engine that holds them on the GPU"
-            )
+        spec = record["spec"]
+        kept = record["probe"]["expert_gpu_bytes"] / 2**30
+        asked = float(spec["offload"]["cpu_offload_gb"])
+        allowed = budget.uva_kept_gib(asked, spec.get("moe_backend"))
+        lines.append(
+            f"  {name[len(prefix) + 1 :]} kept {kept:.2f} GiB of experts on the GPU "
+            f"against the {allowed:.2f} GiB its offload leaves: vLLM did not "
+            "offload them, and its ratios compare with an engine that holds them on the GPU"
+        )
     return lines
 
 
