@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from rowcache.backends.cuda import DECODE_PROGRAMS_PER_SM
+from rowcache.bench.timing import one_call
 from rowcache.compress import Bf16Planes, encode
 from rowcache.compress.bf16_planes import CODE_WIDTHS
 from rowcache.device_plan.kernels import GATHER_PROGRAMS_PER_SM
@@ -78,25 +79,6 @@ def _planes_on(planes: Bf16Planes, device: torch.device, pinned: bool) -> Bf16Pl
 
     # The codebook, 16 bytes the kernel reads on every value, on the device.
     return replace(planes.map(placed), codebook=planes.codebook.to(device))
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Seconds one call of ``fn`` takes: CUDA events on a GPU, the host clock elsewhere."""
-
-    def timed(fn: Callable[[], None]) -> float:
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return float(start.elapsed_time(end)) / 1e3
-        began = time.perf_counter()
-        fn()
-        return time.perf_counter() - began
-
-    return timed
 
 
 def _encode_rate(weights: Tensor, code_bits: int | None) -> dict[str, float]:
@@ -141,7 +123,7 @@ def measure(
     slots = [torch.empty((capacity, *w.shape[1:]), dtype=w.dtype, device=device) for w in (w13, w2)]
     expert_bytes = sum(w[0].numel() * w.element_size() for w in (w13, w2))
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 1
-    timed = _timer(device)
+    timed = one_call(device)
     # The host planner's decoders, launched as its CUDA backend launches them.
     decoders = [
         SlotDecoder(p, s, grid=sms * DECODE_PROGRAMS_PER_SM)

@@ -31,7 +31,6 @@ import platform
 import re
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from rowcache.bench.link_kernel import CACHE_MODIFIERS, read_kernel
+from rowcache.bench.timing import one_call
 from rowcache.device_plan.kernels import GATHER_PROGRAMS_PER_SM
 from rowcache.device_plan.regions import CHUNK_BYTES
 
@@ -163,29 +163,14 @@ def write_combined(data: torch.Tensor) -> Iterator[tuple[int, int]]:
 
 
 class _Timer:
-    """Median seconds of a callable: CUDA events on the GPU, the host's clock elsewhere."""
+    """Median seconds of a callable over ``repeats`` calls after ``warmup`` (``one_call``)."""
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
-        self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.once, self.repeats, self.warmup = one_call(device), repeats, warmup
 
     def __call__(self, run: Callable[[], None]) -> float:
-        times = []
-        for index in range(self.warmup + self.repeats):
-            if self.device.type == "cuda":
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
-            else:
-                began = time.perf_counter()
-                run()
-                seconds = time.perf_counter() - began
-            if index >= self.warmup:
-                times.append(seconds)
-        return float(statistics.median(times))
+        times = [self.once(run) for _ in range(self.warmup + self.repeats)]
+        return float(statistics.median(times[self.warmup :]))
 
 
 def measure(
@@ -220,7 +205,7 @@ def measure(
     timer = _Timer(device, repeats, warmup)
     result: dict[str, Any] = {"bytes": num_bytes, "sms": sms, "memories": []}
 
-    def report(row: dict[str, Any]) -> None:
+    def report() -> None:
         if on_row is not None:
             on_row(result)
 
@@ -237,7 +222,7 @@ def measure(
             _memory_row(row, pinned.data_ptr(), copy, reference, sms, sweep, timer, report)
             del pinned
         row["done"] = True
-        report(row)
+        report()
     return result
 
 
@@ -258,11 +243,6 @@ def _tensor_copy(pinned: torch.Tensor, device: torch.device) -> Callable[[torch.
     return copy
 
 
-def _address_copy(host: int, num_bytes: int) -> Callable[[torch.Tensor], None]:
-    """The copy engine's read of host memory that no tensor describes (write-combined)."""
-    return lambda target: _copy_address(target, host, num_bytes)
-
-
 def _memory_row(
     row: dict[str, Any],
     address: int,
@@ -271,13 +251,13 @@ def _memory_row(
     sms: int,
     sweep: Sequence[Launch],
     timer: _Timer,
-    report: Callable[[dict[str, Any]], None],
+    report: Callable[[], None],
 ) -> None:
     """The copy's and every launch's read from one host memory at ``address`` into ``row``;
     a launch that fails (a kernel that does not build, a CUDA error) is recorded as failed."""
     target = torch.empty_like(reference)
     row["copy"] = _timed(timer, lambda: copy(target), target, reference)
-    report(row)
+    report()
     for launch in sweep:
         loads: list[str] = []
 
@@ -300,18 +280,22 @@ def _memory_row(
         if entry["exact"] and row["copy"]["exact"]:
             entry["over_copy"] = row["copy"]["seconds"] / entry["seconds"]
         row["launches"].append(entry)
-        report(row)
+        report()
 
 
-def _copy_address(target: torch.Tensor, host: int, num_bytes: int) -> None:
-    """The copy engine's read of host memory that no tensor describes (write-combined), from
-    its host address."""
+def _address_copy(host: int, num_bytes: int) -> Callable[[torch.Tensor], None]:
+    """The copy engine's read of host memory that no tensor describes (write-combined) into a
+    target, from its host address, on the current stream."""
     cudart = _cudart()
-    stream = cudart.cudaStream_t(torch.cuda.current_stream().cuda_stream)
     kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-    err = cudart.cudaMemcpyAsync(target.data_ptr(), host, num_bytes, kind, stream)[0]
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaMemcpyAsync of {num_bytes} bytes failed: {err}")
+
+    def copy(target: torch.Tensor) -> None:
+        stream = cudart.cudaStream_t(torch.cuda.current_stream().cuda_stream)
+        err = cudart.cudaMemcpyAsync(target.data_ptr(), host, num_bytes, kind, stream)[0]
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemcpyAsync of {num_bytes} bytes failed: {err}")
+
+    return copy
 
 
 def _timed(
