@@ -997,6 +997,20 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
     assert line is not None and line.endswith(": MISSED") and "2048: 7/8 (max |d| 0.00781)" in line
     assert steps_report.exactness_line({}, "row32dev.full") is None
     assert steps_report.exactness_line(None, "row32dev.full") is None
+    # gpt-oss's kernel: the launch options of the cached calls against the reference's.
+    same = ["block_m=16 split_k=1"]
+    found["launch_flags"] = {
+        "1": {"reference": same, "cached": same, "layers_differing": 0},
+        "2048": {"reference": same, "cached": [*same, "block_m=64"], "layers_differing": 3},
+    }
+    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    assert line is not None
+    lines = line.split("\n")
+    assert lines[1].endswith("by rows (1: same, 2048: 3/8 differ)")
+    assert lines[2] == (
+        "    2048 rows: reference block_m=16 split_k=1 | cached block_m=16 split_k=1; block_m=64"
+    )
+    assert len(lines) == 3
     assert probes.EXACTNESS_ROWS[-1] == 2048  # a prefill step: every expert, several passes
 
 

@@ -34,6 +34,7 @@ E, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
 
 FAKE_MXFP4 = {
     "vllm/model_executor/layers/fused_moe/experts/gpt_oss_triton_kernels_moe.py": """
+        from dataclasses import dataclass
         from types import SimpleNamespace
 
         import torch
@@ -63,12 +64,25 @@ FAKE_MXFP4 = {
                 )
                 return routing, None, None
 
-        def block_m(routing, m):
+        @dataclass
+        class OptFlags:  # triton_kernels' (opt_flags.py), reduced
+            block_m: int
+            split_k: int = 1
+            arch: object = None
+
+        def make_opt_flags(out_dtype, lhs_dtype, rhs_dtype, precision_config, m, n, k,
+                           routing_data, can_use_persistent_tma, can_use_fused_scatter,
+                           epilogue_effective_itemsize):
             # opt_flags.py: the row tile from the expected tokens per expert.
-            tokens = routing.expected_tokens_per_expt
+            tokens = routing_data.expected_tokens_per_expt
             if tokens is None:
-                tokens = max(1, m // routing.n_expts_tot)
-            return max(16, min(1 << (tokens - 1).bit_length(), 128))
+                tokens = max(1, m // routing_data.n_expts_tot)
+            return OptFlags(max(16, min(1 << (tokens - 1).bit_length(), 128)))
+
+        def matmul_ogs(routing, m):
+            # triton_kernels' matmul_ogs reduced to its launch options (the module global
+            # make_opt_flags, as there); the fake kernel does the arithmetic.
+            return make_opt_flags(None, None, None, None, m, 0, 0, routing, False, False, 0)
 
         WORKSPACE = {}  # one buffer a shape, reused by every call, as vLLM's workspace is
 
@@ -94,7 +108,7 @@ FAKE_MXFP4 = {
                 local = ids if expert_map is None else expert_map[ids.long()]
                 rows, top_k = ids.shape
                 routing, _, _ = self.fused_experts._make_routing_data(local, weights, w1.shape[0])
-                tile = block_m(routing, rows * top_k)
+                tile = matmul_ogs(routing, rows * top_k).block_m
                 self.tiles.append(tile)
                 shape = (rows, top_k, x.shape[1])
                 cache3 = WORKSPACE.setdefault(shape, torch.empty(shape, dtype=x.dtype))
@@ -149,17 +163,46 @@ FAKE_MXFP4 = {
 
         HOPPER_LAYOUT = object()
 
-        def swizzled(raw):
-            # The Hopper value layout in shape: transposed, stored as .mT of contiguous data.
+        def swizzled(raw, packed=False):
+            # The Hopper value layout in shape: transposed, stored as .mT of contiguous data;
+            # the shape logical, [E, K, N] (two FP4 values a byte along K).
             data = raw.transpose(-2, -1).contiguous().transpose(-2, -1)
-            shape = [raw.shape[0], raw.shape[2], raw.shape[1]]
+            shape = [raw.shape[0], raw.shape[2] * (2 if packed else 1), raw.shape[1]]
             return Tensor(Storage(data, HOPPER_LAYOUT), "FP4", shape, list(shape))
+
+        @dataclass
+        class FusedMoEQuantDesc:
+            # vLLM's (fused_moe/config.py), reduced: a weight's precision config and bias.
+            scale: Any = None
+            bias: Any = None
+
+        @dataclass
+        class FusedMoEQuantConfig:
+            # vLLM's, reduced: read through properties, as UnfusedOAITritonExperts reads it.
+            _w1: FusedMoEQuantDesc
+            _w2: FusedMoEQuantDesc
+
+            @property
+            def w1_precision(self):
+                return self._w1.scale
+
+            @property
+            def w2_precision(self):
+                return self._w2.scale
+
+            @property
+            def w1_bias(self):
+                return self._w1.bias
+
+            @property
+            def w2_bias(self):
+                return self._w2.bias
 
         def make_mxfp4_moe_quant_config(mxfp4_backend, w1_scale, w2_scale, w1_bias=None,
                                         w2_bias=None, gemm1_alpha=None, gemm1_beta=None,
                                         swiglu_limit=None, layer=None):
-            return SimpleNamespace(w1_precision=w1_scale, w2_precision=w2_scale,
-                                   w1_bias=w1_bias, w2_bias=w2_bias)
+            return FusedMoEQuantConfig(FusedMoEQuantDesc(w1_scale, w1_bias),
+                                       FusedMoEQuantDesc(w2_scale, w2_bias))
 
         def make_mxfp4_moe_kernel(moe_quant_config, moe_config, mxfp4_backend, experts_cls,
                                   routing_tables=None, layer=None):
@@ -228,7 +271,7 @@ FAKE_MXFP4 = {
                 # deletes the four parameters, then _setup_kernel sets plain attributes.
                 w13_pc = PrecisionConfig(weight_scale=swizzled(w13_scale))
                 w2_pc = PrecisionConfig(weight_scale=swizzled(w2_scale))
-                w13, w2 = swizzled(w13), swizzled(w2)
+                w13, w2 = swizzled(w13, packed=True), swizzled(w2, packed=True)
                 del layer.w13_weight, layer.w2_weight
                 del layer.w13_weight_scale, layer.w2_weight_scale
                 layer.w13_weight, layer.w2_weight = w13, w2
@@ -376,7 +419,7 @@ def test_the_converted_experts_live_in_host_rows_and_the_slots(fake_mxfp4: Any) 
     assert provider.buf_w13_bias.dtype == torch.float32
     # The layer, its precision configs and the kernel's quant config read the slots.
     assert layer.w13_weight.storage.data.data_ptr() == provider.buf_w13.data_ptr()
-    assert layer.w13_weight.shape == [3, HIDDEN // 2, 2 * INTER]
+    assert layer.w13_weight.shape == [3, HIDDEN, 2 * INTER]  # logical: [E, K, N]
     assert layer.w13_weight.storage.data.stride() == (per_expert, 1, 2 * INTER)  # .mT
     scale = method.w2_precision_config.weight_scale
     assert scale.storage.data.data_ptr() == provider.buf_w2_scale.data_ptr()
@@ -570,3 +613,74 @@ def test_a_vllm_without_the_backend_setting_is_left_to_the_layers_check(
     config.kernel_config = None
     settings = parse_settings({"rowcache": {"moe_expert_cache_size": 8}}, {})
     assert choose_gpt_oss_backend(config, settings) is None
+
+
+@pytest.mark.parametrize("route", ["exact", "float32 sum", "tiles left to the slots"])
+def test_the_engines_exactness_probe_checks_mxfp4_layers(fake_mxfp4: Any, route: str) -> None:
+    """tools/vllm/harness/probes.exactness on gpt-oss layers: the reference is vLLM's kernel
+    over the whole expert set (the provider's host rows wrapped as the slots are, the whole
+    set's scales and biases in the quant config for its call, its tiles vLLM's own), and it
+    logs every ``matmul_ogs`` launch's options. The exact route is bit-identical where a step
+    takes three passes, with the launches of one call over every expert; the float32 sum of
+    a cut step is caught, and so are calls left to size their tiles over the slots (100 rows of
+    3 entries: tile 128 over 3 slots against 64 over 8 experts), their launch options named."""
+    from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+    from tools.vllm.harness import probes
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    layers = []
+    for seed in range(2):
+        layer = _layer(fake_mxfp4, section)
+        method = layer.quant_method
+        # Three entries a token: a pass's partial sum rounds (two bf16 entries sum exactly).
+        method.moe = SimpleNamespace(**{**vars(_moe()), "experts_per_token": 3})
+        experts = method.moe_kernel.fused_experts
+        if route == "float32 sum":
+
+            class OtherExperts:  # computes as UnfusedOAITritonExperts, but is not one
+                pass
+
+            other = OtherExperts()
+            vars(other).update(vars(experts))  # the quant config and the pinned routing
+            method.moe_kernel.fused_experts = other
+        elif route == "tiles left to the slots":
+            del experts._make_routing_data  # the class's own: no pinned tiles
+        layers.append((f"layers.{seed}.experts", layer))
+    model = SimpleNamespace(named_modules=lambda: iter(layers))
+    kept_flags = oai.make_opt_flags
+    found = probes.exactness(model, device="cpu", row_counts=(1, 100))
+    assert found["layers"] == 2 and found["skipped"] == 0
+    assert found["equal"]["1"] == 2  # one row: one pass
+    if route == "exact":
+        assert found["equal"]["100"] == 2 and found["max_abs"]["100"] == 0.0
+    else:
+        assert found["equal"]["100"] < 2 and found["max_abs"]["100"] > 0.0
+    flags = found.get("launch_flags", {})
+    if route == "float32 sum":
+        assert flags == {}  # its experts' module calls no matmul_ogs
+    else:
+        assert flags["1"] == {
+            "reference": ["block_m=16 split_k=1"],
+            "cached": ["block_m=16 split_k=1"],
+            "layers_differing": 0,
+        }
+        assert flags["100"]["reference"] == ["block_m=64 split_k=1"]
+        if route == "exact":
+            assert flags["100"]["cached"] == ["block_m=64 split_k=1"]
+            assert flags["100"]["layers_differing"] == 0
+        else:
+            assert "block_m=128 split_k=1" in flags["100"]["cached"]
+            assert flags["100"]["layers_differing"] == 2
+    # Everything the probe swapped for its reference is back: the slots in the quant config,
+    # the forward's pinned entries, the launch options' maker.
+    assert oai.make_opt_flags is kept_flags
+    for _, layer in layers:
+        method = layer.quant_method
+        provider = method.rowcache_provider
+        quant = method.moe_kernel.fused_experts.quant_config
+        assert quant.w1_precision is method.w13_precision_config
+        scale = quant.w2_precision.weight_scale.storage.data
+        assert scale.data_ptr() == provider.buf_w2_scale.data_ptr()
+        assert quant.w1_bias.data_ptr() == provider.buf_w13_bias.data_ptr()
+        assert method._forward_entries == 100 * 3

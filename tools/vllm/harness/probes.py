@@ -318,21 +318,56 @@ def block_fp8_sources(method: Any) -> tuple[Any, Any, Any, Any] | None:
     return w13, w2, w13_scale, w2_scale
 
 
+def mxfp4_sources(
+    method: Any, provider: Any, device: str
+) -> tuple[Any, Any, dict[str, Any], dict[str, Any]] | None:
+    """A gpt-oss MXFP4 layer's whole expert set as its kernel reads it: ``(w13, w2, w1 fields,
+    w2 fields)``, the converted values and the e8m0 scales of every expert (the provider's host
+    rows, copied to ``device``) seen with the converted storage's strides and wrapped as the
+    plugin wraps its slots (``rowcache.vllm.mxfp4_slots``), and the quant config's weight
+    descriptor fields that read them (``scale``: the precision config with the whole set's
+    scales; ``bias``: the whole set's float32 biases). None for any other method."""
+    if type(method).__name__ != "RowcacheGptOssMxfp4MoEMethod":
+        return None
+    # Imported here: only an engine with MXFP4 layers has (and needs) them.
+    from rowcache.vllm.mxfp4_slots import rewrapped, slot_view
+
+    def whole(key: str, wrapper: Any) -> Any:
+        rows = provider.source_weights(key, device)
+        return rewrapped(wrapper, slot_view(rows, wrapper.storage.data))
+
+    w13_slots, w2_slots = method._kernel_w
+    kept = method.moe_kernel.fused_experts.quant_config
+    fields: list[dict[str, Any]] = []
+    for key, descriptor in (("w13", kept._w1), ("w2", kept._w2)):
+        precision = descriptor.scale
+        found = {
+            "scale": dataclasses.replace(
+                precision, weight_scale=whole(f"{key}_scale", precision.weight_scale)
+            )
+        }
+        if getattr(provider, f"buf_{key}_bias", None) is not None:
+            found["bias"] = provider.source_weights(f"{key}_bias", device)
+        fields.append(found)
+    return whole("w13", w13_slots), whole("w2", w2_slots), fields[0], fields[1]
+
+
 @contextlib.contextmanager
-def whole_set_scales(kernel: Any, scales: tuple[Any, Any] | None) -> Iterator[None]:
-    """For the block below, the kernel's experts read ``scales`` (the whole expert set's, by
-    expert id) instead of the scale slots vLLM's ``_setup_kernel`` gave them (by slot):
-    ``quant_config`` is vLLM's ``FusedMoEQuantConfig`` dataclass, whose weight descriptors
-    ``_w1`` and ``_w2`` hold the scales. None: nothing changes (unquantized layers)."""
-    if scales is None:
+def whole_set(kernel: Any, w1: dict[str, Any], w2: dict[str, Any]) -> Iterator[None]:
+    """For the block below, the kernel's experts read the whole expert set's scales (and
+    biases) by expert id instead of the slots vLLM's ``_setup_kernel`` gave them: ``w1`` and
+    ``w2`` replace fields of the weight descriptors ``_w1`` and ``_w2`` of vLLM's
+    ``FusedMoEQuantConfig`` dataclass (``scale``: block-FP8 scales, or MXFP4's precision
+    config; ``bias``). Empty: nothing changes (unquantized layers)."""
+    if not w1 and not w2:
         yield
         return
     experts = kernel.fused_experts
     kept = experts.quant_config
     experts.quant_config = dataclasses.replace(
         kept,
-        _w1=dataclasses.replace(kept._w1, scale=scales[0]),
-        _w2=dataclasses.replace(kept._w2, scale=scales[1]),
+        _w1=dataclasses.replace(kept._w1, **w1),
+        _w2=dataclasses.replace(kept._w2, **w2),
     )
     try:
         yield
@@ -340,28 +375,94 @@ def whole_set_scales(kernel: Any, scales: tuple[Any, Any] | None) -> Iterator[No
         experts.quant_config = kept
 
 
+@contextlib.contextmanager
+def unpinned_tiles(method: Any) -> Iterator[None]:
+    """For the block below, a gpt-oss layer's kernel calls choose their tiles as vLLM's own
+    do: the plugin pins them from the cached forward that last ran (``_forward_entries``,
+    ``rowcache.vllm._mxfp4._pin_tiles``), which the reference is not."""
+    kept = getattr(method, "_forward_entries", None)
+    if kept is None:
+        yield
+        return
+    method._forward_entries = 0
+    try:
+        yield
+    finally:
+        method._forward_entries = kept
+
+
+OPT_FLAGS_LEFT_OUT = ("arch", "target_kernel_kwargs")
+"""``OptFlags`` fields :func:`launch_flags` leaves out: the same in every call of one engine."""
+
+
+def describe_flags(flags: Any) -> str:
+    """One ``matmul_ogs`` launch's options (triton_kernels' ``OptFlags`` dataclass) as
+    ``name=value`` words in field order."""
+    return " ".join(
+        f"{f.name}={getattr(flags, f.name)}"
+        for f in dataclasses.fields(flags)
+        if f.name not in OPT_FLAGS_LEFT_OUT
+    )
+
+
+@contextlib.contextmanager
+def launch_flags(experts: Any) -> Iterator[list[str] | None]:
+    """The launch options every ``matmul_ogs`` call picks in the block below, in call order
+    (:func:`describe_flags`): ``make_opt_flags`` wrapped in the module of the ``matmul_ogs``
+    that ``experts``' module calls (triton_kernels', for vLLM's OpenAI-Triton experts). None
+    where that module has no ``matmul_ogs``. The kernel's name carries only its tiles and
+    split; these carry every option, persistence and the fused scatter among them."""
+    module = sys.modules.get(type(experts).__module__)
+    matmul = getattr(module, "matmul_ogs", None)
+    home = sys.modules.get(getattr(matmul, "__module__", None) or "")
+    original = getattr(home, "make_opt_flags", None)
+    if original is None:
+        yield None
+        return
+    log: list[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        flags = original(*args, **kwargs)
+        log.append(describe_flags(flags))
+        return flags
+
+    home.make_opt_flags = recording  # type: ignore[union-attr]
+    try:
+        yield log
+    finally:
+        home.make_opt_flags = original  # type: ignore[union-attr]
+
+
 def exactness(
     model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
 ) -> dict[str, Any]:
     """Each cached layer's forward against vLLM's own kernel with every expert resident, in the
     engine, bit for bit: random hidden states and routings of :data:`EXACTNESS_ROWS` rows, the
-    cached forward through the plugin (its passes, the tapped ``moe_sum``, the pinned tile
+    cached forward through the plugin (its passes, the tapped reduction, the pinned tile
     configuration), the reference through the layer's kernel over the whole expert set copied
     from the host to the GPU. Independent of how two engines compile (their tokens can differ
     without any cache). Unquantized layers (``RowcacheMoEMethod``: ``_host`` is its
     ``(w13, w2)`` in pinned host memory; where the plugin released them for planes, the planes
-    decoded on ``device``) and block-scaled FP8 layers (``RowcacheFp8MoEMethod``: its pinned
-    weights and scales, the reference's kernel reading the whole set's scales in place of the
-    scale slots for its call, :func:`whole_set_scales`); other layers (online per-tensor FP8,
-    whose steps cut into passes are inexact by design; MXFP4) are counted as skipped.
+    decoded on ``device``), block-scaled FP8 layers (``RowcacheFp8MoEMethod``: its pinned
+    weights and scales) and gpt-oss's MXFP4 layers (``RowcacheGptOssMxfp4MoEMethod``: the
+    provider's host rows of the converted values, scales and biases, :func:`mxfp4_sources`;
+    the reference's tiles vLLM's own, :func:`unpinned_tiles`), the reference's kernel reading
+    the whole set's scales and biases in place of the slots for its call (:func:`whole_set`);
+    other layers (online per-tensor FP8, whose steps cut into passes are inexact by design)
+    are counted as skipped.
 
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
-    largest difference}, "skipped": n}``. ``device`` and ``row_counts``: the CPU tests run it
-    on fakes, with a seeded inexact route it must catch."""
+    largest difference}, "skipped": n}``, and where the kernel calls ``matmul_ogs``
+    (:func:`launch_flags`) ``"launch_flags": {rows: {"reference": [...], "cached": [...],
+    "layers_differing": n}}``: the distinct launch options of the reference's calls and of
+    the cached forward's (every pass), over the layers, and how many layers' two sets differ.
+    ``device`` and ``row_counts``: the CPU tests run it on fakes, with seeded inexact routes it
+    must catch."""
     import torch
 
     equal: dict[str, int] = {str(m): 0 for m in row_counts}
     max_abs: dict[str, float] = {str(m): 0.0 for m in row_counts}
+    flags: dict[str, dict[str, Any]] = {}
     layers = skipped = 0
     gen = torch.Generator(device=device).manual_seed(0)
     cuda = torch.device(device).type == "cuda"
@@ -371,8 +472,10 @@ def exactness(
         host = getattr(method, "_host", None)
         if method is None or provider is None:
             continue
-        scales: tuple[Any, Any] | None = None
+        w1_fields: dict[str, Any] = {}
+        w2_fields: dict[str, Any] = {}
         fp8 = block_fp8_sources(method)
+        mxfp4 = mxfp4_sources(method, provider, device)
         if host is not None:
             # The layer's own weights: independent of what the provider holds.
             w13, w2 = (t.to(device, non_blocking=False) for t in host)
@@ -381,13 +484,19 @@ def exactness(
             w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
         elif fp8 is not None:
             w13, w2, w13_scale, w2_scale = (t.to(device, non_blocking=False) for t in fp8)
-            scales = (w13_scale, w2_scale)
+            w1_fields, w2_fields = {"scale": w13_scale}, {"scale": w2_scale}
             del w13_scale, w2_scale
+        elif mxfp4 is not None:
+            w13, w2, w1_fields, w2_fields = mxfp4
         else:
             skipped += 1
             continue
+        # A triton_kernels tensor's shape is logical, [E, K, N] (the kernel asserts the
+        # hidden states' width is w1.shape[-2]); a torch tensor's is [E, 2I, H].
+        hidden = int(w13.shape[-2] if mxfp4 is not None else w13.shape[2])
+        experts_total = int(w13.shape[0])
+        del mxfp4
         layers += 1
-        experts_total, hidden = w13.shape[0], w13.shape[2]
         top_k = int(method.moe.experts_per_token)
         for rows in row_counts:
             x = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
@@ -395,8 +504,13 @@ def exactness(
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
-            with whole_set_scales(method.moe_kernel, scales):
-                reference = method.moe_kernel.apply(
+            kernel = method.moe_kernel
+            with (
+                whole_set(kernel, w1_fields, w2_fields),
+                unpinned_tiles(method),
+                launch_flags(kernel.fused_experts) as reference_flags,
+            ):
+                reference = kernel.apply(
                     hidden_states=x,
                     w1=w13,
                     w2=w2,
@@ -409,20 +523,39 @@ def exactness(
                     shared_experts=None,
                     shared_experts_input=None,
                 ).clone()
-            cached = method._cached_apply(provider, module, x, weights, ids, None, None).clone()
+            with launch_flags(kernel.fused_experts) as cached_flags:
+                cached = method._cached_apply(provider, module, x, weights, ids, None, None)
+                cached = cached.clone()
             if cuda:
                 torch.cuda.synchronize()
             if torch.equal(reference.view(torch.int16), cached.view(torch.int16)):
                 equal[str(rows)] += 1
             difference = (reference.float() - cached.float()).abs().max().item()
             max_abs[str(rows)] = max(max_abs[str(rows)], float(difference))
-        del w13, w2, scales
+            if reference_flags is not None and cached_flags is not None:
+                seen = flags.setdefault(
+                    str(rows), {"reference": set(), "cached": set(), "layers_differing": 0}
+                )
+                seen["reference"].update(reference_flags)
+                seen["cached"].update(cached_flags)
+                seen["layers_differing"] += set(reference_flags) != set(cached_flags)
+        del w13, w2, w1_fields, w2_fields
         if cuda:
             torch.cuda.empty_cache()
-    return {
+    found: dict[str, Any] = {
         "rows": list(row_counts),
         "layers": layers,
         "equal": equal,
         "max_abs": max_abs,
         "skipped": skipped,
     }
+    if flags:
+        found["launch_flags"] = {
+            rows: {
+                "reference": sorted(seen["reference"]),
+                "cached": sorted(seen["cached"]),
+                "layers_differing": seen["layers_differing"],
+            }
+            for rows, seen in flags.items()
+        }
+    return found

@@ -851,4 +851,30 @@ def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
     return (
         f"  layers of {label} bit-identical to vLLM's kernel with every expert resident, by rows "
         f"({', '.join(cells)}): {'met' if every else 'MISSED'}"
+    ) + launch_flags_lines(found)
+
+
+def launch_flags_lines(found: dict[str, Any]) -> str:
+    """The exactness probe's ``matmul_ogs`` launch options (gpt-oss's kernel), as lines to
+    follow its line: by rows, whether every layer's cached calls took the reference's options,
+    and for each row count where not, both sets."""
+    flags = found.get("launch_flags")
+    if not flags:
+        return ""
+    layers = int(found["layers"])
+    cells, details = [], []
+    for rows in found["rows"]:
+        seen = flags.get(str(rows))
+        if seen is None:
+            continue
+        differing = int(seen["layers_differing"])
+        cells.append(f"{rows}: " + (f"{differing}/{layers} differ" if differing else "same"))
+        if differing:
+            details.append(
+                f"\n    {rows} rows: reference {'; '.join(seen['reference'])} | cached "
+                + "; ".join(seen["cached"])
+            )
+    return (
+        "\n  matmul_ogs launch options of the cached calls against the reference's, by rows "
+        f"({', '.join(cells)})" + "".join(details)
     )
