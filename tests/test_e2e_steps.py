@@ -21,7 +21,16 @@ from typing import Any
 import pytest
 import vllm_wheels
 
-from tools.vllm.harness import child, engines, measure, orchestrate, phases, probes, steps_report
+from tools.vllm.harness import (
+    child,
+    engines,
+    measure,
+    orchestrate,
+    phases,
+    probes,
+    shadow,
+    steps_report,
+)
 from tools.vllm.harness.measure import Completion
 from tools.vllm.harness.specs import EngineSpec, Job, Mode, Planner, Workload
 
@@ -298,6 +307,15 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path, monkeypatch: pytest.Monk
         assert again.get("profile") == expected and again["steps"]["decode"]["1"]["tok_s"]
     assert again["profile_error"] == "RuntimeError: profiler busy"
     assert asked_profile[0][2] == [{"prompt_token_ids": measure.decode_prompts(small, 1)[0]}]
+
+    # With ``run --shadow``: the shadow check's counters are read after the measurements and
+    # before the exactness probe (whose own forwards the check would count); the job says so.
+    asked.clear()
+    shadowed = Job(spec, "/m", str(tmp_path), 30.0, shadow=True)
+    assert Job.from_json(json.loads(json.dumps(shadowed.to_json()))) == shadowed
+    child.workload(shadowed, LLM(), rpc, {}, saved.append, sampling)
+    assert asked[-2] is shadow.counts and asked[-1].func is probes.exactness
+    assert shadow.counts not in asked[: asked.index(shadow.counts)]
 
     # The decode profile leaves time for the probes after the workload only where they run:
     # a cache engine's, not no offload's.
@@ -1154,3 +1172,28 @@ def test_only_weights_in_the_allocator_s_segments_count_as_gpu_memory() -> None:
     assert all(probes.in_segments(a, segments) for a in inside)
     assert not any(probes.in_segments(a, segments) for a in outside)
     assert not probes.in_segments(1000, [])
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_run_shadow_reaches_every_cache_engines_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: bool
+) -> None:
+    """``e2e.py run --shadow`` hands the orchestrator ``shadow=True``, which puts it into the
+    job of every engine with the cache on, and into no other's."""
+    from tools.vllm import e2e
+
+    asked: dict[str, Any] = {}
+
+    def fake_run(*args: Any, **kwargs: Any) -> int:
+        asked.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(orchestrate, "run", fake_run)
+    argv = ["run", "--out", str(tmp_path), "--phases", "gpt_oss", *(["--shadow"] * flag)]
+    assert e2e.main(argv) == 0
+    assert asked["shadow"] is flag
+    runner = orchestrate.Run(tmp_path, tmp_path, time.time() + 60, False, lambda: True)
+    runner.shadow = flag
+    for spec in engines.models(engines.GPT_OSS):
+        job = runner.job(spec, tmp_path)
+        assert job.shadow is (flag and spec.caches), spec.name

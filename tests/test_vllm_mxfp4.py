@@ -684,3 +684,89 @@ def test_the_engines_exactness_probe_checks_mxfp4_layers(fake_mxfp4: Any, route:
         assert scale.data_ptr() == provider.buf_w2_scale.data_ptr()
         assert quant.w1_bias.data_ptr() == provider.buf_w13_bias.data_ptr()
         assert method._forward_entries == 100 * 3
+
+
+@pytest.mark.parametrize("route", ["exact", "float32 sum"])
+def test_the_shadow_check_counts_the_engines_own_forwards(
+    fake_mxfp4: Any, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tools/vllm/harness/shadow.py (``e2e.py run --shadow``): installed before the engine,
+    every cached forward also runs vLLM's kernel over the whole set and counts, by how it ran
+    and by rows, whether the bits differ. The exact route never differs, eager or captured;
+    the float32 sum of a cut step (16 rows of 3 entries over 3 slots) is counted. A layer with
+    shared experts, and one that never ran, are skipped; a first forward inside a capture is
+    refused (its counters would be allocated in the graph)."""
+    from moe_reference import make_routing
+
+    from rowcache.vllm._method import CachedForward
+    from tools.vllm.harness import shadow, steps_report
+
+    # The class attribute comes back after the test, whatever install() did to it.
+    monkeypatch.setattr(CachedForward, "_cached_apply", CachedForward._cached_apply)
+    shadow.install()
+    wrapped = CachedForward._cached_apply
+    shadow.install()  # a second call changes nothing
+    assert shadow.installed() and CachedForward._cached_apply is wrapped
+    captured = {"now": False}
+    monkeypatch.setattr(shadow, "capturing", lambda: captured["now"])
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+
+    def layer_of() -> Any:
+        layer = _layer(fake_mxfp4, section)
+        method = layer.quant_method
+        method.moe = SimpleNamespace(**{**vars(_moe()), "experts_per_token": 3})
+        if route == "float32 sum":
+
+            class OtherExperts:  # computes as UnfusedOAITritonExperts, but is not one
+                pass
+
+            experts = method.moe_kernel.fused_experts
+            other = OtherExperts()
+            vars(other).update(vars(experts))
+            method.moe_kernel.fused_experts = other
+        return layer
+
+    def forward(layer: Any, rows: int, seed: int, shared: Any = None) -> torch.Tensor:
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+        ids, weights = make_routing(rows, E, 3, seed=seed)
+        out: torch.Tensor = layer.quant_method.apply(
+            layer, x.to(torch.bfloat16), weights, ids, shared, None
+        )
+        return out
+
+    checked = [layer_of(), layer_of()]
+    for layer in checked:
+        forward(layer, 1, seed=1)
+        forward(layer, 16, seed=2)
+        captured["now"] = True  # as vLLM's capture of the 16-row step, then its replay
+        forward(layer, 16, seed=3)
+        captured["now"] = False
+    with_shared, never_ran, first_captured = layer_of(), layer_of(), layer_of()
+    forward(with_shared, 16, seed=4, shared=object())
+    captured["now"] = True
+    with pytest.raises(RuntimeError, match="first forward is being captured"):
+        forward(first_captured, 16, seed=5)
+    captured["now"] = False
+    named = [(f"layers.{i}.experts", layer) for i, layer in enumerate(checked)]
+    named += [("layers.2.experts", with_shared), ("layers.3.experts", never_ran)]
+    found = shadow.counts(SimpleNamespace(named_modules=lambda: iter(named)))
+
+    assert found["layers"] == 2
+    assert found["skipped"] == {"shared experts": 1, "no forward": 1}
+    assert found["buckets"] == ["1", "2-8", "9-64", "65-512", "513+"]
+    by = found["by"]
+    assert by["eager"]["1"]["forwards"] == 2 and by["eager"]["1"]["differing"] == 0
+    assert by["eager"]["9-64"]["forwards"] == 2 and by["captured"]["9-64"]["forwards"] == 2
+    assert by["eager"]["2-8"]["forwards"] == 0 and by["captured"]["1"]["forwards"] == 0
+    cut = (by["eager"]["9-64"], by["captured"]["9-64"])
+    line = steps_report.shadow_line({"shadow": found}, "row3dev.full")
+    assert line is not None
+    assert "2 skipped" not in line and "1 no forward, 1 shared experts skipped" in line
+    if route == "exact":
+        assert all(cell["differing"] == 0 and cell["max_abs"] == 0.0 for cell in cut)
+        assert found["first_differing"] == [] and line.endswith(": met")
+    else:
+        assert all(cell["differing"] > 0 and cell["max_abs"] > 0.0 for cell in cut)
+        assert found["first_differing"][0] == "layers.0.experts"
+        assert ": MISSED; first: layers.0.experts" in line

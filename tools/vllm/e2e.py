@@ -182,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         help="budgeted phases: every engine measures each batch size and prompt this many "
         "times (default: the phase's, three); 1 is complete at one repeat for --resume",
     )
+    ap.add_argument(
+        "--shadow",
+        action="store_true",
+        help="every cache engine runs vLLM's kernel over the whole expert set beside each "
+        "cached forward and counts the forwards whose bits differ, eager and in CUDA graphs "
+        "(harness/shadow.py): a diagnostic; its engines' speeds are not the cache's",
+    )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
         if not ns.inputs:
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.resume,
         ns.repeats,
         not ns.no_zygote,
+        shadow=ns.shadow,
     )
 
 

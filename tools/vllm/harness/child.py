@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from tools.vllm.harness import jit_count, kernel_profile, probes
+from tools.vllm.harness import jit_count, kernel_profile, probes, shadow
 from tools.vllm.harness.jit_count import JitCounter
 from tools.vllm.harness.measure import Completion, decode_prompts, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
@@ -221,6 +221,9 @@ def workload(
         # After every measurement, as in ``single``: where a decode step's host time goes.
         prompts = [{"prompt_token_ids": p} for p in decode_prompts(spec.workload, 1)]
         profile_into(result, llm, spec.name, Path(job.profile_out), prompts)
+    if job.shadow and spec.caches:
+        # Before the exactness probe, whose own forwards it would count.
+        result["shadow"] = rpc(shadow.counts, None)
     # Last: its random forwards move the cache (after the stats above are taken).
     if spec.caches and time.time() < deadline:
         result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)
@@ -333,6 +336,13 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         # Before the engine: vLLM's JIT monitor chains the hook it finds (harness/jit_count);
         # only where the core runs in this process.
         jit = None if multiprocess else jit_count.counting()
+        if job.shadow:
+            if multiprocess:
+                raise RuntimeError(
+                    "--shadow patches the plugin in this process, and this engine's core runs "
+                    "in another (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
+                )
+            shadow.install()  # before the engine: its graphs capture the check
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)

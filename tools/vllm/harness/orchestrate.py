@@ -213,8 +213,11 @@ class Run:
         zygote: bool = False,
         checkpoint_ready: Callable[[Checkpoint], bool] | None = None,
         earlier: Results | None = None,
+        shadow: bool = False,
     ) -> None:
         self.out = out
+        self.shadow = shadow
+        """``run --shadow``: every cache engine of this call under the shadow check."""
         self.run_id = run_id
         """Written into every record: ratios are taken only between records of one run."""
         self.work = work
@@ -255,6 +258,7 @@ class Run:
             barrier_timeout=max(30.0, (deadline or self.deadline) - time.time() - 60),
             profile_out=profile_out,
             deadline=deadline,
+            shadow=self.shadow and spec.caches,
         )
 
     def launch(self, job: Job, alone: bool = False) -> EngineProcess:
@@ -572,6 +576,7 @@ def run(
     resume: bool = False,
     repeats: int | None = None,
     zygote: bool = False,
+    shadow: bool = False,
 ) -> int:
     start = time.time()
     deadline = start + deadline_s
@@ -589,6 +594,7 @@ def run(
         "only": list(only),
         "resume": resume,
         "repeats": repeats,
+        "shadow": shadow,
     }
     earlier = read_records(work / RECORDS) if resume else []
     done = resumable(earlier)
@@ -630,6 +636,7 @@ def run(
         zygote,
         checkpoint_ready=build.ready,
         earlier=latest(earlier),
+        shadow=shadow,
     )
     try:
         for phase in selected:

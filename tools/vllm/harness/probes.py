@@ -433,6 +433,72 @@ def launch_flags(experts: Any) -> Iterator[list[str] | None]:
         home.make_opt_flags = original  # type: ignore[union-attr]
 
 
+@dataclasses.dataclass
+class WholeSet:
+    """A cached layer's whole expert set on the device, as vLLM's kernel reads it without the
+    cache: ``w13`` and ``w2`` for its ``apply``, the quant config's weight descriptor fields
+    (:func:`whole_set`), and the hidden size its input has."""
+
+    w13: Any
+    w2: Any
+    w1_fields: dict[str, Any]
+    w2_fields: dict[str, Any]
+    hidden: int
+
+
+def reference_weights(method: Any, provider: Any, device: str) -> WholeSet | None:
+    """The whole expert set of a cached layer (:class:`WholeSet`), or None for a layer no
+    reference is built for. Unquantized layers (``RowcacheMoEMethod``: ``_host`` is its
+    ``(w13, w2)`` in pinned host memory; where the plugin released them for planes, the planes
+    decoded on ``device``), block-scaled FP8 layers (``RowcacheFp8MoEMethod``: its pinned
+    weights and scales, :func:`block_fp8_sources`) and gpt-oss's MXFP4 layers
+    (``RowcacheGptOssMxfp4MoEMethod``: :func:`mxfp4_sources`); not online per-tensor FP8, whose
+    steps cut into passes are inexact by design."""
+    host = getattr(method, "_host", None)
+    if host is not None:
+        # The layer's own weights: independent of what the provider holds.
+        w13, w2 = (t.to(device, non_blocking=False) for t in host)
+        return WholeSet(w13, w2, {}, {}, int(w13.shape[2]))
+    if getattr(provider, "compressed", ()):
+        # The plugin released them (planes hold every bit): the planes decoded.
+        w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
+        return WholeSet(w13, w2, {}, {}, int(w13.shape[2]))
+    fp8 = block_fp8_sources(method)
+    if fp8 is not None:
+        w13, w2, w13_scale, w2_scale = (t.to(device, non_blocking=False) for t in fp8)
+        return WholeSet(w13, w2, {"scale": w13_scale}, {"scale": w2_scale}, int(w13.shape[2]))
+    mxfp4 = mxfp4_sources(method, provider, device)
+    if mxfp4 is not None:
+        w13, w2, w1_fields, w2_fields = mxfp4
+        # A triton_kernels tensor's shape is logical, [E, K, N] (the kernel asserts the
+        # hidden states' width is w1.shape[-2]); a torch tensor's is [E, 2I, H].
+        return WholeSet(w13, w2, w1_fields, w2_fields, int(w13.shape[-2]))
+    return None
+
+
+def reference_forward(
+    method: Any, module: Any, whole: WholeSet, x: Any, weights: Any, ids: Any
+) -> Any:
+    """vLLM's kernel of the layer over ``whole`` (every expert resident, no expert map, its
+    own tiles), on the router's ``weights`` and ``ids``; a copy of its output (the kernel may
+    return a view of its workspace, which the next call reuses)."""
+    kernel = method.moe_kernel
+    with whole_set(kernel, whole.w1_fields, whole.w2_fields), unpinned_tiles(method):
+        return kernel.apply(
+            hidden_states=x,
+            w1=whole.w13,
+            w2=whole.w2,
+            topk_weights=weights,
+            topk_ids=ids,
+            activation=module.activation,
+            global_num_experts=module.global_num_experts,
+            expert_map=None,
+            apply_router_weight_on_input=module.apply_router_weight_on_input,
+            shared_experts=None,
+            shared_experts_input=None,
+        ).clone()
+
+
 def exactness(
     model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
 ) -> dict[str, Any]:
@@ -440,16 +506,10 @@ def exactness(
     engine, bit for bit: random hidden states and routings of :data:`EXACTNESS_ROWS` rows, the
     cached forward through the plugin (its passes, the tapped reduction, the pinned tile
     configuration), the reference through the layer's kernel over the whole expert set copied
-    from the host to the GPU. Independent of how two engines compile (their tokens can differ
-    without any cache). Unquantized layers (``RowcacheMoEMethod``: ``_host`` is its
-    ``(w13, w2)`` in pinned host memory; where the plugin released them for planes, the planes
-    decoded on ``device``), block-scaled FP8 layers (``RowcacheFp8MoEMethod``: its pinned
-    weights and scales) and gpt-oss's MXFP4 layers (``RowcacheGptOssMxfp4MoEMethod``: the
-    provider's host rows of the converted values, scales and biases, :func:`mxfp4_sources`;
-    the reference's tiles vLLM's own, :func:`unpinned_tiles`), the reference's kernel reading
-    the whole set's scales and biases in place of the slots for its call (:func:`whole_set`);
-    other layers (online per-tensor FP8, whose steps cut into passes are inexact by design)
-    are counted as skipped.
+    from the host to the GPU (:func:`reference_weights`, :func:`reference_forward`: the
+    reference reads the whole set's scales and biases in place of the slots, with vLLM's own
+    tiles). Independent of how two engines compile (their tokens can differ without any
+    cache). Layers :func:`reference_weights` builds no reference for are counted as skipped.
 
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
     largest difference}, "skipped": n}``, and where the kernel calls ``matmul_ogs``
@@ -469,60 +529,24 @@ def exactness(
     for _name, module in model.named_modules():
         method: Any = getattr(module, "quant_method", None)
         provider = getattr(method, "rowcache_provider", None)
-        host = getattr(method, "_host", None)
         if method is None or provider is None:
             continue
-        w1_fields: dict[str, Any] = {}
-        w2_fields: dict[str, Any] = {}
-        fp8 = block_fp8_sources(method)
-        mxfp4 = mxfp4_sources(method, provider, device)
-        if host is not None:
-            # The layer's own weights: independent of what the provider holds.
-            w13, w2 = (t.to(device, non_blocking=False) for t in host)
-        elif getattr(provider, "compressed", ()):
-            # The plugin released them (planes hold every bit): the planes decoded.
-            w13, w2 = (provider.source_weights(n, device) for n in ("w13", "w2"))
-        elif fp8 is not None:
-            w13, w2, w13_scale, w2_scale = (t.to(device, non_blocking=False) for t in fp8)
-            w1_fields, w2_fields = {"scale": w13_scale}, {"scale": w2_scale}
-            del w13_scale, w2_scale
-        elif mxfp4 is not None:
-            w13, w2, w1_fields, w2_fields = mxfp4
-        else:
+        whole = reference_weights(method, provider, device)
+        if whole is None:
             skipped += 1
             continue
-        # A triton_kernels tensor's shape is logical, [E, K, N] (the kernel asserts the
-        # hidden states' width is w1.shape[-2]); a torch tensor's is [E, 2I, H].
-        hidden = int(w13.shape[-2] if mxfp4 is not None else w13.shape[2])
-        experts_total = int(w13.shape[0])
-        del mxfp4
         layers += 1
+        experts_total = int(whole.w13.shape[0])
         top_k = int(method.moe.experts_per_token)
         for rows in row_counts:
-            x = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
+            x = torch.randn(rows, whole.hidden, device=device, generator=gen, dtype=torch.bfloat16)
             logits = torch.randn(rows, experts_total, device=device, generator=gen)
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
             kernel = method.moe_kernel
-            with (
-                whole_set(kernel, w1_fields, w2_fields),
-                unpinned_tiles(method),
-                launch_flags(kernel.fused_experts) as reference_flags,
-            ):
-                reference = kernel.apply(
-                    hidden_states=x,
-                    w1=w13,
-                    w2=w2,
-                    topk_weights=weights,
-                    topk_ids=ids,
-                    activation=module.activation,
-                    global_num_experts=module.global_num_experts,
-                    expert_map=None,
-                    apply_router_weight_on_input=module.apply_router_weight_on_input,
-                    shared_experts=None,
-                    shared_experts_input=None,
-                ).clone()
+            with launch_flags(kernel.fused_experts) as reference_flags:
+                reference = reference_forward(method, module, whole, x, weights, ids)
             with launch_flags(kernel.fused_experts) as cached_flags:
                 cached = method._cached_apply(provider, module, x, weights, ids, None, None)
                 cached = cached.clone()
@@ -539,7 +563,7 @@ def exactness(
                 seen["reference"].update(reference_flags)
                 seen["cached"].update(cached_flags)
                 seen["layers_differing"] += set(reference_flags) != set(cached_flags)
-        del w13, w2, w1_fields, w2_fields
+        del whole
         if cuda:
             torch.cuda.empty_cache()
     found: dict[str, Any] = {

@@ -407,6 +407,8 @@ class Job:
     deadline: float | None = None
     """Epoch seconds by which a workload's measurements end (what does not fit is recorded as
     not run)."""
+    shadow: bool = False
+    """``run --shadow``: a cache engine runs under the shadow check (``harness/shadow.py``)."""
 
     def to_json(self) -> Json:
         return {
@@ -416,6 +418,7 @@ class Job:
             "barrier_timeout": self.barrier_timeout,
             "profile_out": self.profile_out,
             "deadline": self.deadline,
+            "shadow": self.shadow,
         }
 
     @classmethod

@@ -585,7 +585,11 @@ def models_targets(results: Results, prefix: str) -> list[str]:
         lines += [line] if line is not None else []
     for label in cached:
         record = results.get(f"{prefix}.{label}")
-        for line in (slots_line(record, label), exactness_line(record, label)):
+        for line in (
+            slots_line(record, label),
+            exactness_line(record, label),
+            shadow_line(record, label),
+        ):
             lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
@@ -738,9 +742,9 @@ def targets(results: Results, prefix: str) -> list[str]:
         what = " (the control: a second no-offload engine)" if label == "none2.full" else ""
         lines.append(f"  tokens {label} identical to no offload{what}: {verdict}")
     for label in (ROW, DEVICE_EAGER, HOST_EAGER, DEVICE_PIECEWISE):
-        line = exactness_line(results.get(f"{prefix}.{label}"), label)
-        if line is not None:
-            lines.append(line)
+        record = results.get(f"{prefix}.{label}")
+        for line in (exactness_line(record, label), shadow_line(record, label)):
+            lines += [line] if line is not None else []
     issue_18 = [f"targets ({prefix}, issue 18):", *lines] if lines else []
     return issue_18 + planes_targets(results, prefix)
 
@@ -852,6 +856,35 @@ def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
         f"  layers of {label} bit-identical to vLLM's kernel with every expert resident, by rows "
         f"({', '.join(cells)}): {'met' if every else 'MISSED'}"
     ) + launch_flags_lines(found)
+
+
+def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
+    """The shadow check (``harness/shadow.py``, ``run --shadow``): the engine's own cached
+    forwards against vLLM's kernel over the whole set, by how they ran and by rows; a forward
+    bucket that never ran is left out."""
+    found = (record or {}).get("shadow")
+    if not found or not found.get("layers"):
+        return None
+    cells = []
+    differing = 0
+    for mode, buckets in found["by"].items():
+        for bucket, cell in buckets.items():
+            if not cell["forwards"]:
+                continue
+            differing += cell["differing"]
+            text = f"{mode} {bucket} rows: {cell['differing']}/{cell['forwards']}"
+            if cell["differing"]:
+                text += f" in {cell['layers_differing']} layers (max |d| {cell['max_abs']:.3g})"
+            cells.append(text)
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(found.get("skipped", {}).items()))
+    first = found.get("first_differing") or []
+    return (
+        f"  shadow check of {label} (speeds not the cache's): forwards differing from vLLM's "
+        f"kernel over the whole set of {found['layers']} layers"
+        + (f", {skipped} skipped" if skipped else "")
+        + f" ({'; '.join(cells) or 'none ran'}): {'MISSED' if differing else 'met'}"
+        + (f"; first: {', '.join(first)}" if first else "")
+    )
 
 
 def launch_flags_lines(found: dict[str, Any]) -> str:

@@ -1,0 +1,208 @@
+"""The shadow check: every cached forward of an engine beside vLLM's kernel over the whole set.
+
+``probes.exactness`` compares each cached layer with vLLM's kernel over every expert on random
+routes, eagerly, after the measurements. The shadow check compares the forwards the engine
+itself runs: with ``install()`` called before the engine is built (``e2e.py run --shadow``),
+every cached forward first runs the layer's reference (``probes.reference_forward`` over the
+whole expert set, kept on the GPU from the layer's first forward), then the cached forward, and
+counts on the device whether the two differ in any bit, by how the forward ran (``eager``, or
+``captured`` into a CUDA graph and then replayed) and by its rows (:data:`ROW_BOUNDS`). Nothing
+is read on the host during a forward, so the comparison is captured with the forward and runs
+at every replay: what differs only in the captured path, or only on the router's own routes,
+shows here. ``counts(model)`` reads the counters (through ``llm.apply_model``).
+
+The reference runs beside every forward and holds every expert on the GPU: an engine under the
+shadow check is a diagnostic, its speeds and memory are not the cache's. The hook patches the
+plugin's class in this process, so the engine core must run here
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the harness's default for these engines). Layers with
+shared experts, and layers ``probes.reference_weights`` builds no reference for, are counted as
+skipped. torch is imported when the hook runs, not at import time (``probes``' rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tools.vllm.harness import probes
+
+__all__ = ["MODES", "ROW_BOUNDS", "counts", "install", "installed"]
+
+ROW_BOUNDS = (1, 8, 64, 512)
+"""Upper bounds of the row buckets a forward is counted in (a last bucket takes the rest):
+decode at batch 1 and up to 8, then prefill steps."""
+
+MODES = ("eager", "captured")
+
+_ATTRIBUTE = "_rowcache_shadow"
+"""Where a method keeps its :class:`LayerShadow`."""
+
+
+def bucket_of(rows: int) -> int:
+    """The bucket of a forward of ``rows`` rows (:data:`ROW_BOUNDS`)."""
+    for index, bound in enumerate(ROW_BOUNDS):
+        if rows <= bound:
+            return index
+    return len(ROW_BOUNDS)
+
+
+def bucket_names() -> list[str]:
+    names, low = [], 1
+    for bound in ROW_BOUNDS:
+        names.append(str(bound) if bound == low else f"{low}-{bound}")
+        low = bound + 1
+    return [*names, f"{low}+"]
+
+
+@dataclasses.dataclass
+class LayerShadow:
+    """One layer's reference and counters: ``forwards`` and ``differing`` ([mode, bucket],
+    int64), ``max_abs`` ([mode, bucket], float32), on the layer's device. None ``whole``: the
+    layer is not checked (``skipped`` says why)."""
+
+    whole: probes.WholeSet | None
+    forwards: Any = None
+    differing: Any = None
+    max_abs: Any = None
+    skipped: str = ""
+
+
+def capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (False without CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _layer_shadow(method: Any, provider: Any, x: Any, shared: Any) -> LayerShadow:
+    """The layer's :class:`LayerShadow`, built at its first cached forward (vLLM's profile run,
+    before any capture: the counters must not be allocated inside one)."""
+    found: LayerShadow | None = vars(method).get(_ATTRIBUTE)
+    if found is not None:
+        return found
+    import torch
+
+    if capturing():
+        raise RuntimeError(
+            "shadow check: a cached layer's first forward is being captured into a CUDA "
+            "graph; its counters must exist before (install the check before the engine)"
+        )
+    if shared is not None:
+        found = LayerShadow(None, skipped="shared experts")
+    else:
+        whole = probes.reference_weights(method, provider, str(x.device))
+        found = LayerShadow(whole, skipped="" if whole is not None else "no reference")
+    if found.whole is not None:
+        shape = (len(MODES), len(ROW_BOUNDS) + 1)
+        found.forwards = torch.zeros(shape, dtype=torch.int64, device=x.device)
+        found.differing = torch.zeros(shape, dtype=torch.int64, device=x.device)
+        found.max_abs = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    vars(method)[_ATTRIBUTE] = found
+    return found
+
+
+def _count(shadow: LayerShadow, reference: Any, cached: Any, captured: bool) -> None:
+    """Add one forward to the counters, on the device (captured with the forward)."""
+    import torch
+
+    cell = (MODES.index("captured" if captured else "eager"), bucket_of(int(cached.shape[0])))
+    differs = (reference.view(torch.int16) != cached.view(torch.int16)).any()
+    gap = (reference.float() - cached.float()).abs().amax()
+    shadow.forwards[cell] += 1
+    shadow.differing[cell] += differs.to(torch.int64)
+    shadow.max_abs[cell] = torch.maximum(shadow.max_abs[cell], gap)
+
+
+def install() -> None:
+    """Wrap the plugin's cached forward (``CachedForward._cached_apply``) in this process with
+    the shadow check; a second call changes nothing."""
+    from rowcache.vllm._method import CachedForward
+
+    original = CachedForward._cached_apply
+    if getattr(original, "_shadowed", False):
+        return
+
+    def shadowed(
+        self: Any,
+        provider: Any,
+        layer: Any,
+        x: Any,
+        topk_weights: Any,
+        topk_ids: Any,
+        shared_experts: Any,
+        shared_experts_input: Any,
+    ) -> Any:
+        shadow = _layer_shadow(self, provider, x, shared_experts)
+        reference = None
+        if shadow.whole is not None:
+            # Before the cached forward: the input is as the layer got it.
+            reference = probes.reference_forward(
+                self, layer, shadow.whole, x, topk_weights, topk_ids
+            )
+        out = original(
+            self, provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
+        )
+        if reference is not None:
+            _count(shadow, reference, out, capturing())
+        return out
+
+    shadowed._shadowed = True  # type: ignore[attr-defined]
+    CachedForward._cached_apply = shadowed  # type: ignore[method-assign]
+
+
+def installed() -> bool:
+    """Whether :func:`install` has wrapped the plugin's cached forward in this process."""
+    from rowcache.vllm._method import CachedForward
+
+    return bool(getattr(CachedForward._cached_apply, "_shadowed", False))
+
+
+def counts(model: Any) -> dict[str, Any]:
+    """The shadow check's counters over the model's cached layers: ``{"layers": checked,
+    "skipped": {why: n}, "buckets": [names], "by": {mode: {bucket: {"forwards", "differing",
+    "layers_differing", "max_abs"}}}, "first_differing": [up to 5 layer names]}``; a layer
+    that never ran a cached forward counts as skipped ("no forward")."""
+    import torch
+
+    names = bucket_names()
+    by: dict[str, dict[str, dict[str, Any]]] = {
+        mode: {
+            name: {"forwards": 0, "differing": 0, "layers_differing": 0, "max_abs": 0.0}
+            for name in names
+        }
+        for mode in MODES
+    }
+    layers = 0
+    skipped: dict[str, int] = {}
+    first: list[str] = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "rowcache_provider", None) is None:
+            continue
+        shadow: LayerShadow | None = vars(method).get(_ATTRIBUTE)
+        if shadow is None or shadow.whole is None:
+            why = "no forward" if shadow is None else shadow.skipped
+            skipped[why] = skipped.get(why, 0) + 1
+            continue
+        layers += 1
+        if shadow.forwards.is_cuda:
+            torch.cuda.synchronize(shadow.forwards.device)
+        forwards = shadow.forwards.tolist()
+        differing = shadow.differing.tolist()
+        gaps = shadow.max_abs.tolist()
+        for m, mode in enumerate(MODES):
+            for b, bucket in enumerate(names):
+                cell = by[mode][bucket]
+                cell["forwards"] += forwards[m][b]
+                cell["differing"] += differing[m][b]
+                cell["layers_differing"] += differing[m][b] > 0
+                cell["max_abs"] = max(cell["max_abs"], float(gaps[m][b]))
+        if any(v for row in differing for v in row) and len(first) < 5:
+            first.append(name)
+    return {
+        "layers": layers,
+        "skipped": skipped,
+        "buckets": names,
+        "by": by,
+        "first_differing": first,
+    }
