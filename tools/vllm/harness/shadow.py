@@ -47,6 +47,7 @@ def bucket_of(rows: int) -> int:
 
 
 def bucket_names() -> list[str]:
+    """The buckets' names, in :func:`bucket_of`'s order: ``1``, ``2-8``, ..., ``513+``."""
     names, low = [], 1
     for bound in ROW_BOUNDS:
         names.append(str(bound) if bound == low else f"{low}-{bound}")
