@@ -686,14 +686,16 @@ def test_the_engines_exactness_probe_checks_mxfp4_layers(fake_mxfp4: Any, route:
         assert method._forward_entries == 100 * 3
 
 
-@pytest.mark.parametrize("route", ["exact", "float32 sum"])
+@pytest.mark.parametrize("route", ["exact", "float32 sum", "captured only"])
 def test_the_shadow_check_counts_the_engines_own_forwards(
     fake_mxfp4: Any, route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """tools/vllm/harness/shadow.py (``e2e.py run --shadow``): installed before the engine,
     every cached forward also runs vLLM's kernel over the whole set and counts, by how it ran
     and by rows, whether the bits differ. The exact route never differs, eager or captured;
-    the float32 sum of a cut step (16 rows of 3 entries over 3 slots) is counted. A layer with
+    the float32 sum of a cut step (16 rows of 3 entries over 3 slots) is counted, and its first
+    differing forward, kept on the device, differs again when replayed eagerly; a kernel that
+    errs only inside a capture is counted there, and its replay does not differ. A layer with
     shared experts, and one that never ran, are skipped; a first forward inside a capture is
     refused (its counters would be allocated in the graph)."""
     from moe_reference import make_routing
@@ -725,6 +727,16 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
             other = OtherExperts()
             vars(other).update(vars(experts))
             method.moe_kernel.fused_experts = other
+        elif route == "captured only":
+            kernel = method.moe_kernel
+            apply = kernel.apply
+
+            def erring(**kw: Any) -> Any:  # the cached calls' input doubled, when captured
+                if captured["now"] and kw["expert_map"] is not None:
+                    kw = {**kw, "hidden_states": kw["hidden_states"] * 2}
+                return apply(**kw)
+
+            kernel.apply = erring
         return layer
 
     def forward(layer: Any, rows: int, seed: int, shared: Any = None) -> torch.Tensor:
@@ -737,8 +749,8 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
 
     checked = [layer_of(), layer_of()]
     for layer in checked:
+        forward(layer, 16, seed=2)  # the first forward, as vLLM's profile run: its largest
         forward(layer, 1, seed=1)
-        forward(layer, 16, seed=2)
         captured["now"] = True  # as vLLM's capture of the 16-row step, then its replay
         forward(layer, 16, seed=3)
         captured["now"] = False
@@ -750,14 +762,21 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
     captured["now"] = False
     named = [(f"layers.{i}.experts", layer) for i, layer in enumerate(checked)]
     named += [("layers.2.experts", with_shared), ("layers.3.experts", never_ran)]
+    if route == "float32 sum":  # a first forward smaller than the one that differs later
+        small_first = layer_of()
+        forward(small_first, 1, seed=1)
+        forward(small_first, 16, seed=2)
+        named.append(("layers.4.experts", small_first))
     found = shadow.counts(SimpleNamespace(named_modules=lambda: iter(named)))
 
-    assert found["layers"] == 2
+    assert found["layers"] == 2 + (route == "float32 sum")
     assert found["skipped"] == {"shared experts": 1, "no forward": 1}
     assert found["buckets"] == ["1", "2-8", "9-64", "65-512", "513+"]
     by = found["by"]
-    assert by["eager"]["1"]["forwards"] == 2 and by["eager"]["1"]["differing"] == 0
-    assert by["eager"]["9-64"]["forwards"] == 2 and by["captured"]["9-64"]["forwards"] == 2
+    small = route == "float32 sum"
+    assert by["eager"]["1"]["forwards"] == 2 + small and by["eager"]["1"]["differing"] == 0
+    assert by["eager"]["9-64"]["forwards"] == 2 + small
+    assert by["captured"]["9-64"]["forwards"] == 2
     assert by["eager"]["2-8"]["forwards"] == 0 and by["captured"]["1"]["forwards"] == 0
     cut = (by["eager"]["9-64"], by["captured"]["9-64"])
     line = steps_report.shadow_line({"shadow": found}, "row3dev.full")
@@ -765,8 +784,28 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
     assert "2 skipped" not in line and "1 no forward, 1 shared experts skipped" in line
     if route == "exact":
         assert all(cell["differing"] == 0 and cell["max_abs"] == 0.0 for cell in cut)
-        assert found["first_differing"] == [] and line.endswith(": met")
-    else:
+        assert found["first_differing"] == [] and found["replays"] == []
+        assert line.endswith(": met")
+        return
+    assert found["first_differing"][:2] == ["layers.0.experts", "layers.1.experts"]
+    assert ": MISSED; first: layers.0.experts, layers.1.experts" in line
+    replay = found["replays"][0]
+    assert replay["layer"] == "layers.0.experts" and replay["kept"] and replay["rows"] == 16
+    if route == "float32 sum":
         assert all(cell["differing"] > 0 and cell["max_abs"] > 0.0 for cell in cut)
-        assert found["first_differing"][0] == "layers.0.experts"
-        assert ": MISSED; first: layers.0.experts" in line
+        # The first differing forward was the eager one, and it is wrong wherever it runs.
+        assert replay["mode"] == "eager" and replay["replay_differs"]
+        assert replay["replay_max_abs"] > 0.0
+        assert "replayed eagerly: layers.0.experts (eager, 16 rows): differs, " in line
+        assert line.endswith(", layers.4.experts (not kept)")
+        # Inputs larger than the layer's first forward's are not kept.
+        assert found["replays"][2] == {"layer": "layers.4.experts", "kept": False}
+        ids, _ = make_routing(16, E, 3, seed=2)
+    else:
+        assert by["eager"]["9-64"]["differing"] == 0 and by["captured"]["9-64"]["differing"] == 2
+        # Kept from the captured forward; run again eagerly it is exact.
+        assert replay["mode"] == "captured" and not replay["replay_differs"]
+        assert replay["replay_max_abs"] == 0.0
+        assert "replayed eagerly: layers.0.experts (captured, 16 rows): exact, " in line
+        ids, _ = make_routing(16, E, 3, seed=3)
+    assert replay["ids"] == ids[:8].tolist()

@@ -66,6 +66,53 @@ class LayerShadow:
     differing: Any = None
     max_abs: Any = None
     skipped: str = ""
+    first: FirstDiffering | None = None
+
+
+@dataclasses.dataclass
+class FirstDiffering:
+    """The inputs of a layer's first forward whose bits differed, kept on the device for an
+    eager replay (:func:`counts`): ``x``, ``ids`` and ``weights`` sized for the layer's first
+    forward (vLLM's profile run, its largest step; a larger forward is not kept), ``rows`` and
+    ``mode`` (index into :data:`MODES`) of the forward kept, ``kept`` 1 once one is."""
+
+    x: Any
+    ids: Any
+    weights: Any
+    rows: Any
+    mode: Any
+    kept: Any
+
+    @classmethod
+    def like(cls, x: Any, ids: Any, weights: Any) -> FirstDiffering:
+        import torch
+
+        def scalar() -> Any:
+            return torch.zeros((), dtype=torch.int64, device=x.device)
+
+        return cls(
+            torch.zeros_like(x),
+            torch.zeros_like(ids),
+            torch.zeros_like(weights),
+            scalar(),
+            scalar(),
+            scalar(),
+        )
+
+    def keep(self, differs: Any, x: Any, ids: Any, weights: Any, mode: int) -> None:
+        """Keep these inputs if the forward differs and none is kept yet: elementwise selects
+        on the device, nothing read on the host (captured with the forward)."""
+        import torch
+
+        rows = int(x.shape[0])
+        if rows > self.x.shape[0] or ids.dtype != self.ids.dtype:
+            return
+        take = differs & (self.kept == 0)
+        for kept, new in ((self.x, x), (self.ids, ids), (self.weights, weights)):
+            kept[:rows] = torch.where(take, new, kept[:rows])
+        self.rows.copy_(torch.where(take, rows, self.rows))
+        self.mode.copy_(torch.where(take, mode, self.mode))
+        self.kept.copy_(torch.where(take, 1, self.kept))
 
 
 def capturing() -> bool:
@@ -75,7 +122,9 @@ def capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _layer_shadow(method: Any, provider: Any, x: Any, shared: Any) -> LayerShadow:
+def _layer_shadow(
+    method: Any, provider: Any, x: Any, ids: Any, weights: Any, shared: Any
+) -> LayerShadow:
     """The layer's :class:`LayerShadow`, built at its first cached forward (vLLM's profile run,
     before any capture: the counters must not be allocated inside one)."""
     found: LayerShadow | None = vars(method).get(_ATTRIBUTE)
@@ -98,12 +147,20 @@ def _layer_shadow(method: Any, provider: Any, x: Any, shared: Any) -> LayerShado
         found.forwards = torch.zeros(shape, dtype=torch.int64, device=x.device)
         found.differing = torch.zeros(shape, dtype=torch.int64, device=x.device)
         found.max_abs = torch.zeros(shape, dtype=torch.float32, device=x.device)
+        found.first = FirstDiffering.like(x, ids, weights)
     vars(method)[_ATTRIBUTE] = found
     return found
 
 
-def _count(shadow: LayerShadow, reference: Any, cached: Any, captured: bool) -> None:
-    """Add one forward to the counters, on the device (captured with the forward)."""
+def _count(
+    shadow: LayerShadow,
+    reference: Any,
+    cached: Any,
+    captured: bool,
+    inputs: tuple[Any, Any, Any],
+) -> None:
+    """Add one forward to the counters and keep its ``inputs`` (``x, ids, weights``) if it is
+    the layer's first to differ, on the device (captured with the forward)."""
     import torch
 
     cell = (MODES.index("captured" if captured else "eager"), bucket_of(int(cached.shape[0])))
@@ -112,6 +169,13 @@ def _count(shadow: LayerShadow, reference: Any, cached: Any, captured: bool) -> 
     shadow.forwards[cell] += 1
     shadow.differing[cell] += differs.to(torch.int64)
     shadow.max_abs[cell] = torch.maximum(shadow.max_abs[cell], gap)
+    if shadow.first is not None:
+        x, ids, weights = inputs
+        shadow.first.keep(differs, x, ids, weights, cell[0])
+
+
+_UNSHADOWED = "_unshadowed"
+"""The attribute of the wrapped forward that holds the plugin's own (for the replay)."""
 
 
 def install() -> None:
@@ -133,7 +197,7 @@ def install() -> None:
         shared_experts: Any,
         shared_experts_input: Any,
     ) -> Any:
-        shadow = _layer_shadow(self, provider, x, shared_experts)
+        shadow = _layer_shadow(self, provider, x, topk_ids, topk_weights, shared_experts)
         reference = None
         if shadow.whole is not None:
             # Before the cached forward: the input is as the layer got it.
@@ -144,10 +208,11 @@ def install() -> None:
             self, provider, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input
         )
         if reference is not None:
-            _count(shadow, reference, out, capturing())
+            _count(shadow, reference, out, capturing(), (x, topk_ids, topk_weights))
         return out
 
     shadowed._shadowed = True  # type: ignore[attr-defined]
+    setattr(shadowed, _UNSHADOWED, original)
     CachedForward._cached_apply = shadowed  # type: ignore[method-assign]
 
 
@@ -161,8 +226,10 @@ def installed() -> bool:
 def counts(model: Any) -> dict[str, Any]:
     """The shadow check's counters over the model's cached layers: ``{"layers": checked,
     "skipped": {why: n}, "buckets": [names], "by": {mode: {bucket: {"forwards", "differing",
-    "layers_differing", "max_abs"}}}, "first_differing": [up to 5 layer names]}``; a layer
-    that never ran a cached forward counts as skipped ("no forward")."""
+    "layers_differing", "max_abs"}}}, "first_differing": [up to 5 layer names], "replays":
+    [each of those layers' first differing forward run again eagerly, :func:`replay`]}``; a
+    layer that never ran a cached forward counts as skipped ("no forward"). Read the counters
+    before anything else runs a forward: the replays move the cache."""
     import torch
 
     names = bucket_names()
@@ -176,6 +243,7 @@ def counts(model: Any) -> dict[str, Any]:
     layers = 0
     skipped: dict[str, int] = {}
     first: list[str] = []
+    replays: list[dict[str, Any]] = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "rowcache_provider", None) is None:
@@ -200,10 +268,43 @@ def counts(model: Any) -> dict[str, Any]:
                 cell["max_abs"] = max(cell["max_abs"], float(gaps[m][b]))
         if any(v for row in differing for v in row) and len(first) < 5:
             first.append(name)
+            replays.append({"layer": name, **replay(method, module, shadow)})
     return {
         "layers": layers,
         "skipped": skipped,
         "buckets": names,
         "by": by,
         "first_differing": first,
+        "replays": replays,
+    }
+
+
+def replay(method: Any, module: Any, shadow: LayerShadow) -> dict[str, Any]:
+    """The layer's first differing forward (:class:`FirstDiffering`) run again eagerly, the
+    plugin's cached forward (unwrapped) beside the reference, on its kept inputs: whether it
+    differs again tells a route that the forward gets wrong wherever it runs from one that
+    only the forward's first run got wrong (captured, or with the cache's state of then).
+    ``{"kept": False}`` where the forward was larger than the first one (nothing kept)."""
+    import torch
+
+    kept = shadow.first
+    if kept is None or int(kept.kept.item()) == 0:
+        return {"kept": False}
+    assert shadow.whole is not None
+    rows = int(kept.rows.item())
+    x, ids, weights = kept.x[:rows], kept.ids[:rows], kept.weights[:rows]
+    from rowcache.vllm._method import CachedForward
+
+    forward = getattr(CachedForward._cached_apply, _UNSHADOWED, CachedForward._cached_apply)
+    reference = probes.reference_forward(method, module, shadow.whole, x, weights, ids)
+    cached = forward(method, method.rowcache_provider, module, x, weights, ids, None, None)
+    equal = torch.equal(reference.view(torch.int16), cached.view(torch.int16))
+    gap = float((reference.float() - cached.float()).abs().amax().item())
+    return {
+        "kept": True,
+        "rows": rows,
+        "mode": MODES[int(kept.mode.item())],
+        "ids": kept.ids[: min(rows, 8)].tolist(),
+        "replay_differs": not equal,
+        "replay_max_abs": gap,
     }

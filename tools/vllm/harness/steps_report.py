@@ -878,12 +878,26 @@ def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
             cells.append(text)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(found.get("skipped", {}).items()))
     first = found.get("first_differing") or []
+    replays = [
+        f"{r['layer']} ("
+        + (
+            f"{r['mode']}, {r['rows']} rows): {'differs' if r['replay_differs'] else 'exact'}"
+            if r.get("kept")
+            else "not kept)"
+        )
+        for r in found.get("replays") or []
+    ]
     return (
         f"  shadow check of {label} (speeds not the cache's): forwards differing from vLLM's "
         f"kernel over the whole set of {found['layers']} layers"
         + (f", {skipped} skipped" if skipped else "")
         + f" ({'; '.join(cells) or 'none ran'}): {'MISSED' if differing else 'met'}"
         + (f"; first: {', '.join(first)}" if first else "")
+        + (
+            f"; their first differing forward replayed eagerly: {', '.join(replays)}"
+            if replays
+            else ""
+        )
     )
 
 
