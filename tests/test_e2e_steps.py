@@ -1189,6 +1189,7 @@ def test_run_shadow_reaches_every_cache_engines_job(
         return 0
 
     monkeypatch.setattr(orchestrate, "run", fake_run)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() reorders it for its imports
     argv = ["run", "--out", str(tmp_path), "--phases", "gpt_oss", *(["--shadow"] * flag)]
     assert e2e.main(argv) == 0
     assert asked["shadow"] is flag
