@@ -13,7 +13,7 @@ import pytest
 from tools.vllm import deepseek_layout as dl
 from tools.vllm import make_moe_checkpoint as mk
 from tools.vllm import shards
-from tools.vllm.harness import checkpoints, engines, phases, steps_report
+from tools.vllm.harness import checkpoints, engines, orchestrate, phases, steps_report
 from tools.vllm.harness.specs import EngineSpec, Mode, OffloadBackend, Planner
 
 
@@ -61,7 +61,9 @@ def test_models_phase_engines() -> None:
         "models.ds2lite.row32dev.full",
         "models.ds2lite.uva1341.full",
         "models.ds2lite.row16devlfu.full",  # the quarter's cache, victims by count
-        "models.ds2lite.row16devlfuraw.full",  # the same on raw bytes (planes by default): last
+        "models.ds2lite.row16devlfuraw.full",  # the same on raw bytes (planes by default)
+        "models.ds2lite.none.eager",  # on demand: the half's cache and its reference, eager
+        "models.ds2lite.row32dev.eager",
     ]
     # Skewed: the quarter's pair first (the targets), then its token reference.
     assert [s.name.split(".", 2)[2] for s in skew] == [
@@ -73,11 +75,15 @@ def test_models_phase_engines() -> None:
         "uva1341.full",
         "row16devlfu.full",
         "row16devlfuraw.full",
+        "none.eager",
+        "row32dev.eager",
     ]
     for spec in plain + skew:
         prefix = engines.MODELS_PREFIX[spec.checkpoint]
-        assert spec.compare_with == (f"{prefix}.none.full",)
-        assert spec.mode is Mode.DEFAULT and spec.workload == engines.MODELS_WORKLOAD
+        eager = spec.name.endswith(".eager")
+        assert spec.compare_with == (f"{prefix}.none.{'eager' if eager else 'full'}",)
+        assert spec.mode is (Mode.EAGER if eager else Mode.DEFAULT)
+        assert spec.on_demand is eager and spec.workload == engines.MODELS_WORKLOAD
         assert spec.max_num_batched_tokens >= spec.workload.prefill_tokens
         assert spec.max_model_len > spec.workload.prefill_tokens
         assert spec.time_once_s > 0
@@ -96,7 +102,14 @@ def test_models_phase_engines() -> None:
         (160, 220),
         (160, 220),
     ]
-    lfu, raw = plain[-2].knob, plain[-1].knob
+    # The eager pair runs only where --only names it.
+    runner = orchestrate.Run(Path("/o"), Path("/w"), 0.0, False, lambda: True)
+    assert [s.name for s in runner.picked(plain)] == [s.name for s in plain[:-2]]
+    runner.only = ("none.eager", "row32dev.eager")
+    assert runner.picked(plain) == plain[-2:]
+    assert plain[-1].knob is not None and plain[-1].knob.size == 32  # the half
+    assert "row32dev.eager" in engines.BUDGETED_LABELS and "none.eager" in engines.BUDGETED_LABELS
+    lfu, raw = plain[-4].knob, plain[-3].knob
     assert lfu is not None and lfu.size == 16 and lfu.planner is Planner.DEVICE
     assert lfu.config()["moe_expert_cache_policy"] == "lfu"
     assert "moe_expert_cache_compress" not in lfu.config()  # the default: planes
@@ -187,6 +200,9 @@ def test_targets_met_and_missed() -> None:
     for label in ("row16devlfu.full", "row16devlfuraw.full"):
         assert f"tokens {label} identical to none.full (b1, b8, ttft): met" in lines
         assert f"slots of {label} byte-identical to their host bytes (416 slots" in lines
+    # On demand, the half's cache and no offload in eager mode: b8 wants a control.
+    eager = "tokens row32dev.eager identical to none.eager (b1, ttft): met; b8 not judged: no "
+    assert eager + "control of its reference in this run" in lines
     # The control: no offload run again; a diverging control is reported, not hidden.
     assert "tokens none2.full identical to none.full (b1, b8, ttft): met" in lines
     control = "models.ds2lite.none2.full"
@@ -391,6 +407,8 @@ def test_reduced_deepseek_v3_phases() -> None:
         "models.ds3.row128dev.full",
         "models.ds3.uva450.full",
         "models.ds3.row64devlfu.full",
+        "models.ds3.none.eager",  # on demand
+        "models.ds3.row128dev.eager",
     ]
     for spec in engines.models(engines.DS3) + engines.models(engines.DS3_SKEW):
         assert spec.quantized  # the run checks for vLLM's quantization packages first
@@ -417,6 +435,8 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
         "models.qwen48fp8.row64dev.full",
         "models.qwen48fp8.uva1350.full",
         "models.qwen48fp8.row32devlfu.full",
+        "models.qwen48fp8.none.eager",  # on demand
+        "models.qwen48fp8.row64dev.eager",
     ]
     for spec in engines.models(engines.QWEN48_FP8) + engines.models(engines.QWEN48_FP8_SKEW):
         assert spec.quantized and spec.model_runner_v1
@@ -478,6 +498,8 @@ def test_gpt_oss_phases() -> None:
         "uva516marlin.full",
         "nonemarlin2.full",  # the baseline's control, after the targets
         "row8devlfu.full",  # the quarter's cache with victims by request count
+        "none.eager",  # on demand: the half's cache and its reference without graphs
+        "row16dev.eager",
     ]
     for spec in specs + engines.models(engines.GPT_OSS_SKEW):
         assert spec.quantized and spec.model_runner_v1
@@ -485,7 +507,9 @@ def test_gpt_oss_phases() -> None:
         marlin = spec.offload is not None or ".nonemarlin" in spec.name
         want = "marlin" if marlin else "triton_unfused"
         assert child.engine_kwargs(spec, "/w/g")["moe_backend"] == want
-        reference = "nonemarlin.full" if marlin else "none.full"
+        eager = spec.mode is Mode.EAGER
+        assert child.engine_kwargs(spec, "/w/g").get("enforce_eager", False) is eager
+        reference = "nonemarlin.full" if marlin else "none.eager" if eager else "none.full"
         assert spec.compare_with == (f"{prefix}.{reference}",)
         # At least the slots' expert memory stays on the GPU in every offloading engine.
         assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9

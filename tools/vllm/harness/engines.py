@@ -843,6 +843,18 @@ class ModelEngine(NamedTuple):
     offload: Offload | None
     backend: str | None
     reference: str | None
+    mode: Mode = Mode.DEFAULT
+    on_demand: bool = False
+    """Run only where ``run --only`` names it (``EngineSpec.on_demand``)."""
+
+
+EAGER_REFERENCE = "none.eager"
+"""No offload in eager mode: the reference of a model's eager diagnostic (:func:`eager_label`)."""
+
+
+def eager_label(slots: int) -> str:
+    """``row16dev.eager``: ``row_label``'s engine without CUDA graphs or compilation."""
+    return row_label(slots).replace(".full", ".eager")
 
 
 class ModelRoles(NamedTuple):
@@ -926,8 +938,24 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
         lfu_raw = replace(lfu, compress="off")
         label = lfu_raw_label(budget.slots(QUARTER))
         raw.append(ModelEngine(label, lfu_raw, None, cache_backend, reference))
+    # On demand only, a diagnostic: the half's cache and no offload in eager mode, where their
+    # tokens meet without CUDA graphs or compilation (the half's cache in full graphs gave
+    # other tokens than no offload on gpt-oss, docs/GPT_OSS.md).
+    half = Knob(size=budget.slots(HALF), provider=Provider.ROW, planner=Planner.DEVICE)
+    eager = [
+        ModelEngine(EAGER_REFERENCE, None, None, cache_backend, None, Mode.EAGER, True),
+        ModelEngine(
+            eager_label(budget.slots(HALF)),
+            half,
+            None,
+            cache_backend,
+            EAGER_REFERENCE,
+            Mode.EAGER,
+            True,
+        ),
+    ]
     # The baseline's control after the targets: it tells noise from UVA's own effect.
-    return [*out, *extra_controls, by_count, *raw]
+    return [*out, *extra_controls, by_count, *raw, *eager]
 
 
 def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
@@ -961,7 +989,8 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
                 checkpoint=checkpoint,
                 prompts=(QWEN_PROMPT,),
                 max_tokens=work.decode_tokens,
-                mode=Mode.DEFAULT,
+                mode=engine.mode,
+                on_demand=engine.on_demand,
                 knob=engine.knob,
                 repeats=work.repeats,
                 max_model_len=work.prefill_tokens + 256,

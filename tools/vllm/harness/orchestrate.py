@@ -377,8 +377,12 @@ class Run:
         return results
 
     def picked(self, specs: list[EngineSpec]) -> list[EngineSpec]:
-        """The engines of ``specs`` that ``--only`` names (all without it), with ``--repeats``."""
-        picked = [s for s in specs if _label(s) in self.only] if self.only else specs
+        """The engines of ``specs`` that ``--only`` names (without it all but those run on
+        demand, ``EngineSpec.on_demand``), with ``--repeats``."""
+        if self.only:
+            picked = [s for s in specs if _label(s) in self.only]
+        else:
+            picked = [s for s in specs if not s.on_demand]
         return [with_repeats(s, self.repeats) for s in picked]
 
     def to_run(self, specs: list[EngineSpec]) -> list[EngineSpec]:

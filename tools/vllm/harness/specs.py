@@ -345,6 +345,8 @@ class EngineSpec:
     with less time left; 0: no estimate)."""
     time_full_s: float = 0.0
     """Estimated seconds to start and run every measurement with all its repeats."""
+    on_demand: bool = False
+    """A diagnostic engine of a budgeted phase: it runs only where ``run --only`` names it."""
 
     @property
     def graphs(self) -> bool:

@@ -574,7 +574,8 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             lines += found
     lines += offloaded_lines(results, prefix, budget)
     lines += link_lines(results, prefix, budget)
-    cached = (row_q, row_h, lfu, *((raw,) if budget.planes else ()))
+    eager = engines.eager_label(budget.slots(engines.HALF))  # on demand only
+    cached = (row_q, row_h, lfu, *((raw,) if budget.planes else ()), eager)
     controls = engines.controls(budget)
     checked = control_check(results, prefix, controls)
     for label in controls:
