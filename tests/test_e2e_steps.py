@@ -544,6 +544,33 @@ def test_the_first_engine_that_starts_gets_the_first_engines_time(
     assert run.started_any
 
 
+def test_the_first_engine_on_a_fresh_machine_gets_its_cold_start(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A work directory no engine has run under (no ``vcache``) means empty compile caches:
+    the call's first engine gets ``COLD_START_S`` beyond ``FIRST_ENGINE_S``, the next none."""
+    out, work, clock, given = _fake_budget(tmp_path, monkeypatch)
+    assert orchestrate.cold_machine(work)
+    orchestrate.engine_cache_root(work, "steps.plain.none.full")
+    assert not orchestrate.cold_machine(work)
+    phase = next(p for p in phases.PHASES if p.name == "steps")
+    specs = [s for s in phase.engines({}) if s.name.endswith((".none.full", ".uva675.full"))]
+    deadlines = {}
+    for cold in (True, False):
+        given.clear()
+        clock[0] = 0.0
+        run = orchestrate.Run(out, work, 900.0, False, lambda: True, cold=cold)
+        run.budgeted(specs)
+        deadlines[cold] = [deadline for _, deadline in given]
+    # With time enough each ends at 1.5 x its full estimate, the first's with its extra.
+    extra = orchestrate.FIRST_ENGINE_S + orchestrate.COLD_START_S
+    none, uva = specs
+    assert deadlines[True][0] == 1.5 * (none.time_full_s + extra)
+    assert deadlines[False][0] == 1.5 * (none.time_full_s + orchestrate.FIRST_ENGINE_S)
+    for cold in (True, False):  # the second starts where the first's once ended: no extra
+        assert deadlines[cold][1] == none.time_once_s + 1.5 * uva.time_full_s
+
+
 def test_an_engine_without_an_estimate_is_not_capped(tmp_path: Path, monkeypatch: Any) -> None:
     """``time_full_s`` 0 means no estimate with every repeat: the engine may use the call's
     time (after the first engine's extra, its ``once`` still counts)."""

@@ -73,6 +73,19 @@ the curve run of 2026-12-02 the first engine, given only its own estimate while 
 started inside it, used it all before its first measurement, and ran again in the next call."""
 
 
+COLD_START_S = 45.0
+"""What the first engine on a fresh machine takes beyond ``FIRST_ENGINE_S``: torch.compile,
+Inductor and Triton start from empty caches. On the H100 of 2026-12-06 gpt-oss-20b's first
+engine came up in 114.1 s and measured nothing within its 125 s; the same engine came up in
+52.3 s in the next call on that machine (records/2026-12-06-gpt-oss-half-uva.md)."""
+
+
+def cold_machine(work: Path) -> bool:
+    """Whether no engine has run under ``work`` yet (no engine cache root, ``vcache``): a
+    call's first engine then compiles from empty caches (``COLD_START_S``)."""
+    return not (work / "vcache").exists()
+
+
 def zygote_command() -> list[str]:
     """The zygote's command line (``harness/zygote.py``)."""
     return [sys.executable, str(E2E), "zygote"]
@@ -214,10 +227,14 @@ class Run:
         checkpoint_ready: Callable[[Checkpoint], bool] | None = None,
         earlier: Results | None = None,
         shadow: bool = False,
+        cold: bool = False,
     ) -> None:
         self.out = out
         self.shadow = shadow
         """``run --shadow``: every cache engine of this call under the shadow check."""
+        self.cold = cold
+        """The machine's caches are empty (:func:`cold_machine`): the first engine the call
+        starts gets ``COLD_START_S`` beyond ``FIRST_ENGINE_S``."""
         self.run_id = run_id
         """Written into every record: ratios are taken only between records of one run."""
         self.work = work
@@ -400,7 +417,9 @@ class Run:
                 results[spec.name] = self.done[spec.name]
                 continue
             later = [s.time_once_s for s in specs[i + 1 :] if s.name not in self.done]
-            extra = 0.0 if self.started_any else FIRST_ENGINE_S
+            extra = 0.0
+            if not self.started_any:
+                extra = FIRST_ENGINE_S + (COLD_START_S if self.cold else 0.0)
             once = spec.time_once_s + extra
             full = spec.time_full_s + extra if spec.time_full_s else 0.0  # 0: no estimate
             if self.use_zygote and self.deadline - time.time() >= once:
@@ -586,6 +605,7 @@ def run(
     deadline = start + deadline_s
     out.mkdir(parents=True, exist_ok=True)  # the profiled engines write into it
     work = work.resolve()
+    cold = cold_machine(work)  # before any engine makes its cache root
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     selected = phases.select(phase_names)
@@ -599,6 +619,7 @@ def run(
         "resume": resume,
         "repeats": repeats,
         "shadow": shadow,
+        "cold_start": cold,
     }
     earlier = read_records(work / RECORDS) if resume else []
     done = resumable(earlier)
@@ -641,6 +662,7 @@ def run(
         checkpoint_ready=build.ready,
         earlier=latest(earlier),
         shadow=shadow,
+        cold=cold,
     )
     try:
         for phase in selected:
