@@ -911,11 +911,13 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
     extra_controls = [
         ModelEngine(label, None, None, uva_backend, uva_reference) for label in controls(budget)[1:]
     ]
+    knobs: dict[float, Knob] = {}
     for fraction, row, uva in (
         (QUARTER, roles.row_quarter, roles.uva_quarter),
         (HALF, roles.row_half, roles.uva_half),
     ):
         knob = Knob(size=budget.slots(fraction), provider=Provider.ROW, planner=Planner.DEVICE)
+        knobs[fraction] = knob
         offload = Offload(
             OffloadBackend.UVA,
             cpu_offload_gb=budget.uva_offloaded_gib(fraction),
@@ -941,7 +943,7 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
     # On demand only, a diagnostic: the half's cache and no offload in eager mode, where their
     # tokens meet without CUDA graphs or compilation (the half's cache in full graphs gave
     # other tokens than no offload on gpt-oss, docs/GPT_OSS.md).
-    half = Knob(size=budget.slots(HALF), provider=Provider.ROW, planner=Planner.DEVICE)
+    half = knobs[HALF]
     eager = [
         ModelEngine(EAGER_REFERENCE, None, None, cache_backend, None, Mode.EAGER, True),
         ModelEngine(

@@ -164,8 +164,7 @@ def _count(
     import torch
 
     cell = (MODES.index("captured" if captured else "eager"), bucket_of(int(cached.shape[0])))
-    differs = (reference.view(torch.int16) != cached.view(torch.int16)).any()
-    gap = (reference.float() - cached.float()).abs().amax()
+    differs, gap = probes.bit_difference(reference, cached)
     shadow.forwards[cell] += 1
     shadow.differing[cell] += differs.to(torch.int64)
     shadow.max_abs[cell] = torch.maximum(shadow.max_abs[cell], gap)
@@ -184,7 +183,7 @@ def install() -> None:
     from rowcache.vllm._method import CachedForward
 
     original = CachedForward._cached_apply
-    if getattr(original, "_shadowed", False):
+    if hasattr(original, _UNSHADOWED):
         return
 
     def shadowed(
@@ -211,7 +210,6 @@ def install() -> None:
             _count(shadow, reference, out, capturing(), (x, topk_ids, topk_weights))
         return out
 
-    shadowed._shadowed = True  # type: ignore[attr-defined]
     setattr(shadowed, _UNSHADOWED, original)
     CachedForward._cached_apply = shadowed  # type: ignore[method-assign]
 
@@ -220,7 +218,7 @@ def installed() -> bool:
     """Whether :func:`install` has wrapped the plugin's cached forward in this process."""
     from rowcache.vllm._method import CachedForward
 
-    return bool(getattr(CachedForward._cached_apply, "_shadowed", False))
+    return hasattr(CachedForward._cached_apply, _UNSHADOWED)
 
 
 def counts(model: Any) -> dict[str, Any]:
@@ -242,7 +240,6 @@ def counts(model: Any) -> dict[str, Any]:
     }
     layers = 0
     skipped: dict[str, int] = {}
-    first: list[str] = []
     replays: list[dict[str, Any]] = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
@@ -266,15 +263,14 @@ def counts(model: Any) -> dict[str, Any]:
                 cell["differing"] += differing[m][b]
                 cell["layers_differing"] += differing[m][b] > 0
                 cell["max_abs"] = max(cell["max_abs"], float(gaps[m][b]))
-        if any(v for row in differing for v in row) and len(first) < 5:
-            first.append(name)
+        if any(v for row in differing for v in row) and len(replays) < 5:
             replays.append({"layer": name, **replay(method, module, shadow)})
     return {
         "layers": layers,
         "skipped": skipped,
         "buckets": names,
         "by": by,
-        "first_differing": first,
+        "first_differing": [r["layer"] for r in replays],
         "replays": replays,
     }
 
@@ -285,7 +281,6 @@ def replay(method: Any, module: Any, shadow: LayerShadow) -> dict[str, Any]:
     differs again tells a route that the forward gets wrong wherever it runs from one that
     only the forward's first run got wrong (captured, or with the cache's state of then).
     ``{"kept": False}`` where the forward was larger than the first one (nothing kept)."""
-    import torch
 
     kept = shadow.first
     if kept is None or int(kept.kept.item()) == 0:
@@ -298,13 +293,12 @@ def replay(method: Any, module: Any, shadow: LayerShadow) -> dict[str, Any]:
     forward = getattr(CachedForward._cached_apply, _UNSHADOWED, CachedForward._cached_apply)
     reference = probes.reference_forward(method, module, shadow.whole, x, weights, ids)
     cached = forward(method, method.rowcache_provider, module, x, weights, ids, None, None)
-    equal = torch.equal(reference.view(torch.int16), cached.view(torch.int16))
-    gap = float((reference.float() - cached.float()).abs().amax().item())
+    differs, gap = probes.bit_difference(reference, cached)
     return {
         "kept": True,
         "rows": rows,
         "mode": MODES[int(kept.mode.item())],
         "ids": kept.ids[: min(rows, 8)].tolist(),
-        "replay_differs": not equal,
-        "replay_max_abs": gap,
+        "replay_differs": bool(differs.item()),
+        "replay_max_abs": float(gap.item()),
     }
