@@ -1225,3 +1225,6 @@ def test_run_shadow_reaches_every_cache_engines_job(
     for spec in engines.models(engines.GPT_OSS):
         job = runner.job(spec, tmp_path)
         assert job.shadow is (flag and spec.caches), spec.name
+    # An engine without a workload (one timed generation) never reads the counters: none.
+    single = [s for s in engines.qwen8() if s.caches and s.workload is None]
+    assert single and not any(runner.job(s, tmp_path).shadow for s in single)

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--shadow",
         action="store_true",
-        help="every cache engine runs vLLM's kernel over the whole expert set beside each "
+        help="budgeted phases: every cache engine runs vLLM's kernel over the whole expert "
+        "set beside each "
         "cached forward and counts the forwards whose bits differ, eager and in CUDA graphs "
         "(harness/shadow.py): a diagnostic; its engines' speeds are not the cache's",
     )

@@ -231,7 +231,8 @@ class Run:
     ) -> None:
         self.out = out
         self.shadow = shadow
-        """``run --shadow``: every cache engine of this call under the shadow check."""
+        """``run --shadow``: every cache engine of this call that measures a workload (the
+        budgeted phases') under the shadow check."""
         self.cold = cold
         """The machine's caches are empty (:func:`cold_machine`): the first engine the call
         starts gets ``COLD_START_S`` beyond ``FIRST_ENGINE_S``."""
@@ -275,7 +276,8 @@ class Run:
             barrier_timeout=max(30.0, (deadline or self.deadline) - time.time() - 60),
             profile_out=profile_out,
             deadline=deadline,
-            shadow=self.shadow and spec.caches,
+            # Where its counters are read: a cache engine measuring a workload.
+            shadow=self.shadow and spec.caches and spec.workload is not None,
         )
 
     def launch(self, job: Job, alone: bool = False) -> EngineProcess:
