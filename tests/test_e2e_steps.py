@@ -309,12 +309,16 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path, monkeypatch: pytest.Monk
     assert asked_profile[0][2] == [{"prompt_token_ids": measure.decode_prompts(small, 1)[0]}]
 
     # With ``run --shadow``: the shadow check's counters are read after the measurements and
-    # before the exactness probe (whose own forwards the check would count); the job says so.
+    # before the exactness probe (whose own forwards the check would count), and the check is
+    # taken off in between (its counters take no forward outside inference mode); the job
+    # says so.
     asked.clear()
+    monkeypatch.setattr(shadow, "uninstall", lambda: asked.append("uninstalled"))
     shadowed = Job(spec, "/m", str(tmp_path), 30.0, shadow=True)
     assert Job.from_json(json.loads(json.dumps(shadowed.to_json()))) == shadowed
     child.workload(shadowed, LLM(), rpc, {}, saved.append, sampling)
-    assert asked[-2] is shadow.counts and asked[-1].func is probes.exactness
+    assert asked[-3] is shadow.counts and asked[-2] == "uninstalled"
+    assert asked[-1].func is probes.exactness
     assert shadow.counts not in asked[: asked.index(shadow.counts)]
 
     # The decode profile leaves time for the probes after the workload only where they run:

@@ -14,6 +14,7 @@ off) over the same checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -791,12 +792,23 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
     assert ": MISSED; first: layers.0.experts, layers.1.experts" in line
     replay = found["replays"][0]
     assert replay["layer"] == "layers.0.experts" and replay["kept"] and replay["rows"] == 16
+    # The reference repeats its bits and its set still holds the provider's; the cached
+    # forward repeats its own only on the exact route (a float32 sum's order follows the
+    # slots, which its first run moved).
+    assert not replay["reference_repeat_differs"]
+    assert replay["cached_repeat_differs"] is (route == "float32 sum")
+    assert replay["whole_set_changed"] == {}
+    assert replay["fresh_replay_differs"] is replay["replay_differs"]
     if route == "float32 sum":
         assert all(cell["differing"] > 0 and cell["max_abs"] > 0.0 for cell in cut)
         # The first differing forward was the eager one, and it is wrong wherever it runs.
         assert replay["mode"] == "eager" and replay["replay_differs"]
         assert replay["replay_max_abs"] > 0.0
-        assert "replayed eagerly: layers.0.experts (eager, 16 rows): differs, " in line
+        assert (
+            "replayed eagerly: layers.0.experts (eager, 16 rows): differs (the cached forward "
+            "gave other bits then; the cached forward repeats with other bits; over a fresh "
+            "copy: differs), " in line
+        )
         assert line.endswith(", layers.4.experts (not kept)")
         # Inputs larger than the layer's first forward's are not kept.
         assert found["replays"][2] == {"layer": "layers.4.experts", "kept": False}
@@ -806,6 +818,116 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
         # Kept from the captured forward; run again eagerly it is exact.
         assert replay["mode"] == "captured" and not replay["replay_differs"]
         assert replay["replay_max_abs"] == 0.0
-        assert "replayed eagerly: layers.0.experts (captured, 16 rows): exact, " in line
+        # The side that erred then: the cached forward, not the reference.
+        assert replay["then_cached_differs"] and not replay["then_reference_differs"]
+        assert (
+            "replayed eagerly: layers.0.experts (captured, 16 rows): exact (the cached "
+            "forward gave other bits then), " in line
+        )
         ids, _ = make_routing(16, E, 3, seed=3)
     assert replay["ids"] == ids[:8].tolist()
+
+
+@pytest.mark.parametrize("bug", ["none", "stale reference", "unsteady reference"])
+def test_the_shadow_replay_says_what_is_to_blame(
+    fake_mxfp4: Any, bug: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a kept forward differs again when replayed, the replay says whether the
+    reference's whole set still holds the provider's bytes (the experts that differ, by
+    tensor), whether either side gives other bits run twice, and whether the cached forward
+    meets the reference over a fresh copy. Seeded: one expert's values changed in the
+    reference's set after it was copied (named, and the fresh copy meets the cache); a kernel
+    whose every call over the whole set adds a little more (the reference's repeat differs)."""
+    from moe_reference import make_routing
+
+    from rowcache.vllm._method import CachedForward
+    from rowcache.vllm.mxfp4_slots import rewrapped
+    from tools.vllm.harness import shadow, steps_report
+
+    monkeypatch.setattr(CachedForward, "_cached_apply", CachedForward._cached_apply)
+    shadow.install()
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    method = layer.quant_method
+    if bug == "unsteady reference":
+        kernel = method.moe_kernel
+        apply, calls = kernel.apply, [0]
+
+        def drifting(**kw: Any) -> Any:  # over the whole set only: each call a bit more
+            out = apply(**kw)
+            if kw["expert_map"] is None:
+                calls[0] += 1
+                out = out * (1 + calls[0] / 64)
+            return out
+
+        kernel.apply = drifting
+
+    def forward(rows: int, seed: int, first_two: bool = False) -> None:
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed))
+        ids, weights = make_routing(rows, E, TOP_K, seed=seed)
+        if first_two:  # experts 0 and 1 on every row
+            ids = torch.tensor([[0, 1]] * rows, dtype=ids.dtype)
+        layer.quant_method.apply(layer, x.to(torch.bfloat16), weights, ids, None, None)
+
+    forward(16, seed=2)  # the layer's first forward: the reference's set is copied
+    if bug == "stale reference":
+        # On the CPU the reference's set is the provider's sources themselves (``.to`` the
+        # same device copies nothing): give it a copy of its own, expert 0's values changed.
+        kept = vars(method)["_rowcache_shadow"]
+        data = shadow.whole_set_tensors(kept.whole)["w13"]
+        own = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype).copy_(data)
+        own[0].bitwise_xor_(0x11)
+        kept.whole = dataclasses.replace(kept.whole, w13=rewrapped(kept.whole.w13, own))
+    forward(4, seed=3, first_two=True)
+    found = shadow.counts(SimpleNamespace(named_modules=lambda: iter([("layers.0", layer)])))
+    if bug == "none":
+        assert found["replays"] == []
+        return
+    replay = found["replays"][0]
+    assert replay["kept"] and replay["replay_differs"]
+    line = steps_report.shadow_line({"shadow": found}, "row3dev.full")
+    assert line is not None
+    if bug == "stale reference":
+        assert replay["whole_set_changed"] == {"w13": [0]}
+        assert not replay["fresh_replay_differs"] and replay["fresh_replay_max_abs"] == 0.0
+        assert not replay["reference_repeat_differs"] and not replay["cached_repeat_differs"]
+        assert "(reference's set changed since its copy: w13 expert 0; " in line
+        assert "over a fresh copy: exact)" in line
+    else:
+        assert replay["reference_repeat_differs"] and not replay["cached_repeat_differs"]
+        assert replay["whole_set_changed"] == {} and replay["fresh_replay_differs"]
+        assert replay["then_reference_differs"] and not replay["then_cached_differs"]
+        assert "(the reference gave other bits then; the reference repeats with other " in line
+
+
+def test_the_shadow_check_comes_off_before_the_probe(
+    fake_mxfp4: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM runs its forwards in inference mode, so the shadow's counters are inference
+    tensors; the exactness probe runs after them outside it (``llm.apply_model``), where a
+    shadowed forward cannot add to them (on a GPU, 2026-12-06: "Inplace update to inference
+    tensor outside InferenceMode"). ``uninstall`` gives the plugin its own forward back."""
+    from moe_reference import make_routing
+
+    from rowcache.vllm._method import CachedForward
+    from tools.vllm.harness import shadow
+
+    monkeypatch.setattr(CachedForward, "_cached_apply", CachedForward._cached_apply)
+    own = CachedForward._cached_apply
+    shadow.uninstall()  # not installed: nothing happens
+    assert CachedForward._cached_apply is own
+    shadow.install()
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+
+    def forward(rows: int) -> None:
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(0))
+        ids, weights = make_routing(rows, E, TOP_K, seed=0)
+        layer.quant_method.apply(layer, x.to(torch.bfloat16), weights, ids, None, None)
+
+    with torch.inference_mode():
+        forward(4)
+    # Two rows: the fake kernel's workspace of that shape is made outside inference mode.
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        forward(2)  # what the probe met
+    shadow.uninstall()
+    assert not shadow.installed() and CachedForward._cached_apply is own
+    forward(2)

@@ -222,8 +222,10 @@ def workload(
         prompts = [{"prompt_token_ids": p} for p in decode_prompts(spec.workload, 1)]
         profile_into(result, llm, spec.name, Path(job.profile_out), prompts)
     if job.shadow and spec.caches:
-        # Before the exactness probe, whose own forwards it would count.
+        # Before the exactness probe, whose own forwards it would count: read, then taken
+        # off (its counters take no forward outside vLLM's inference mode).
         result["shadow"] = rpc(shadow.counts, None)
+        shadow.uninstall()
     # Last: its random forwards move the cache (after the stats above are taken).
     if spec.caches and time.time() < deadline:
         result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)

@@ -26,7 +26,7 @@ from typing import Any
 
 from tools.vllm.harness import probes
 
-__all__ = ["MODES", "ROW_BOUNDS", "counts", "install", "installed"]
+__all__ = ["MODES", "ROW_BOUNDS", "counts", "install", "installed", "uninstall"]
 
 ROW_BOUNDS = (1, 8, 64, 512)
 """Upper bounds of the row buckets a forward is counted in (a last bucket takes the rest):
@@ -73,12 +73,15 @@ class LayerShadow:
 class FirstDiffering:
     """The inputs of a layer's first forward whose bits differed, kept on the device for an
     eager replay (:func:`counts`): ``x``, ``ids`` and ``weights`` sized for the layer's first
-    forward (vLLM's profile run, its largest step; a larger forward is not kept), ``rows`` and
-    ``mode`` (index into :data:`MODES`) of the forward kept, ``kept`` 1 once one is."""
+    forward (vLLM's profile run, its largest step; a larger forward is not kept), with the two
+    outputs it compared (``reference``, ``cached``, shaped as ``x``), ``rows`` and ``mode``
+    (index into :data:`MODES`) of the forward kept, ``kept`` 1 once one is."""
 
     x: Any
     ids: Any
     weights: Any
+    reference: Any
+    cached: Any
     rows: Any
     mode: Any
     kept: Any
@@ -94,21 +97,37 @@ class FirstDiffering:
             torch.zeros_like(x),
             torch.zeros_like(ids),
             torch.zeros_like(weights),
+            torch.zeros_like(x),
+            torch.zeros_like(x),
             scalar(),
             scalar(),
             scalar(),
         )
 
-    def keep(self, differs: Any, x: Any, ids: Any, weights: Any, mode: int) -> None:
-        """Keep these inputs if the forward differs and none is kept yet: elementwise selects
-        on the device, nothing read on the host (captured with the forward)."""
+    def keep(
+        self, differs: Any, inputs: tuple[Any, Any, Any], outputs: tuple[Any, Any], mode: int
+    ) -> None:
+        """Keep these ``inputs`` (``x, ids, weights``) and ``outputs`` (``reference,
+        cached``) if the forward differs and none is kept yet: elementwise selects on the
+        device, nothing read on the host (captured with the forward)."""
         import torch
 
+        x, ids, weights = inputs
+        reference, cached = outputs
         rows = int(x.shape[0])
         if rows > self.x.shape[0] or ids.dtype != self.ids.dtype:
             return
+        if reference.shape != x.shape or reference.dtype != x.dtype:
+            return
         take = differs & (self.kept == 0)
-        for kept, new in ((self.x, x), (self.ids, ids), (self.weights, weights)):
+        pairs = (
+            (self.x, x),
+            (self.ids, ids),
+            (self.weights, weights),
+            (self.reference, reference),
+            (self.cached, cached),
+        )
+        for kept, new in pairs:
             kept[:rows] = torch.where(take, new, kept[:rows])
         self.rows.copy_(torch.where(take, rows, self.rows))
         self.mode.copy_(torch.where(take, mode, self.mode))
@@ -169,8 +188,7 @@ def _count(
     shadow.differing[cell] += differs.to(torch.int64)
     shadow.max_abs[cell] = torch.maximum(shadow.max_abs[cell], gap)
     if shadow.first is not None:
-        x, ids, weights = inputs
-        shadow.first.keep(differs, x, ids, weights, cell[0])
+        shadow.first.keep(differs, inputs, (reference, cached), cell[0])
 
 
 _UNSHADOWED = "_unshadowed"
@@ -212,6 +230,18 @@ def install() -> None:
 
     setattr(shadowed, _UNSHADOWED, original)
     CachedForward._cached_apply = shadowed  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Give the plugin's cached forward back its own ``_cached_apply`` (after :func:`counts`):
+    the counters are inference tensors of vLLM's forwards, and a forward outside inference mode
+    (``probes.exactness`` through ``llm.apply_model``) could not add to them. Graphs captured
+    before keep the check they captured. Nothing happens where it is not installed."""
+    from rowcache.vllm._method import CachedForward
+
+    original = getattr(CachedForward._cached_apply, _UNSHADOWED, None)
+    if original is not None:
+        CachedForward._cached_apply = original  # type: ignore[method-assign]
 
 
 def installed() -> bool:
@@ -280,7 +310,18 @@ def replay(method: Any, module: Any, shadow: LayerShadow) -> dict[str, Any]:
     plugin's cached forward (unwrapped) beside the reference, on its kept inputs: whether it
     differs again tells a route that the forward gets wrong wherever it runs from one that
     only the forward's first run got wrong (captured, or with the cache's state of then).
-    ``{"kept": False}`` where the forward was larger than the first one (nothing kept)."""
+    ``{"kept": False}`` where the forward was larger than the first one (nothing kept).
+
+    ``then_reference_differs`` and ``then_cached_differs``: whether the side's output of the
+    forward kept differs from its output now (where the replay is exact, the side that erred
+    then). Where it differs again, what is to blame: ``reference_repeat_differs`` (vLLM's
+    kernel run twice on the same inputs gives other bits: the kernel is not deterministic),
+    ``cached_repeat_differs`` (likewise the cached forward, whose second run meets the cache in
+    the state its first left: the exact route's bits do not depend on it),
+    ``whole_set_changed`` (the experts whose bytes in the reference's whole set, copied at the
+    layer's first forward, differ from a copy of the provider's sources made now, by tensor)
+    and ``fresh_replay_differs`` (the cached forward against the reference over that fresh
+    copy)."""
 
     kept = shadow.first
     if kept is None or int(kept.kept.item()) == 0:
@@ -291,10 +332,17 @@ def replay(method: Any, module: Any, shadow: LayerShadow) -> dict[str, Any]:
     from rowcache.vllm._method import CachedForward
 
     forward = getattr(CachedForward._cached_apply, _UNSHADOWED, CachedForward._cached_apply)
-    reference = probes.reference_forward(method, module, shadow.whole, x, weights, ids)
-    cached = forward(method, method.rowcache_provider, module, x, weights, ids, None, None)
-    differs, gap = probes.bit_difference(reference, cached)
-    return {
+
+    def cached() -> Any:
+        return forward(method, method.rowcache_provider, module, x, weights, ids, None, None)
+
+    def reference(whole: probes.WholeSet) -> Any:
+        return probes.reference_forward(method, module, whole, x, weights, ids)
+
+    first_reference = reference(shadow.whole)
+    first_cached = cached()
+    differs, gap = probes.bit_difference(first_reference, first_cached)
+    found: dict[str, Any] = {
         "kept": True,
         "rows": rows,
         "mode": MODES[int(kept.mode.item())],
@@ -302,3 +350,69 @@ def replay(method: Any, module: Any, shadow: LayerShadow) -> dict[str, Any]:
         "replay_differs": bool(differs.item()),
         "replay_max_abs": float(gap.item()),
     }
+    # Which side gave other bits the first time: a side that differs from itself now.
+    found["then_reference_differs"] = bool(
+        probes.bit_difference(kept.reference[:rows], first_reference)[0].item()
+    )
+    found["then_cached_differs"] = bool(
+        probes.bit_difference(kept.cached[:rows], first_cached)[0].item()
+    )
+    found["reference_repeat_differs"] = bool(
+        probes.bit_difference(first_reference, reference(shadow.whole))[0].item()
+    )
+    found["cached_repeat_differs"] = bool(probes.bit_difference(first_cached, cached())[0].item())
+    fresh = probes.reference_weights(method, method.rowcache_provider, str(x.device))
+    if fresh is not None:
+        found["whole_set_changed"] = changed_experts(shadow.whole, fresh)
+        fresh_differs, fresh_gap = probes.bit_difference(reference(fresh), first_cached)
+        found["fresh_replay_differs"] = bool(fresh_differs.item())
+        found["fresh_replay_max_abs"] = float(fresh_gap.item())
+    return found
+
+
+def _torch_tensor(value: Any) -> Any:
+    """The torch tensor under a whole set's entry: itself, a triton_kernels wrapper's storage,
+    or a precision config's ``weight_scale``'s; None for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    storage = getattr(value, "storage", None)
+    if storage is not None and isinstance(getattr(storage, "data", None), torch.Tensor):
+        return storage.data
+    scale = getattr(value, "weight_scale", None)
+    return None if scale is None else _torch_tensor(scale)
+
+
+def whole_set_tensors(whole: probes.WholeSet) -> dict[str, Any]:
+    """A whole set's torch tensors by name (``w13``, ``w2``, ``w13.scale``, ``w2.bias``, ...),
+    each with the experts as its first dimension."""
+    named = {"w13": whole.w13, "w2": whole.w2}
+    for key, fields in (("w13", whole.w1_fields), ("w2", whole.w2_fields)):
+        named.update({f"{key}.{field}": value for field, value in fields.items()})
+    tensors = {name: _torch_tensor(value) for name, value in named.items()}
+    return {name: t for name, t in tensors.items() if t is not None}
+
+
+def changed_experts(before: probes.WholeSet, after: probes.WholeSet) -> dict[str, list[int]]:
+    """The experts whose bytes differ between two copies of a whole set, by tensor (a tensor
+    whose shape or dtype differs: every expert)."""
+    import torch
+
+    old, new = whole_set_tensors(before), whole_set_tensors(after)
+    changed: dict[str, list[int]] = {}
+    for name in sorted(old.keys() | new.keys()):
+        a, b = old.get(name), new.get(name)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            count = max(int(t.shape[0]) for t in (a, b) if t is not None)
+            changed[name] = list(range(count))
+            continue
+        experts = int(a.shape[0])
+
+        def rows(t: Any, n: int = experts) -> Any:
+            return t.contiguous().view(torch.uint8).reshape(n, -1)
+
+        differ = (rows(a) != rows(b)).any(dim=1).nonzero().flatten().tolist()
+        if differ:
+            changed[name] = differ
+    return changed

@@ -882,7 +882,8 @@ def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
     replays = [
         f"{r['layer']} ("
         + (
-            f"{r['mode']}, {r['rows']} rows): {'differs' if r['replay_differs'] else 'exact'}"
+            f"{r['mode']}, {r['rows']} rows): "
+            + (f"differs{_blame(r)}" if r["replay_differs"] else f"exact{_then(r)}")
             if r.get("kept")
             else "not kept)"
         )
@@ -900,6 +901,46 @@ def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
             else ""
         )
     )
+
+
+def _then(replay: dict[str, Any]) -> str:
+    """Which side of a replay that is exact now gave other bits in the forward kept
+    (``shadow.replay``), in parentheses; empty where neither did (or it was not recorded)."""
+    sides = [
+        side
+        for side, key in (
+            ("the reference", "then_reference_differs"),
+            ("the cached forward", "then_cached_differs"),
+        )
+        if replay.get(key)
+    ]
+    return f" ({' and '.join(sides)} gave other bits then)" if sides else ""
+
+
+def _blame(replay: dict[str, Any]) -> str:
+    """What a replay that differs again says of its cause (``shadow.replay``), in parentheses;
+    empty where it says nothing."""
+    said = [_then(replay)[2:-1]] if _then(replay) else []
+    if replay.get("reference_repeat_differs"):
+        said.append("the reference repeats with other bits")
+    if replay.get("cached_repeat_differs"):
+        said.append("the cached forward repeats with other bits")
+    changed = replay.get("whole_set_changed") or {}
+    if changed:
+        said.append(
+            "reference's set changed since its copy: "
+            + ", ".join(
+                f"{name} expert{'s' if len(ids) > 1 else ''} "
+                + ", ".join(str(i) for i in ids[:8])
+                + (f" (+{len(ids) - 8})" if len(ids) > 8 else "")
+                for name, ids in changed.items()
+            )
+        )
+    if "fresh_replay_differs" in replay:
+        said.append(
+            "over a fresh copy: " + ("differs" if replay["fresh_replay_differs"] else "exact")
+        )
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def launch_flags_lines(found: dict[str, Any]) -> str:
