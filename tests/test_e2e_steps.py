@@ -30,6 +30,7 @@ from tools.vllm.harness import (
     probes,
     shadow,
     steps_report,
+    trace,
 )
 from tools.vllm.harness.measure import Completion
 from tools.vllm.harness.specs import EngineSpec, Job, Mode, Planner, Workload
@@ -320,6 +321,26 @@ def test_child_workload_with_a_fake_llm(tmp_path: Path, monkeypatch: pytest.Monk
     assert asked[-3] is shadow.counts and asked[-2] == "uninstalled"
     assert asked[-1].func is probes.exactness
     assert shadow.counts not in asked[: asked.index(shadow.counts)]
+
+    # With ``run --trace``: on over the first generation only (the same in every engine), read
+    # after the measurements, then taken off.
+    asked.clear()
+    generated: list[int] = []
+    llm = LLM()
+    real_generate = llm.generate
+
+    def counted(batch: list[Any], sp: Any, use_tqdm: bool = False) -> list[Any]:
+        generated.append(len(asked))
+        return real_generate(batch, sp, use_tqdm)
+
+    llm.generate = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(trace, "uninstall", lambda: asked.append("untraced"))
+    traced = Job(spec, "/m", str(tmp_path), 30.0, trace=True)
+    assert Job.from_json(json.loads(json.dumps(traced.to_json()))) == traced
+    child.workload(traced, llm, rpc, {}, saved.append, sampling)
+    assert asked[:2] == [trace.start, trace.stop] and generated[0] == 1
+    assert asked.count(trace.start) == 1 and asked.count(trace.stop) == 1
+    assert asked[asked.index(trace.read) + 1] == "untraced"
 
     # The decode profile leaves time for the probes after the workload only where they run:
     # a cache engine's, not no offload's.
@@ -1203,6 +1224,35 @@ def test_only_weights_in_the_allocator_s_segments_count_as_gpu_memory() -> None:
     assert all(probes.in_segments(a, segments) for a in inside)
     assert not any(probes.in_segments(a, segments) for a in outside)
     assert not probes.in_segments(1000, [])
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_run_trace_reaches_every_workload_engines_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: bool
+) -> None:
+    """``e2e.py run --trace`` hands the orchestrator ``trace=True``, which puts it into the job
+    of every engine measuring a workload, the cache's and its references alike."""
+    from tools.vllm import e2e
+
+    asked: dict[str, Any] = {}
+
+    def fake_run(*args: Any, **kwargs: Any) -> int:
+        asked.update(kwargs)
+        return 0
+
+    monkeypatch.setattr(orchestrate, "run", fake_run)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() reorders it for its imports
+    argv = ["run", "--out", str(tmp_path), "--phases", "gpt_oss", *(["--trace"] * flag)]
+    assert e2e.main(argv) == 0
+    assert asked["trace"] is flag
+    runner = orchestrate.Run(tmp_path, tmp_path, time.time() + 60, False, lambda: True)
+    runner.trace = flag
+    models = engines.models(engines.GPT_OSS)
+    assert any(not s.caches for s in models) and any(s.caches for s in models)
+    for spec in models:
+        assert runner.job(spec, tmp_path).trace is flag, spec.name
+    single = [s for s in engines.qwen8() if s.workload is None]
+    assert single and not any(runner.job(s, tmp_path).trace for s in single)
 
 
 @pytest.mark.parametrize("flag", [True, False])

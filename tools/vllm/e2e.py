@@ -190,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         "cached forward and counts the forwards whose bits differ, eager and in CUDA graphs "
         "(harness/shadow.py): a diagnostic; its engines' speeds are not the cache's",
     )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="budgeted phases: every engine keeps digests of each MoE layer's input, routes "
+        "and output over its first generation (harness/trace.py); the summary names the first "
+        "forward where a cache engine's differ from its no-offload reference's",
+    )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
         if not ns.inputs:
@@ -213,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.repeats,
         not ns.no_zygote,
         shadow=ns.shadow,
+        trace=ns.trace,
     )
 
 

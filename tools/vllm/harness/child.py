@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from tools.vllm.harness import jit_count, kernel_profile, probes, shadow
+from tools.vllm.harness import jit_count, kernel_profile, probes, shadow, trace
 from tools.vllm.harness.jit_count import JitCounter
 from tools.vllm.harness.measure import Completion, decode_prompts, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
@@ -185,10 +185,19 @@ def workload(
     assert spec.workload is not None
     deadline = (job.deadline or time.time() + 3600.0) - DEADLINE_MARGIN_S
 
+    tracing = [job.trace]  # the first generation only: the same in every engine
+
     def generate(prompts: list[list[int]], max_tokens: int) -> list[Completion]:
         sp = sampling(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
         batch = [{"prompt_token_ids": p} for p in prompts]
-        return completions(llm.generate(batch, sp, use_tqdm=False))
+        if tracing[0]:
+            rpc(trace.start, None)
+        try:
+            return completions(llm.generate(batch, sp, use_tqdm=False))
+        finally:
+            if tracing[0]:
+                tracing[0] = False
+                rpc(trace.stop, None)
 
     def stats() -> list[dict[str, Any]] | None:
         found: list[dict[str, Any]] | None = rpc(probes.stats, None) if spec.caches else None
@@ -221,6 +230,9 @@ def workload(
         # After every measurement, as in ``single``: where a decode step's host time goes.
         prompts = [{"prompt_token_ids": p} for p in decode_prompts(spec.workload, 1)]
         profile_into(result, llm, spec.name, Path(job.profile_out), prompts)
+    if job.trace:
+        result["trace"] = rpc(trace.read, None)
+        trace.uninstall()
     if job.shadow and spec.caches:
         # Before the exactness probe, whose own forwards it would count: read, then taken
         # off (its counters take no forward outside vLLM's inference mode).
@@ -345,6 +357,13 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
                     "in another (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
                 )
             shadow.install()  # before the engine: its graphs capture the check
+        if job.trace:
+            if multiprocess:
+                raise RuntimeError(
+                    "--trace patches vLLM in this process, and this engine's core runs in "
+                    "another (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
+                )
+            trace.install()  # before the engine: its graphs capture the trace
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)

@@ -228,11 +228,15 @@ class Run:
         earlier: Results | None = None,
         shadow: bool = False,
         cold: bool = False,
+        trace: bool = False,
     ) -> None:
         self.out = out
         self.shadow = shadow
         """``run --shadow``: every cache engine of this call that measures a workload (the
         budgeted phases') under the shadow check."""
+        self.trace = trace
+        """``run --trace``: every engine of this call that measures a workload traces its MoE
+        layers over its first generation."""
         self.cold = cold
         """The machine's caches are empty (:func:`cold_machine`): the first engine the call
         starts gets ``COLD_START_S`` beyond ``FIRST_ENGINE_S``."""
@@ -278,6 +282,8 @@ class Run:
             deadline=deadline,
             # Where its counters are read: a cache engine measuring a workload.
             shadow=self.shadow and spec.caches and spec.workload is not None,
+            # Every engine measuring a workload: the cache's and its references alike.
+            trace=self.trace and spec.workload is not None,
         )
 
     def launch(self, job: Job, alone: bool = False) -> EngineProcess:
@@ -602,6 +608,7 @@ def run(
     repeats: int | None = None,
     zygote: bool = False,
     shadow: bool = False,
+    trace: bool = False,
 ) -> int:
     start = time.time()
     deadline = start + deadline_s
@@ -621,6 +628,7 @@ def run(
         "resume": resume,
         "repeats": repeats,
         "shadow": shadow,
+        "trace": trace,
         "cold_start": cold,
     }
     earlier = read_records(work / RECORDS) if resume else []
@@ -665,6 +673,7 @@ def run(
         earlier=latest(earlier),
         shadow=shadow,
         cold=cold,
+        trace=trace,
     )
     try:
         for phase in selected:

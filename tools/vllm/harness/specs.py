@@ -411,6 +411,9 @@ class Job:
     not run)."""
     shadow: bool = False
     """``run --shadow``: a cache engine runs under the shadow check (``harness/shadow.py``)."""
+    trace: bool = False
+    """``run --trace``: the engine traces its MoE layers over its first generation
+    (``harness/trace.py``)."""
 
     def to_json(self) -> Json:
         return {
@@ -421,6 +424,7 @@ class Job:
             "profile_out": self.profile_out,
             "deadline": self.deadline,
             "shadow": self.shadow,
+            "trace": self.trace,
         }
 
     @classmethod

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, kernel_profile
+from tools.vllm.harness import engines, kernel_profile, trace
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -592,6 +592,9 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             shadow_line(record, label),
         ):
             lines += [line] if line is not None else []
+    for label in (*controls, uva_q, uva_h, *cached):
+        line = trace_line(results, prefix, label)
+        lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
 
@@ -900,6 +903,44 @@ def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
             if replays
             else ""
         )
+    )
+
+
+def trace_line(results: Results, prefix: str, label: str) -> str | None:
+    """The layer trace (``harness/trace.py``, ``run --trace``) of an engine against the
+    no-offload engine it is compared with, over the first generation: where they first part,
+    and what differs there; None where either has no trace."""
+    record = results.get(f"{prefix}.{label}") or {}
+    other = ((record.get("spec") or {}).get("compare_with") or [""])[0]
+    reference = results.get(other) or {}
+    ours, theirs = record.get("trace"), reference.get("trace")
+    if not ours or not theirs:
+        return None
+    found = trace.first_divergence(ours, theirs)
+    head = (
+        f"  layer trace of {label} against {other.removeprefix(prefix + '.')} (the first "
+        "generation, "
+        f"{found['forwards']} forwards in {found['layers']} layers)"
+    )
+    mismatched = found["mismatched"]
+    tail = f"; forward counts differ in {len(mismatched)} layers" if mismatched else ""
+    first = found["first"]
+    if first is None:
+        return f"{head}: every digest identical{tail}"
+    differ = first["differ"]
+    if "x" in differ:
+        where = "its input differs (from upstream)"
+    elif "ids" in differ or "weights" in differ:
+        where = (
+            "its input agrees, the router's "
+            + " and ".join(d for d in ("ids", "weights") if d in differ)
+            + " differ"
+        )
+    else:
+        where = "its input and routes agree, its output differs (the MoE op)"
+    return (
+        f"{head}: first differs at {first['layer']} forward {first['index']} "
+        f"({first['rows']} rows): {where}{tail}"
     )
 
 
