@@ -185,3 +185,19 @@ def test_first_divergence_names_where_two_engines_part(
         assert first["differ"] == ["ids", "out"]
         assert line.endswith("its input agrees, the router's ids differ")
     assert steps_report.trace_line({"p.row.full": {"spec": {}}}, "p", "row.full") is None
+
+
+def test_a_trace_that_kept_nothing_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traces whose switch never came on (no forward while it was on) compare nothing, and the
+    line says so rather than "identical"."""
+    empty = _traced(monkeypatch, [1.0, 2.0], [])
+    assert all(layer["count"] == 0 for layer in empty["layers"].values())
+    results = {
+        "p.row.full": {"trace": empty, "spec": {"compare_with": ["p.none.full"]}},
+        "p.none.full": {"trace": empty},
+    }
+    line = steps_report.trace_line(results, "p", "row.full")
+    assert line == (
+        "  layer trace of row.full against none.full (the first generation, 0 forwards in 2 "
+        "layers): nothing to compare (no forward ran while the trace was on)"
+    )

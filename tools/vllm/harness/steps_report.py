@@ -917,11 +917,11 @@ def trace_line(results: Results, prefix: str, label: str) -> str | None:
     if not ours or not theirs:
         return None
     found = trace.first_divergence(ours, theirs)
-    head = (
-        f"  layer trace of {label} against {other.removeprefix(prefix + '.')} (the first "
-        "generation, "
-        f"{found['forwards']} forwards in {found['layers']} layers)"
-    )
+    against = other.removeprefix(prefix + ".")
+    counted = f"{found['forwards']} forwards in {found['layers']} layers"
+    head = f"  layer trace of {label} against {against} (the first generation, {counted})"
+    if not found["forwards"]:
+        return f"{head}: nothing to compare (no forward ran while the trace was on)"
     mismatched = found["mismatched"]
     tail = f"; forward counts differ in {len(mismatched)} layers" if mismatched else ""
     first = found["first"]
@@ -944,9 +944,9 @@ def trace_line(results: Results, prefix: str, label: str) -> str | None:
     )
 
 
-def _then(replay: dict[str, Any]) -> str:
-    """Which side of a replay that is exact now gave other bits in the forward kept
-    (``shadow.replay``), in parentheses; empty where neither did (or it was not recorded)."""
+def _erred_then(replay: dict[str, Any]) -> list[str]:
+    """Which side of a replay gave other bits in the forward kept than it gives now
+    (``shadow.replay``): none, one or both clauses (none where it was not recorded)."""
     sides = [
         side
         for side, key in (
@@ -955,13 +955,19 @@ def _then(replay: dict[str, Any]) -> str:
         )
         if replay.get(key)
     ]
-    return f" ({' and '.join(sides)} gave other bits then)" if sides else ""
+    return [f"{' and '.join(sides)} gave other bits then"] if sides else []
+
+
+def _then(replay: dict[str, Any]) -> str:
+    """:func:`_erred_then` of a replay that is exact now, in parentheses (or empty)."""
+    said = _erred_then(replay)
+    return f" ({said[0]})" if said else ""
 
 
 def _blame(replay: dict[str, Any]) -> str:
     """What a replay that differs again says of its cause (``shadow.replay``), in parentheses;
     empty where it says nothing."""
-    said = [_then(replay)[2:-1]] if _then(replay) else []
+    said = _erred_then(replay)
     if replay.get("reference_repeat_differs"):
         said.append("the reference repeats with other bits")
     if replay.get("cached_repeat_differs"):
