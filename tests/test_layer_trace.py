@@ -129,7 +129,7 @@ def test_a_first_forward_inside_a_capture_is_refused(monkeypatch: pytest.MonkeyP
         _step(Model([Experts()]), 1, seed=0)
 
 
-@pytest.mark.parametrize("change", ["none", "output", "input", "routes", "count"])
+@pytest.mark.parametrize("change", ["none", "output", "input", "first input", "routes", "count"])
 def test_first_divergence_names_where_two_engines_part(
     monkeypatch: pytest.MonkeyPatch, change: str
 ) -> None:
@@ -147,6 +147,8 @@ def test_first_divergence_names_where_two_engines_part(
         their_steps[1] = lambda m: _step(m, 2, seed=7)
     elif change == "input":
         their_steps[1] = lambda m: _step(m, 2, seed=7)
+    elif change == "first input":
+        their_steps[0] = lambda m: _step(m, 2, seed=7)
     elif change == "routes":
         fixed = torch.zeros(2, 2, dtype=torch.int64)
         their_steps[2] = lambda m: _step(m, 2, seed=2, ids_of={2: fixed})
@@ -173,13 +175,30 @@ def test_first_divergence_names_where_two_engines_part(
         )
         return
     if change == "output":
-        assert first == {"layer": "layers.1", "index": 0, "rows": 2, "differ": ["out"]}
+        before = {"layer": "layers.0", "index": 0}
+        assert first == {
+            "layer": "layers.1",
+            "index": 0,
+            "rows": 2,
+            "differ": ["out"],
+            "before": before,
+        }
         assert line.endswith(
             "forward 0 (2 rows): its input and routes agree, its output differs (the MoE op)"
         )
     elif change == "input":
         assert first["layer"] == "layers.0" and first["index"] == 1 and "x" in first["differ"]
-        assert line.endswith("its input differs (from upstream)")
+        assert first["before"] == {"layer": "layers.2", "index": 0}  # the step before's last
+        assert line.endswith(
+            "its input differs, after layers.2 forward 0 agreed (the difference arose between "
+            "that output and this input: attention, norms, or the token sampled)"
+        )
+    elif change == "first input":
+        assert first["layer"] == "layers.0" and first["index"] == 0 and "before" not in first
+        assert line.endswith(
+            "its input differs at the generation's first MoE forward (the embedding, the first "
+            "attention or norms)"
+        )
     else:
         assert first["layer"] == "layers.2" and first["index"] == 2
         assert first["differ"] == ["ids", "out"]

@@ -929,7 +929,15 @@ def trace_line(results: Results, prefix: str, label: str) -> str | None:
         return f"{head}: every digest identical{tail}"
     differ = first["differ"]
     if "x" in differ:
-        where = "its input differs (from upstream)"
+        before = first.get("before")
+        where = (
+            f"its input differs, after {before['layer']} forward {before['index']} agreed "
+            "(the difference arose between that output and this input: attention, norms, or "
+            "the token sampled)"
+            if before
+            else "its input differs at the generation's first MoE forward (the embedding, "
+            "the first attention or norms)"
+        )
     elif "ids" in differ or "weights" in differ:
         where = (
             "its input agrees, the router's "

@@ -239,7 +239,9 @@ def first_divergence(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, 
     """Where two engines' traces of the same generation first part (module docstring), in the
     order ``ours`` ran its forwards: ``{"forwards": n compared, "layers": n, "first": None}``
     where every kept forward agrees, else ``first`` names the layer, the forward's index in it,
-    its rows and which of ``x``, ``ids``, ``weights`` and ``out`` differ. Layers that one trace
+    its rows, which of ``x``, ``ids``, ``weights`` and ``out`` differ, and the forward that ran
+    just before it (``before``: its layer and index; it agreed in every digest), so an input
+    that differs arose between that forward's output and this one's input. Layers that one trace
     lacks, or whose forward counts differ, are listed under ``mismatched`` (and not compared
     past the shorter count)."""
     fields = list(FIELDS)
@@ -258,10 +260,13 @@ def first_divergence(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, 
     mismatched.update({name: [None, other[name]["count"]] for name in other if name not in mine})
     order.sort(key=lambda item: item[0])
     first = None
-    for _, name, index, a, b in order:
+    for place, (_, name, index, a, b) in enumerate(order):
         differ = [f for f in ("rows", "x", "ids", "weights", "out") if a[at[f]] != b[at[f]]]
         if differ:
             first = {"layer": name, "index": index, "rows": a[at["rows"]], "differ": differ}
+            if place:  # the forward that ran just before, which agreed in every digest
+                _, before, before_index, _, _ = order[place - 1]
+                first["before"] = {"layer": before, "index": before_index}
             break
     return {
         "forwards": len(order),
