@@ -1226,12 +1226,36 @@ def test_only_weights_in_the_allocator_s_segments_count_as_gpu_memory() -> None:
     assert not probes.in_segments(1000, [])
 
 
-@pytest.mark.parametrize("flag", [True, False])
-def test_run_trace_reaches_every_workload_engines_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: bool
+@pytest.mark.parametrize("option", ["shadow", "trace"])
+def test_the_in_process_diagnostics_refuse_a_multiprocess_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str
 ) -> None:
-    """``e2e.py run --trace`` hands the orchestrator ``trace=True``, which puts it into the job
-    of every engine measuring a workload, the cache's and its references alike."""
+    """``child.install_hooks``: a job with ``--shadow`` or ``--trace`` gets its hook installed
+    before the engine where the engine core runs in the harness's process, and is refused,
+    naming the option, where it runs in another (the hook would patch the wrong process)."""
+    installed: list[str] = []
+    for name, hook in (("shadow", shadow), ("trace", trace)):
+        monkeypatch.setattr(hook, "install", lambda name=name: installed.append(name))
+    spec = engines.models(engines.GPT_OSS)[0]
+    job = Job(spec, "/m", str(tmp_path), 30.0, **{option: True})
+    child.install_hooks(job, multiprocess=False)
+    assert installed == [option]
+    with pytest.raises(RuntimeError, match=f"--{option} patches .* in another"):
+        child.install_hooks(job, multiprocess=True)
+    assert installed == [option]
+    child.install_hooks(Job(spec, "/m", str(tmp_path), 30.0), multiprocess=True)  # neither
+    assert installed == [option]
+
+
+@pytest.mark.parametrize("flag", [True, False])
+@pytest.mark.parametrize("option", ["shadow", "trace"])
+def test_run_diagnostics_reach_their_engines_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: bool, option: str
+) -> None:
+    """``e2e.py run --shadow`` and ``--trace`` hand the orchestrator their flag, which puts it
+    into the jobs of the engines measuring a workload: every cache engine's for the shadow
+    check, every engine's (the cache's and its references) for the trace; an engine of one
+    timed generation gets neither (it never reads them)."""
     from tools.vllm import e2e
 
     asked: dict[str, Any] = {}
@@ -1242,43 +1266,15 @@ def test_run_trace_reaches_every_workload_engines_job(
 
     monkeypatch.setattr(orchestrate, "run", fake_run)
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() reorders it for its imports
-    argv = ["run", "--out", str(tmp_path), "--phases", "gpt_oss", *(["--trace"] * flag)]
+    argv = ["run", "--out", str(tmp_path), "--phases", "gpt_oss", *([f"--{option}"] * flag)]
     assert e2e.main(argv) == 0
-    assert asked["trace"] is flag
+    assert asked[option] is flag
     runner = orchestrate.Run(tmp_path, tmp_path, time.time() + 60, False, lambda: True)
-    runner.trace = flag
+    setattr(runner, option, flag)
     models = engines.models(engines.GPT_OSS)
     assert any(not s.caches for s in models) and any(s.caches for s in models)
     for spec in models:
-        assert runner.job(spec, tmp_path).trace is flag, spec.name
-    single = [s for s in engines.qwen8() if s.workload is None]
-    assert single and not any(runner.job(s, tmp_path).trace for s in single)
-
-
-@pytest.mark.parametrize("flag", [True, False])
-def test_run_shadow_reaches_every_cache_engines_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: bool
-) -> None:
-    """``e2e.py run --shadow`` hands the orchestrator ``shadow=True``, which puts it into the
-    job of every engine with the cache on, and into no other's."""
-    from tools.vllm import e2e
-
-    asked: dict[str, Any] = {}
-
-    def fake_run(*args: Any, **kwargs: Any) -> int:
-        asked.update(kwargs)
-        return 0
-
-    monkeypatch.setattr(orchestrate, "run", fake_run)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # main() reorders it for its imports
-    argv = ["run", "--out", str(tmp_path), "--phases", "gpt_oss", *(["--shadow"] * flag)]
-    assert e2e.main(argv) == 0
-    assert asked["shadow"] is flag
-    runner = orchestrate.Run(tmp_path, tmp_path, time.time() + 60, False, lambda: True)
-    runner.shadow = flag
-    for spec in engines.models(engines.GPT_OSS):
-        job = runner.job(spec, tmp_path)
-        assert job.shadow is (flag and spec.caches), spec.name
-    # An engine without a workload (one timed generation) never reads the counters: none.
+        wanted = flag and (spec.caches or option == "trace")
+        assert getattr(runner.job(spec, tmp_path), option) is wanted, spec.name
     single = [s for s in engines.qwen8() if s.caches and s.workload is None]
-    assert single and not any(runner.job(s, tmp_path).shadow for s in single)
+    assert single and not any(getattr(runner.job(s, tmp_path), option) for s in single)

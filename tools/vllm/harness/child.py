@@ -327,6 +327,22 @@ def deterministic_inductor() -> dict[str, Any]:
     return options
 
 
+def install_hooks(job: Job, multiprocess: bool) -> None:
+    """The in-process diagnostics ``job`` asks for (``--shadow``, ``--trace``), installed before
+    its engine is built so that the engine's CUDA graphs capture them; refused, naming the
+    option, where the engine core runs in another process (``multiprocess``)."""
+    hooks = (("--shadow", "the plugin", shadow), ("--trace", "vLLM", trace))
+    for option, patched, hook in hooks:
+        if not getattr(job, option.removeprefix("--")):
+            continue
+        if multiprocess:
+            raise RuntimeError(
+                f"{option} patches {patched} in this process, and this engine's core runs in "
+                "another (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
+            )
+        hook.install()
+
+
 def run(job: Job, save: Any = None) -> dict[str, Any]:
     spec = job.spec
     result: dict[str, Any] = {"name": spec.name, "spec": spec.to_json(), "ok": False}
@@ -350,20 +366,7 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         # Before the engine: vLLM's JIT monitor chains the hook it finds (harness/jit_count);
         # only where the core runs in this process.
         jit = None if multiprocess else jit_count.counting()
-        if job.shadow:
-            if multiprocess:
-                raise RuntimeError(
-                    "--shadow patches the plugin in this process, and this engine's core runs "
-                    "in another (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
-                )
-            shadow.install()  # before the engine: its graphs capture the check
-        if job.trace:
-            if multiprocess:
-                raise RuntimeError(
-                    "--trace patches vLLM in this process, and this engine's core runs in "
-                    "another (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)"
-                )
-            trace.install()  # before the engine: its graphs capture the trace
+        install_hooks(job, multiprocess)
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)
