@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="budgeted phases: every engine keeps digests of each MoE layer's input, routes "
         "and output over its first generation (harness/trace.py); the summary names the first "
-        "forward where a cache engine's differ from its no-offload reference's",
+        "forward where a cache engine's differ from its no-offload reference's (its engines' "
+        "speeds are not for comparison)",
     )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
