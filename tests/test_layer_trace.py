@@ -76,12 +76,17 @@ def _traced(monkeypatch: pytest.MonkeyPatch, scales: list[float], steps: list[An
     monkeypatch.setattr(Experts, "forward_modular", Experts.forward_modular)
     trace.install(Experts)
     model = Model([Experts(s) for s in scales])
-    _step(model, 8, seed=99)  # the profile run: buffers made, nothing kept (trace off)
+    # vLLM runs its forwards in inference mode (the buffers are inference tensors) and the
+    # switch through llm.apply_model, outside it.
+    with torch.inference_mode():
+        _step(model, 8, seed=99)  # the profile run: buffers made, nothing kept (trace off)
     assert trace.start(model)
-    for step in steps:
-        step(model)
+    with torch.inference_mode():
+        for step in steps:
+            step(model)
     assert trace.stop(model)
-    _step(model, 8, seed=98)  # after the first generation: not kept
+    with torch.inference_mode():
+        _step(model, 8, seed=98)  # after the first generation: not kept
     found = trace.read(model)
     trace.uninstall(Experts)
     return found

@@ -10,9 +10,9 @@ the router's ids and weights and its output into a buffer on the device, in CUDA
 eager mode, while the trace is on (``start``, ``stop``: a flag on the device). Run over the
 same first generation in a cache engine and in its no-offload reference, ``first_divergence``
 finds the first forward, in the order they ran, whose digests differ: one whose input and
-routes agree but whose output differs is the MoE op's; one whose input differs comes from
-upstream (the forward before it, or something outside the MoE op); one whose input agrees but
-whose routes differ, from the router.
+routes agree but whose output differs is the MoE op's; one whose input differs arose after the
+forward that ran just before it, which agreed (attention, norms, the token sampled); one whose
+input agrees but whose routes differ, the router's.
 
 A digest is the sum of a tensor's elements' bits, each mixed and times a weight of its
 position, in int64: integer arithmetic, so the same bits give the same digest whatever the
@@ -199,23 +199,28 @@ def uninstall(target: Any = None) -> None:
         cls.forward_modular = original
 
 
-def start(model: Any = None) -> bool:
-    """Turn the trace on (through ``llm.apply_model``: ``model`` is unused); False where no
-    layer has run a traced forward yet (nothing to turn on)."""
+def _set(value: int) -> bool:
+    """Set the switch, inside inference mode: it was made in one (vLLM's forwards), and an
+    inference tensor takes no in-place update outside it (``llm.apply_model`` runs outside)."""
     on = _SWITCH.get("on")
     if on is None:
         return False
-    on.fill_(1)
+    import torch
+
+    with torch.inference_mode():
+        on.fill_(value)
     return True
+
+
+def start(model: Any = None) -> bool:
+    """Turn the trace on (through ``llm.apply_model``: ``model`` is unused); False where no
+    layer has run a traced forward yet (nothing to turn on)."""
+    return _set(1)
 
 
 def stop(model: Any = None) -> bool:
     """Turn the trace off; False where it never ran."""
-    on = _SWITCH.get("on")
-    if on is None:
-        return False
-    on.fill_(0)
-    return True
+    return _set(0)
 
 
 def read(model: Any) -> dict[str, Any]:
