@@ -140,8 +140,10 @@ def _output_digest(out: Any) -> Any:
 
 
 def record(layer: Any, x: Any, ids: Any, weights: Any, out: Any) -> None:
-    """Keep one forward's digests in ``layer``'s trace while the trace is on: selects on the
-    device, nothing read on the host."""
+    """Keep one forward's digests in ``layer``'s trace while the trace is on: on the device,
+    nothing read on the host. Every forward writes the row past the kept ones (below
+    ``CAPACITY``); only a forward while the trace is on counts it, so ``read`` sees kept rows
+    alone."""
     import torch
 
     trace = _layer_trace(layer, x.device)
@@ -149,9 +151,8 @@ def record(layer: Any, x: Any, ids: Any, weights: Any, out: Any) -> None:
     rows = torch.full((), int(x.shape[0]), dtype=torch.int64, device=x.device)
     row = torch.stack([seq, rows, digest(x), digest(ids), digest(weights), _output_digest(out)])
     slot = trace.count.clamp(max=CAPACITY - 1).reshape(1)
-    keep = (on != 0) & (trace.count < CAPACITY)
-    kept = trace.records.index_select(0, slot)
-    trace.records.index_copy_(0, slot, torch.where(keep, row.unsqueeze(0), kept))
+    kept = trace.records.index_select(0, slot)  # the last kept row, once the buffer is full
+    trace.records.index_copy_(0, slot, torch.where(trace.count < CAPACITY, row, kept))
     trace.count.add_(on)
     seq.add_(on)
 
