@@ -9,10 +9,15 @@ counts on the device whether the two differ in any bit, by how the forward ran (
 ``captured`` into a CUDA graph and then replayed) and by its rows (:data:`ROW_BOUNDS`). Nothing
 is read on the host during a forward, so the comparison is captured with the forward and runs
 at every replay: what differs only in the captured path, or only on the router's own routes,
-shows here. ``counts(model)`` reads the counters (through ``llm.apply_model``).
+shows here. ``counts(model)`` reads the counters (through ``llm.apply_model``), and
+``uninstall()`` then takes the check off: its counters take no forward outside vLLM's inference
+mode, where the exactness probe runs.
 
 The reference runs beside every forward and holds every expert on the GPU: an engine under the
-shadow check is a diagnostic, its speeds and memory are not the cache's. The hook patches the
+shadow check is a diagnostic, its speeds and memory are not the cache's, and what depends on
+them may change under it (gpt-oss's half met no offload's tokens under the check and not
+without it, docs/records/2026-12-06-shadow-skew-uva.md; ``harness/trace.py`` compares two
+engines without changing what either computes). The hook patches the
 plugin's class in this process, so the engine core must run here
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the harness's default for these engines). Layers with
 shared experts, and layers ``probes.reference_weights`` builds no reference for, are counted as
