@@ -1067,6 +1067,20 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
     assert line is not None and line.endswith(": MISSED") and "2048: 7/8 (max |d| 0.00781)" in line
     assert steps_report.exactness_line({}, "row32dev.full") is None
     assert steps_report.exactness_line(None, "row32dev.full") is None
+    # Each run of the cached forward alone, where a layer missed (probes.ORDERS).
+    found["by_order"] = {
+        "first": {
+            "equal": {"1": 8, "8": 8, "2048": 7},
+            "non_finite": {"1": 0, "8": 0, "2048": 1},
+        },
+        "after": {"equal": {"1": 8, "8": 8, "2048": 8}, "non_finite": {"1": 0, "8": 0, "2048": 0}},
+    }
+    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    assert line is not None and line.endswith(
+        ": MISSED; the cached forward run first, on poisoned memory (1: 8/8, 8: 8/8, 2048: 7/8 "
+        "(1 non-finite)); run again just after vLLM's kernel (1: 8/8, 8: 8/8, 2048: 8/8)"
+    )
+    del found["by_order"]
     # gpt-oss's kernel: the launch options of the cached calls against the reference's.
     same = ["block_m=16 split_k=1"]
     found["launch_flags"] = {

@@ -86,6 +86,7 @@ FAKE_MXFP4 = {
             return make_opt_flags(None, None, None, None, m, 0, 0, routing, False, False, 0)
 
         WORKSPACE = {}  # one buffer a shape, reused by every call, as vLLM's workspace is
+        STALE = []  # seeded bug: a cached call leaves entry (0, 0) unwritten, read stale
 
         class OAITritonMxfp4ExpertsMonolithic:
             def __init__(self):
@@ -113,11 +114,12 @@ FAKE_MXFP4 = {
                 self.tiles.append(tile)
                 shape = (rows, top_k, x.shape[1])
                 cache3 = WORKSPACE.setdefault(shape, torch.empty(shape, dtype=x.dtype))
-                cache3.fill_(float("nan"))  # entries not computed keep what was there
+                if not STALE:
+                    cache3.fill_(float("nan"))  # entries not computed: not what was there
                 for t in range(rows):
                     for j in range(top_k):
                         s = int(local[t, j])
-                        if s < 0:
+                        if s < 0 or (STALE and expert_map is not None and t == j == 0):
                             continue
                         h = x[t].float() @ dequant(w1[s], s1[s]).t() + qc.w1_bias[s]
                         if tile >= 128:  # another tile, another rounding of the first GEMM
@@ -685,6 +687,45 @@ def test_the_engines_exactness_probe_checks_mxfp4_layers(fake_mxfp4: Any, route:
         assert scale.data_ptr() == provider.buf_w2_scale.data_ptr()
         assert quant.w1_bias.data_ptr() == provider.buf_w13_bias.data_ptr()
         assert method._forward_entries == 100 * 3
+
+
+def test_the_exactness_probe_catches_a_forward_reading_what_it_did_not_write(
+    fake_mxfp4: Any,
+) -> None:
+    """A cached call that leaves one entry of vLLM's workspace unwritten (seeded in the fake)
+    reads what the call before it left there. Just after the reference that is the
+    reference's own value, so the cached forward run after it matches; the probe's first run,
+    on poisoned memory (here: the fake workspace filled with NaN), before the reference,
+    catches it, and the layer is not counted equal."""
+    from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+    from tools.vllm.harness import probes
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    layers = []
+    for seed in range(2):
+        layer = _layer(fake_mxfp4, section)
+        layer.quant_method.moe = SimpleNamespace(**{**vars(_moe()), "experts_per_token": 3})
+        layers.append((f"layers.{seed}.experts", layer))
+    model = SimpleNamespace(named_modules=lambda: iter(layers))
+
+    def poison() -> None:
+        for buffer in oai.WORKSPACE.values():
+            buffer.fill_(float("nan"))
+
+    rows = (1, 100)
+    clean = probes.exactness(model, device="cpu", row_counts=rows, poison=poison)
+    assert clean["equal"] == {"1": 2, "100": 2}
+    assert clean["by_order"]["first"]["non_finite"] == {"1": 0, "100": 0}
+    oai.STALE.append(True)
+    try:
+        found = probes.exactness(model, device="cpu", row_counts=rows, poison=poison)
+    finally:
+        oai.STALE.clear()
+    assert found["by_order"]["after"]["equal"] == {"1": 2, "100": 2}  # blind after the kernel
+    assert found["by_order"]["first"]["equal"] == {"1": 0, "100": 0}
+    assert found["by_order"]["first"]["non_finite"] == {"1": 2, "100": 2}
+    assert found["equal"] == {"1": 0, "100": 0}
 
 
 @pytest.mark.parametrize("route", ["exact", "float32 sum", "captured only"])

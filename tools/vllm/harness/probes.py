@@ -508,8 +508,59 @@ def bit_difference(reference: Any, cached: Any) -> tuple[Any, Any]:
     return differs, (reference.float() - cached.float()).abs().amax()
 
 
+POISON_BLOCKS = (
+    (512, 256),
+    (8 << 10, 256),
+    (64 << 10, 128),
+    (512 << 10, 64),
+    (2 << 20, 32),
+    (16 << 20, 8),
+)
+"""(bytes, count) of the blocks :func:`poison_device_memory` fills and frees: the sizes of the
+caching allocator's small pool (up to 1 MiB, carved from 2 MiB segments) and of its large one,
+so that its free blocks, which a forward's ``torch.empty`` gets back, are taken first."""
+
+
+def poison_device_memory(device: str) -> None:
+    """Fill with set bits (NaN in every float format) what a forward may read without having
+    written it in that call: vLLM's MoE workspace (one buffer every kernel call of every layer
+    reuses) and blocks the caching allocator holds free, taken and filled in
+    :data:`POISON_BLOCKS`' sizes, then freed. A forward that reads none of it gives the same
+    bits before as after; one that does gives NaN or other bits, where run just after
+    another call of the same shape it would read that call's values."""
+    import torch
+
+    try:
+        from vllm.v1.worker.workspace import (
+            current_workspace_manager,
+            is_workspace_manager_initialized,
+        )
+    except ImportError:  # a vLLM without the workspace manager: nothing of it to fill
+        pass
+    else:
+        if is_workspace_manager_initialized():
+            for buffer in current_workspace_manager()._current_workspaces:
+                if buffer is not None:
+                    buffer.view(torch.uint8).fill_(0xFF)
+    taken = [
+        torch.empty(size, dtype=torch.uint8, device=device).fill_(0xFF)
+        for size, count in POISON_BLOCKS
+        for _ in range(count)
+    ]
+    del taken
+
+
+ORDERS = ("first", "after")
+"""The cached forward's two runs in :func:`exactness`: ``first`` on memory
+:func:`poison_device_memory` filled, before vLLM's kernel; ``after`` just after it, over the
+same input (where a forward that reads memory it did not write finds the kernel's values)."""
+
+
 def exactness(
-    model: Any, device: str = "cuda", row_counts: tuple[int, ...] = EXACTNESS_ROWS
+    model: Any,
+    device: str = "cuda",
+    row_counts: tuple[int, ...] = EXACTNESS_ROWS,
+    poison: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Each cached layer's forward against vLLM's own kernel with every expert resident, in the
     engine, bit for bit: random hidden states and routings of :data:`EXACTNESS_ROWS` rows, the
@@ -520,21 +571,38 @@ def exactness(
     tiles). Independent of how two engines compile (their tokens can differ without any
     cache). Layers :func:`reference_weights` builds no reference for are counted as skipped.
 
+    The cached forward runs twice (:data:`ORDERS`): first after ``poison`` (default, on CUDA:
+    :func:`poison_device_memory`), then after the reference. A layer is equal where both
+    runs give the reference's bits: the second alone would miss a forward that reads what it
+    did not write, since the reference has just written the right values there.
+
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
-    largest difference}, "skipped": n}``, and where the kernel calls ``matmul_ogs``
-    (:func:`launch_flags`) ``"launch_flags": {rows: {"reference": [...], "cached": [...],
-    "layers_differing": n}}``: the distinct launch options of the reference's calls and of
-    the cached forward's (every pass), over the layers, and how many layers' two sets differ.
-    ``device`` and ``row_counts``: the CPU tests run it on fakes, with seeded inexact routes it
-    must catch."""
+    largest difference}, "by_order": {order: {"equal": {rows: n}, "max_abs": {rows: d},
+    "non_finite": {rows: layers whose output holds a NaN or infinity}}}, "skipped": n}``,
+    and where the kernel calls ``matmul_ogs`` (:func:`launch_flags`) ``"launch_flags": {rows:
+    {"reference": [...], "cached": [...], "layers_differing": n}}``: the distinct launch
+    options of the reference's calls and of the cached forward's (every pass, both runs),
+    over the layers, and how many layers' two sets differ. ``device`` and ``row_counts``: the
+    CPU tests run it on fakes, with seeded inexact routes and a seeded read of a stale
+    workspace entry it must catch."""
     import torch
 
     equal: dict[str, int] = {str(m): 0 for m in row_counts}
     max_abs: dict[str, float] = {str(m): 0.0 for m in row_counts}
+    by_order: dict[str, dict[str, dict[str, Any]]] = {
+        order: {
+            "equal": {str(m): 0 for m in row_counts},
+            "max_abs": {str(m): 0.0 for m in row_counts},
+            "non_finite": {str(m): 0 for m in row_counts},
+        }
+        for order in ORDERS
+    }
     flags: dict[str, dict[str, Any]] = {}
     layers = skipped = 0
     gen = torch.Generator(device=device).manual_seed(0)
     cuda = torch.device(device).type == "cuda"
+    if poison is None:
+        poison = functools.partial(poison_device_memory, device) if cuda else (lambda: None)
     for _name, module in model.named_modules():
         method: Any = getattr(module, "quant_method", None)
         provider = getattr(method, "rowcache_provider", None)
@@ -554,16 +622,36 @@ def exactness(
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
             kernel = method.moe_kernel
-            with launch_flags(kernel.fused_experts) as reference_flags:
-                reference = reference_forward(method, module, whole, x, weights, ids)
-            with launch_flags(kernel.fused_experts) as cached_flags:
-                cached = method._cached_apply(provider, module, x, weights, ids, None, None)
-                cached = cached.clone()
+            cached: dict[str, Any] = {}
+            cached_flags: list[str] | None = None
+            for order in ORDERS:
+                if order == "first":
+                    poison()
+                else:
+                    with launch_flags(kernel.fused_experts) as reference_flags:
+                        reference = reference_forward(method, module, whole, x, weights, ids)
+                with launch_flags(kernel.fused_experts) as logged:
+                    out = method._cached_apply(provider, module, x, weights, ids, None, None)
+                    cached[order] = out.clone()
+                if logged is not None:
+                    cached_flags = [*(cached_flags or []), *logged]
             if cuda:
                 torch.cuda.synchronize()
-            differs, gap = bit_difference(reference, cached)
-            equal[str(rows)] += not bool(differs.item())
-            max_abs[str(rows)] = max(max_abs[str(rows)], float(gap.item()))
+            both = True
+            for order in ORDERS:
+                differs, gap = bit_difference(reference, cached[order])
+                same = not bool(differs.item())
+                both = both and same
+                found_order = by_order[order]
+                found_order["equal"][str(rows)] += same
+                found_order["max_abs"][str(rows)] = max(
+                    found_order["max_abs"][str(rows)], float(gap.item())
+                )
+                found_order["non_finite"][str(rows)] += not bool(
+                    torch.isfinite(cached[order].float()).all().item()
+                )
+                max_abs[str(rows)] = max(max_abs[str(rows)], float(gap.item()))
+            equal[str(rows)] += both
             if reference_flags is not None and cached_flags is not None:
                 seen = flags.setdefault(
                     str(rows), {"reference": set(), "cached": set(), "layers_differing": 0}
@@ -579,6 +667,7 @@ def exactness(
         "layers": layers,
         "equal": equal,
         "max_abs": max_abs,
+        "by_order": by_order,
         "skipped": skipped,
     }
     if flags:

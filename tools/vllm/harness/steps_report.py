@@ -859,7 +859,39 @@ def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
     return (
         f"  layers of {label} bit-identical to vLLM's kernel with every expert resident, by rows "
         f"({', '.join(cells)}): {'met' if every else 'MISSED'}"
+        + ("" if every else _order_cells(found, layers))
     ) + launch_flags_lines(found)
+
+
+ORDER_WORDS = {
+    "first": "the cached forward run first, on poisoned memory",
+    "after": "run again just after vLLM's kernel",
+}
+"""How :func:`exactness_line` names the probe's two runs of a cached forward
+(``probes.ORDERS``)."""
+
+
+def _order_cells(found: dict[str, Any], layers: int) -> str:
+    """Where a layer missed: each run of the cached forward alone, by rows (layers equal, and
+    those whose output held a NaN or infinity); empty for records from before the probe ran
+    the cached forward twice."""
+    by_order = found.get("by_order")
+    if not by_order:
+        return ""
+    parts = []
+    for order, words in ORDER_WORDS.items():
+        cell = by_order[order]
+        counts = ", ".join(
+            f"{rows}: {cell['equal'][str(rows)]}/{layers}"
+            + (
+                f" ({cell['non_finite'][str(rows)]} non-finite)"
+                if cell["non_finite"][str(rows)]
+                else ""
+            )
+            for rows in found["rows"]
+        )
+        parts.append(f"{words} ({counts})")
+    return "; " + "; ".join(parts)
 
 
 def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
