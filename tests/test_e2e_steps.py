@@ -1292,3 +1292,30 @@ def test_run_diagnostics_reach_their_engines_jobs(
         assert getattr(runner.job(spec, tmp_path), option) is wanted, spec.name
     single = [s for s in engines.qwen8() if s.caches and s.workload is None]
     assert single and not any(getattr(runner.job(s, tmp_path), option) for s in single)
+
+
+def test_the_expert_bytes_line_names_the_experts_whose_sources_differ() -> None:
+    """steps_report.expert_bytes_line: a cache engine's source digests against its no-offload
+    reference's (harness/expert_bytes.py), met where every digest agrees, else the experts
+    named; an engine whose digests failed says why; without digests, no line."""
+    layer = {"w13": [1, 2, 3], "w2": [4, 5, 6]}
+    theirs = {"layers": {"l0": layer, "l1": layer}, "skipped": 0}
+    ours = {"layers": {"l0": layer, "l1": {**layer, "w2": [4, 9, 6]}}, "skipped": 0}
+    results: dict[str, Any] = {
+        "p.row.full": {"expert_digests": theirs, "spec": {"compare_with": ["p.none.full"]}},
+        "p.none.full": {"expert_digests": theirs},
+    }
+    line = steps_report.expert_bytes_line(results, "p", "row.full")
+    assert line == (
+        "  expert bytes of row.full's sources against none.full's own tensors (2 layers, 12 "
+        "expert tensors): every digest identical: met"
+    )
+    results["p.row.full"]["expert_digests"] = ours
+    line = steps_report.expert_bytes_line(results, "p", "row.full")
+    assert line is not None and line.endswith(": 1 differ (l1 w2 expert 1): MISSED")
+    del results["p.row.full"]["expert_digests"]
+    assert steps_report.expert_bytes_line(results, "p", "row.full") is None
+    results["p.row.full"]["expert_digests_error"] = "RuntimeError: out of memory"
+    assert steps_report.expert_bytes_line(results, "p", "row.full") == (
+        "  expert bytes of row.full: not read (RuntimeError: out of memory)"
+    )

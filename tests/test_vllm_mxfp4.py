@@ -972,3 +972,38 @@ def test_the_shadow_check_comes_off_before_the_probe(
     shadow.uninstall()
     assert not shadow.installed() and CachedForward._cached_apply is own
     forward(2)
+
+
+def test_expert_bytes_compare_the_sources_with_no_offloads_own_tensors(fake_mxfp4: Any) -> None:
+    """tools/vllm/harness/expert_bytes.py: the cache's host sources of a gpt-oss layer digest,
+    expert by expert, as the converted tensors of the same checkpoint's layer without the cache;
+    one changed byte of one expert's scales in the sources (which the slot audit, comparing
+    the slots with those same sources, cannot see) is named, and nothing else."""
+    from tools.vllm.harness import expert_bytes
+
+    name = "layers.0.experts"
+
+    def model(layer: Any) -> Any:
+        return SimpleNamespace(named_modules=lambda: iter([(name, layer)]))
+
+    cached = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    own = _layer(fake_mxfp4, None)
+    assert type(own.quant_method).__name__ == "GptOssMxfp4MoEMethod"
+    theirs = expert_bytes.digests(model(own), device="cpu")
+    ours = expert_bytes.digests(model(cached), device="cpu")
+    assert set(ours["layers"][name]) == set(expert_bytes.KEYS) == set(theirs["layers"][name])
+    assert expert_bytes.compare(ours, theirs) == {
+        "layers": 1,
+        "experts": len(expert_bytes.KEYS) * E,
+        "differing": [],
+        "unmatched": [],
+    }
+    provider = cached.quant_method.rowcache_provider
+    source = provider.source_weights("w2_scale", "cpu")  # the host tensor itself, on the CPU
+    assert source.data_ptr() == provider.source_weights("w2_scale", "cpu").data_ptr()
+    source[2, 5] += 1
+    ours = expert_bytes.digests(model(cached), device="cpu")
+    found = expert_bytes.compare(ours, theirs)
+    assert found["differing"] == [[name, "w2_scale", 2]] and found["unmatched"] == []
+    ours["layers"][name].pop("w13_bias")
+    assert expert_bytes.compare(ours, theirs)["unmatched"] == [f"{name} w13_bias"]

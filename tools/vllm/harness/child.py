@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from tools.vllm.harness import jit_count, kernel_profile, probes, shadow, trace
+from tools.vllm.harness import expert_bytes, jit_count, kernel_profile, probes, shadow, trace
 from tools.vllm.harness.jit_count import JitCounter
 from tools.vllm.harness.measure import Completion, decode_prompts, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
@@ -238,6 +238,13 @@ def workload(
         # off (its counters take no forward outside vLLM's inference mode).
         result["shadow"] = rpc(shadow.counts, None)
         shadow.uninstall()
+    if spec.checkpoint.arch == "gpt_oss" and time.time() < deadline:
+        # Every expert's bytes as the kernel reads them, to compare the cache's sources with no
+        # offload's own tensors (harness/expert_bytes.py); a failure leaves the rest standing.
+        try:
+            result["expert_digests"] = rpc(expert_bytes.digests, None)
+        except Exception as exc:
+            result["expert_digests_error"] = f"{type(exc).__name__}: {exc}"[:600]
     # Last: its random forwards move the cache (after the stats above are taken).
     if spec.caches and time.time() < deadline:
         result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)

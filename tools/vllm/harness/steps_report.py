@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, kernel_profile, trace
+from tools.vllm.harness import engines, expert_bytes, kernel_profile, trace
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -595,6 +595,9 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     for label in (*controls, uva_q, uva_h, *cached):
         line = trace_line(results, prefix, label)
         lines += [line] if line is not None else []
+    for label in cached:
+        line = expert_bytes_line(results, prefix, label)
+        lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
 
@@ -936,6 +939,35 @@ def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
             else ""
         )
     )
+
+
+def expert_bytes_line(results: Results, prefix: str, label: str) -> str | None:
+    """A cache engine's host sources against the converted tensors of the no-offload engine
+    it is compared with (``harness/expert_bytes.py``), expert by expert; None where either
+    has no digests."""
+    record = results.get(f"{prefix}.{label}") or {}
+    other = ((record.get("spec") or {}).get("compare_with") or [""])[0]
+    ours = record.get("expert_digests")
+    theirs = (results.get(other) or {}).get("expert_digests")
+    if not ours or not theirs:
+        error = record.get("expert_digests_error")
+        return f"  expert bytes of {label}: not read ({error})" if error else None
+    found = expert_bytes.compare(ours, theirs)
+    against = other.removeprefix(prefix + ".")
+    head = (
+        f"  expert bytes of {label}'s sources against {against}'s own tensors "
+        f"({found['layers']} layers, {found['experts']} expert tensors)"
+    )
+    differing = found["differing"]
+    unmatched = (
+        f"; only one side has {', '.join(found['unmatched'][:4])}" if found["unmatched"] else ""
+    )
+    if not differing:
+        verdict = "met" if not found["unmatched"] and found["experts"] else "MISSED"
+        return f"{head}: every digest identical{unmatched}: {verdict}"
+    shown = ", ".join(f"{name} {key} expert {e}" for name, key, e in differing[:6])
+    more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
+    return f"{head}: {len(differing)} differ ({shown}{more}){unmatched}: MISSED"
 
 
 def trace_line(results: Results, prefix: str, label: str) -> str | None:
