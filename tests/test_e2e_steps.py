@@ -1319,3 +1319,28 @@ def test_the_expert_bytes_line_names_the_experts_whose_sources_differ() -> None:
     assert steps_report.expert_bytes_line(results, "p", "row.full") == (
         "  expert bytes of row.full: not read (RuntimeError: out of memory)"
     )
+
+
+def test_poisoning_fills_vllms_workspace_made_under_inference_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """probes.poison_device_memory sets every byte of vLLM's MoE workspace (an inference tensor:
+    vLLM makes it in a forward, and the probe runs outside inference mode) and leaves a
+    manager without a workspace alone."""
+    import types
+
+    import torch
+
+    with torch.inference_mode():
+        buffer = torch.zeros(64, dtype=torch.uint8)
+    manager = SimpleNamespace(_current_workspaces=[buffer, None])
+    module = types.ModuleType("vllm.v1.worker.workspace")
+    module.is_workspace_manager_initialized = lambda: True  # type: ignore[attr-defined]
+    module.current_workspace_manager = lambda: manager  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.v1", "vllm.v1.worker"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.workspace", module)
+    probes.poison_device_memory("cpu")
+    assert bool((buffer == 0xFF).all())
+    module.is_workspace_manager_initialized = lambda: False  # type: ignore[attr-defined]
+    probes.poison_device_memory("cpu")  # nothing to fill: no error

@@ -539,9 +539,12 @@ def poison_device_memory(device: str) -> None:
         pass
     else:
         if is_workspace_manager_initialized():
-            for buffer in current_workspace_manager()._current_workspaces:
-                if buffer is not None:
-                    buffer.view(torch.uint8).fill_(0xFF)
+            # vLLM made the buffer in a forward, under inference mode: an inference tensor,
+            # which torch lets only inference mode write in place (this probe runs outside).
+            with torch.inference_mode():
+                for buffer in current_workspace_manager()._current_workspaces:
+                    if buffer is not None:
+                        buffer.view(torch.uint8).fill_(0xFF)
     taken = [
         torch.empty(size, dtype=torch.uint8, device=device).fill_(0xFF)
         for size, count in POISON_BLOCKS
