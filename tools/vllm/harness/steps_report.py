@@ -941,19 +941,26 @@ def shadow_line(record: dict[str, Any] | None, label: str) -> str | None:
     )
 
 
+def _with_reference(
+    results: Results, prefix: str, label: str
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """An engine's record, the record of the no-offload engine it is compared with
+    (``compare_with``; empty where there is none), and that engine's label."""
+    record = results.get(f"{prefix}.{label}") or {}
+    other = ((record.get("spec") or {}).get("compare_with") or [""])[0]
+    return record, results.get(other) or {}, other.removeprefix(prefix + ".")
+
+
 def expert_bytes_line(results: Results, prefix: str, label: str) -> str | None:
     """A cache engine's host sources against the converted tensors of the no-offload engine
     it is compared with (``harness/expert_bytes.py``), expert by expert; None where either
     has no digests."""
-    record = results.get(f"{prefix}.{label}") or {}
-    other = ((record.get("spec") or {}).get("compare_with") or [""])[0]
-    ours = record.get("expert_digests")
-    theirs = (results.get(other) or {}).get("expert_digests")
+    record, reference, against = _with_reference(results, prefix, label)
+    ours, theirs = record.get("expert_digests"), reference.get("expert_digests")
     if not ours or not theirs:
         error = record.get("expert_digests_error")
         return f"  expert bytes of {label}: not read ({error})" if error else None
     found = expert_bytes.compare(ours, theirs)
-    against = other.removeprefix(prefix + ".")
     head = (
         f"  expert bytes of {label}'s sources against {against}'s own tensors "
         f"({found['layers']} layers, {found['experts']} expert tensors)"
@@ -974,14 +981,11 @@ def trace_line(results: Results, prefix: str, label: str) -> str | None:
     """The layer trace (``harness/trace.py``, ``run --trace``) of an engine against the
     no-offload engine it is compared with, over the first generation: where they first part,
     and what differs there; None where either has no trace."""
-    record = results.get(f"{prefix}.{label}") or {}
-    other = ((record.get("spec") or {}).get("compare_with") or [""])[0]
-    reference = results.get(other) or {}
+    record, reference, against = _with_reference(results, prefix, label)
     ours, theirs = record.get("trace"), reference.get("trace")
     if not ours or not theirs:
         return None
     found = trace.first_divergence(ours, theirs)
-    against = other.removeprefix(prefix + ".")
     counted = f"{found['forwards']} forwards in {found['layers']} layers"
     head = f"  layer trace of {label} against {against} (the first generation, {counted})"
     if not found["forwards"]:
