@@ -225,3 +225,71 @@ def test_a_trace_that_kept_nothing_says_so(monkeypatch: pytest.MonkeyPatch) -> N
         "  layer trace of row.full against none.full (the first generation, 0 forwards in 2 "
         "layers): nothing to compare (no forward ran while the trace was on)"
     )
+
+
+def test_the_trace_keeps_each_layers_first_input_while_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer keeps the hidden states, ids and weights of its first forward while the trace
+    is on (the replay's input, harness/replay.py): not the profile run's before, not the later
+    forwards'; their digests are the trace's digests of that forward."""
+    monkeypatch.setattr(Experts, "forward_modular", Experts.forward_modular)
+    trace.install(Experts)
+    model = Model([Experts(1.0), Experts(2.0)])
+    with torch.inference_mode():
+        _step(model, 8, seed=99)  # before start: nothing kept
+    assert all(trace.kept_inputs(layer) is None for layer in model.layers)
+    assert trace.start(model)
+    with torch.inference_mode():
+        _step(model, 3, seed=1)
+        _step(model, 5, seed=2)
+    trace.stop(model)
+    found = trace.read(model)
+    trace.uninstall(Experts)
+    fields = found["fields"]
+    for index, layer in enumerate(model.layers):
+        kept = trace.kept_inputs(layer)
+        assert kept is not None and kept[0].shape[0] == 3
+        first = found["layers"][f"layers.{index}"]["records"][0]
+        for tensor, field in zip(kept, ("x", "ids", "weights"), strict=True):
+            assert int(trace.digest(tensor)) == first[fields.index(field)]
+
+
+def test_the_replay_line_sets_each_run_beside_no_offloads_output() -> None:
+    """steps_report.replay_line: where the trace's first difference is a layer's forward 0 with
+    its input and routes agreeing, each replayed run's output digest against no offload's
+    output of that forward; an input kept from another forward is said to be one; no line
+    where the trace parts elsewhere."""
+    fields = list(trace.FIELDS)
+
+    def traced(out: int) -> dict[str, Any]:
+        return {
+            "fields": fields,
+            "layers": {"l0": {"count": 1, "records": [[0, 8, 11, 12, 13, out]]}},
+        }
+
+    kept = {"rows": 8, "x": 11, "ids": 12, "weights": 13}
+    runs = {"cached_first": 100, "reference": 200, "cached_after": 200}
+    results: dict[str, Any] = {
+        "p.row.full": {
+            "trace": traced(100),
+            "replay": {"layers": {"l0": {**kept, **runs}}},
+            "spec": {"compare_with": ["p.none.full"]},
+        },
+        "p.none.full": {"trace": traced(200)},
+    }
+    line = steps_report.replay_line(results, "p", "row.full")
+    assert line == (
+        "  replay of row.full's l0 forward 0 (8 rows), against none.full's output of it: the "
+        "cached forward first, on poisoned memory does not give its bits; vLLM's kernel over "
+        "the cache's sources gives its bits; the cached forward after the kernel gives its bits"
+    )
+    results["p.row.full"]["replay"]["layers"]["l0"]["x"] = 99
+    line = steps_report.replay_line(results, "p", "row.full")
+    assert line is not None and line.endswith(
+        "is not that forward's (another forward ran first eagerly)"
+    )
+    del results["p.row.full"]["replay"]
+    assert steps_report.replay_line(results, "p", "row.full") == (
+        "  replay of row.full's l0 forward 0 (8 rows): no input kept"
+    )
+    results["p.row.full"]["trace"] = traced(200)  # no difference: nothing to replay
+    assert steps_report.replay_line(results, "p", "row.full") is None

@@ -1007,3 +1007,43 @@ def test_expert_bytes_compare_the_sources_with_no_offloads_own_tensors(fake_mxfp
     assert found["differing"] == [[name, "w2_scale", 2]] and found["unmatched"] == []
     ours["layers"][name].pop("w13_bias")
     assert expert_bytes.compare(ours, theirs)["unmatched"] == [f"{name} w13_bias"]
+
+
+def test_the_replay_runs_a_kept_input_three_ways(fake_mxfp4: Any) -> None:
+    """tools/vllm/harness/replay.py on a gpt-oss layer whose trace kept an input: the cached
+    forward on poisoned memory, vLLM's kernel over the cache's sources and the cached forward
+    after it all give the kernel's bits; with the fake's seeded stale workspace entry the first
+    run alone parts (and the one after the kernel, as the old probe, does not)."""
+    from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+    from tools.vllm.harness import probes, replay, trace
+
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    x, ids, weights = _inputs(6, seed=2)
+    vars(layer)[trace._INPUTS] = (x, ids, weights)  # as the hook keeps them
+    model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
+
+    def poison() -> None:
+        for buffer in oai.WORKSPACE.values():
+            buffer.fill_(float("nan"))
+
+    def runs() -> dict[str, Any]:
+        found = replay.first_forwards(model, device="cpu", poison=poison)
+        kept = found["layers"]["layers.0.experts"]
+        assert kept["rows"] == 6 and kept["x"] == int(trace.digest(x))
+        return kept
+
+    clean = runs()
+    assert clean["cached_first"] == clean["reference"] == clean["cached_after"]
+    # The kernel's values left where a stale read finds them: only the poison hides them.
+    method = layer.quant_method
+    whole = probes.reference_weights(method, method.rowcache_provider, "cpu")
+    assert whole is not None
+    probes.reference_forward(method, layer, whole, x, weights, ids)
+    oai.STALE.append(True)
+    try:
+        stale = runs()
+    finally:
+        oai.STALE.clear()
+    assert stale["reference"] == clean["reference"]
+    assert stale["cached_after"] == stale["reference"] != stale["cached_first"]

@@ -17,7 +17,15 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-from tools.vllm.harness import expert_bytes, jit_count, kernel_profile, probes, shadow, trace
+from tools.vllm.harness import (
+    expert_bytes,
+    jit_count,
+    kernel_profile,
+    probes,
+    replay,
+    shadow,
+    trace,
+)
 from tools.vllm.harness.jit_count import JitCounter
 from tools.vllm.harness.measure import Completion, decode_prompts, run_workload
 from tools.vllm.harness.measure import totals as measure_totals
@@ -233,6 +241,12 @@ def workload(
     if job.trace:
         result["trace"] = rpc(trace.read, None)
         trace.uninstall()
+        if spec.caches and time.time() < deadline:
+            # The kept real inputs, run again (harness/replay.py); a failure leaves the rest.
+            try:
+                result["replay"] = rpc(replay.first_forwards, None)
+            except Exception as exc:
+                result["replay_error"] = f"{type(exc).__name__}: {exc}"[:600]
     if job.shadow and spec.caches:
         # Before the exactness probe, whose own forwards it would count: read, then taken
         # off (its counters take no forward outside vLLM's inference mode).

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, expert_bytes, kernel_profile, trace
+from tools.vllm.harness import engines, expert_bytes, kernel_profile, replay, trace
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -596,8 +596,11 @@ def models_targets(results: Results, prefix: str) -> list[str]:
         line = trace_line(results, prefix, label)
         lines += [line] if line is not None else []
     for label in cached:
-        line = expert_bytes_line(results, prefix, label)
-        lines += [line] if line is not None else []
+        for line in (
+            replay_line(results, prefix, label),
+            expert_bytes_line(results, prefix, label),
+        ):
+            lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
 
@@ -975,6 +978,43 @@ def expert_bytes_line(results: Results, prefix: str, label: str) -> str | None:
     shown = ", ".join(f"{name} {key} expert {e}" for name, key, e in differing[:6])
     more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
     return f"{head}: {len(differing)} differ ({shown}{more}){unmatched}: MISSED"
+
+
+REPLAY_WORDS = {
+    "reference": "vLLM's kernel over the cache's sources",
+    "cached_first": "the cached forward first, on poisoned memory",
+    "cached_after": "the cached forward after the kernel",
+}
+"""How :func:`replay_line` names ``replay.RUNS``."""
+
+
+def replay_line(results: Results, prefix: str, label: str) -> str | None:
+    """Where the trace's first difference is a MoE op's first forward in its layer (input and
+    routes agreeing), that forward's real input run again in the cache engine
+    (``harness/replay.py``), each run's output against no offload's output of that forward;
+    None where the trace parts elsewhere or nothing was replayed."""
+    record, reference, against = _with_reference(results, prefix, label)
+    ours, theirs = record.get("trace"), reference.get("trace")
+    if not ours or not theirs:
+        return None
+    first = trace.first_divergence(ours, theirs)["first"]
+    if first is None or first["index"] != 0 or first["differ"] != ["out"]:
+        return None
+    head = f"  replay of {label}'s {first['layer']} forward 0 ({first['rows']} rows)"
+    error = record.get("replay_error")
+    kept = ((record.get("replay") or {}).get("layers") or {}).get(first["layer"])
+    if kept is None:
+        return f"{head}: not run ({error})" if error else f"{head}: no input kept"
+    fields = theirs["fields"]
+    there = theirs["layers"][first["layer"]]["records"][0]
+    if any(kept[f] != there[fields.index(f)] for f in ("x", "ids", "weights")):
+        return f"{head}: the kept input is not that forward's (another forward ran first eagerly)"
+    out = there[fields.index("out")]
+    cells = [
+        f"{REPLAY_WORDS[run]} {'gives' if kept[run] == out else 'does not give'} its bits"
+        for run in replay.RUNS
+    ]
+    return f"{head}, against {against}'s output of it: " + "; ".join(cells)
 
 
 def trace_line(results: Results, prefix: str, label: str) -> str | None:

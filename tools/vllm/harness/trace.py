@@ -34,6 +34,7 @@ __all__ = [
     "first_divergence",
     "install",
     "installed",
+    "kept_inputs",
     "read",
     "start",
     "stop",
@@ -53,6 +54,10 @@ _ATTRIBUTE = "_rowcache_trace"
 
 _MARK = "_untraced"
 """The attribute of the wrapped ``forward_modular`` that holds vLLM's own."""
+
+_INPUTS = "_rowcache_trace_inputs"
+"""Where a layer keeps the inputs of its first eager forward while the trace is on
+(:func:`kept_inputs`)."""
 
 _SWITCH: dict[str, Any] = {}
 """The process's ``on`` flag and ``seq`` counter (0-d int64 on the layers' device), made at the
@@ -181,6 +186,9 @@ def install(target: Any = None) -> None:
     ) -> Any:
         out = original(self, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
         record(self, x, topk_ids, topk_weights, out)
+        if _SWITCH.get("keep") and _INPUTS not in vars(self) and not _capturing():
+            # Its first forward while on, run eagerly: the input to replay (harness/replay.py).
+            vars(self)[_INPUTS] = (x.clone(), topk_ids.clone(), topk_weights.clone())
         return out
 
     setattr(traced, _MARK, original)
@@ -210,7 +218,16 @@ def _set(value: int) -> bool:
 
     with torch.inference_mode():
         on.fill_(value)
+    _SWITCH["keep"] = bool(value)
     return True
+
+
+def kept_inputs(layer: Any) -> tuple[Any, Any, Any] | None:
+    """The hidden states, router ids and weights of ``layer``'s first forward that ran eagerly
+    while the trace was on (in CUDA graphs the hook runs only while they are captured), or
+    None."""
+    found: tuple[Any, Any, Any] | None = vars(layer).get(_INPUTS)
+    return found
 
 
 def start(model: Any = None) -> bool:

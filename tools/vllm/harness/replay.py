@@ -1,0 +1,72 @@
+"""The real input of each cached layer's first traced forward, run again at the end of a run.
+
+The layer trace (``harness/trace.py``) names the first forward where a cache engine's MoE op
+parts from no offload's with the same input and routes, and keeps, in each layer, the input of
+its first forward that ran eagerly while it was on (``trace.kept_inputs``). Here that input
+runs three times in the cache engine: the cached forward first on poisoned memory
+(``probes.poison_device_memory``), vLLM's kernel over the whole expert set built from the
+cache's host sources (``probes.reference_forward``), and the cached forward again just after
+it. Each output's digest, beside the digest of that forward's output in the no-offload
+engine's trace (``steps_report.replay_line``), says which gives no offload's bits: the kernel
+over the sources (are the sources and the kernel no offload's?), the cached forward on its own
+memory, or only after the kernel has written its values where the cached forward reads.
+
+torch is imported when a function runs (``probes``' rule).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RUNS", "first_forwards"]
+
+RUNS = ("cached_first", "reference", "cached_after")
+"""The three runs of a kept input, in the order they run."""
+
+
+def first_forwards(
+    model: Any, device: str = "cuda", poison: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """``{"layers": {name: {"rows": n, "x", "ids", "weights": digests of the kept input,
+    "cached_first", "reference", "cached_after": output digests}}}`` over the cached layers
+    whose first eager forward the trace kept (module docstring)."""
+    import torch
+
+    from tools.vllm.harness import probes, trace
+
+    cuda = torch.device(device).type == "cuda"
+    if poison is None:
+        poison = functools.partial(probes.poison_device_memory, device) if cuda else (lambda: None)
+    layers: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        kept = trace.kept_inputs(module)
+        method: Any = getattr(module, "quant_method", None)
+        provider = getattr(method, "rowcache_provider", None)
+        if kept is None or provider is None:
+            continue
+        whole = probes.reference_weights(method, provider, device)
+        if whole is None:
+            continue
+        x, ids, weights = kept
+        outputs: dict[str, Any] = {}
+        for run in RUNS:
+            if run == "cached_first":
+                poison()
+            if run == "reference":
+                out = probes.reference_forward(method, module, whole, x, weights, ids)
+            else:
+                out = method._cached_apply(provider, module, x, weights, ids, None, None).clone()
+            outputs[run] = trace.digest(out)
+        layers[name] = {
+            "rows": int(x.shape[0]),
+            "x": int(trace.digest(x).item()),
+            "ids": int(trace.digest(ids).item()),
+            "weights": int(trace.digest(weights).item()),
+            **{run: int(d.item()) for run, d in outputs.items()},
+        }
+        del whole
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"layers": layers}
