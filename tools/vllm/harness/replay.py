@@ -49,7 +49,9 @@ def first_forwards(
         whole = probes.reference_weights(method, provider, device)
         if whole is None:
             continue
-        x, ids, weights = kept
+        # Copies made here, outside inference mode: normal tensors, which a kernel may write
+        # in place (the kept ones are inference tensors of vLLM's forward).
+        x, ids, weights = (t.clone() for t in kept)
         outputs: dict[str, Any] = {}
         for run in RUNS:
             if run == "cached_first":
