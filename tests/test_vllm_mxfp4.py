@@ -1047,3 +1047,15 @@ def test_the_replay_runs_a_kept_input_three_ways(fake_mxfp4: Any) -> None:
         oai.STALE.clear()
     assert stale["reference"] == clean["reference"]
     assert stale["cached_after"] == stale["reference"] != stale["cached_first"]
+
+
+def test_expert_bytes_skip_a_layer_of_another_backend(fake_mxfp4: Any) -> None:
+    """A gpt-oss layer on another backend (Marlin, where UVA offloads) holds plain tensors, not
+    the OpenAI-Triton layout: counted as skipped, not read as one."""
+    from tools.vllm.harness import expert_bytes
+
+    layer = SimpleNamespace(
+        quant_method=type("GptOssMxfp4MoEMethod", (), {})(), w13_weight=torch.zeros(2, 3)
+    )
+    model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
+    assert expert_bytes.digests(model, device="cpu") == {"layers": {}, "skipped": 1}

@@ -29,7 +29,7 @@ _MXFP4_METHODS = ("GptOssMxfp4MoEMethod", "RowcacheGptOssMxfp4MoEMethod")
 
 def _layer_rows(method: Any, module: Any, device: str) -> dict[str, Any] | None:
     """Each of :data:`KEYS`' ``[E, n]`` rows (a tensor without biases left out), None for a
-    layer of another method."""
+    layer of another method or of another backend than the OpenAI-Triton one."""
     if type(method).__name__ not in _MXFP4_METHODS:
         return None
     provider = getattr(method, "rowcache_provider", None)
@@ -40,8 +40,12 @@ def _layer_rows(method: Any, module: Any, device: str) -> dict[str, Any] | None:
                 continue
             rows[key] = provider.source_weights(key, device)
         return rows
+    import torch
+
     from rowcache.vllm.mxfp4_slots import expert_rows
 
+    if isinstance(module.w13_weight, torch.Tensor):
+        return None  # another backend's plain tensors (Marlin's, for UVA): not this layout
     own = {
         "w13": module.w13_weight.storage.data,
         "w2": module.w2_weight.storage.data,
