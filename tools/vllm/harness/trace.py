@@ -14,6 +14,9 @@ routes agree but whose output differs is the MoE op's; one whose input differs a
 forward that ran just before it, which agreed (attention, norms, the token sampled); one whose
 input agrees but whose routes differ, the router's.
 
+Each layer also keeps the hidden states, ids and weights of its first forward that runs eagerly
+while the trace is on (``kept_inputs``), which ``harness/replay.py`` runs again at the end.
+
 A digest is the sum of a tensor's elements' bits, each mixed and times a weight of its
 position, in int64: integer arithmetic, so the same bits give the same digest whatever the
 reduction order, and moved or changed elements give another (with the odds of a collision of a
@@ -61,7 +64,8 @@ _INPUTS = "_rowcache_trace_inputs"
 
 _SWITCH: dict[str, Any] = {}
 """The process's ``on`` flag and ``seq`` counter (0-d int64 on the layers' device), made at the
-first traced forward (vLLM's profile run, before any capture)."""
+first traced forward (vLLM's profile run, before any capture), and ``keep``, the host's copy of
+``on`` that tells an eager forward to keep its input (:func:`kept_inputs`)."""
 
 
 @dataclasses.dataclass
