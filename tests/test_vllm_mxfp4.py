@@ -994,7 +994,7 @@ def test_expert_bytes_compare_the_sources_with_no_offloads_own_tensors(fake_mxfp
     assert set(ours["layers"][name]) == set(expert_bytes.KEYS) == set(theirs["layers"][name])
     assert expert_bytes.compare(ours, theirs) == {
         "layers": 1,
-        "experts": len(expert_bytes.KEYS) * E,
+        "expert_tensors": len(expert_bytes.KEYS) * E,
         "differing": [],
         "unmatched": [],
     }

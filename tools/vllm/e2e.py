@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="budgeted phases: every cache engine runs vLLM's kernel over the whole expert "
         "set beside each cached forward and counts the forwards whose bits differ, eager and "
-        "in CUDA graphs "
-        "(harness/shadow.py): a diagnostic; its engines' speeds are not the cache's",
+        "in CUDA graphs (harness/shadow.py): a diagnostic; its engines' speeds are not the "
+        "cache's",
     )
     ap.add_argument(
         "--trace",

@@ -82,11 +82,11 @@ def digests(model: Any, device: str = "cuda") -> dict[str, Any]:
 
 def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
     """The experts whose digests differ between two engines' :func:`digests`: ``{"layers":
-    compared, "experts": compared, "differing": [[layer, key, expert], ...] (in layer, key,
+    compared, "expert_tensors": compared, "differing": [[layer, key, expert], ...] (in layer, key,
     expert order), "unmatched": [layers or tensors only one side has]}``."""
     differing: list[list[Any]] = []
     unmatched: list[str] = []
-    compared = experts = 0
+    compared = tensors = 0
     for name, mine in ours["layers"].items():
         other = theirs["layers"].get(name)
         if other is None:
@@ -97,11 +97,16 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
             if key not in mine or key not in other or len(mine[key]) != len(other[key]):
                 unmatched.append(f"{name} {key}")
                 continue
-            experts += len(mine[key])
+            tensors += len(mine[key])
             differing += [
                 [name, key, e]
                 for e, (a, b) in enumerate(zip(mine[key], other[key], strict=True))
                 if a != b
             ]
     unmatched += [name for name in theirs["layers"] if name not in ours["layers"]]
-    return {"layers": compared, "experts": experts, "differing": differing, "unmatched": unmatched}
+    return {
+        "layers": compared,
+        "expert_tensors": tensors,
+        "differing": differing,
+        "unmatched": unmatched,
+    }

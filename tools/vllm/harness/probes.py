@@ -553,10 +553,58 @@ def poison_device_memory(device: str) -> None:
     del taken
 
 
+RUNS = ("cached_first", "reference", "cached_after")
+"""The three runs of one input (:func:`three_runs`), in order: the cached forward on memory
+:func:`poison_device_memory` filled, vLLM's kernel over the whole set, the cached forward just
+after it (where a forward that reads memory it did not write finds the kernel's values)."""
+
 ORDERS = ("first", "after")
-"""The cached forward's two runs in :func:`exactness`: ``first`` on memory
-:func:`poison_device_memory` filled, before vLLM's kernel; ``after`` just after it, over the
-same input (where a forward that reads memory it did not write finds the kernel's values)."""
+"""The cached forward's two runs as :func:`exactness` reports them (``cached_<order>`` of
+:data:`RUNS`)."""
+
+
+def default_poison(device: str) -> Callable[[], None]:
+    """:func:`poison_device_memory` on a CUDA ``device``; nothing elsewhere (the CPU tests pass
+    their own)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return functools.partial(poison_device_memory, device)
+    return lambda: None
+
+
+def three_runs(
+    method: Any,
+    module: Any,
+    whole: WholeSet,
+    inputs: tuple[Any, Any, Any],
+    poison: Callable[[], None],
+) -> tuple[dict[str, Any], list[str] | None, list[str] | None]:
+    """One input ``(x, weights, ids)`` of a cached layer run as :data:`RUNS` says: each run's
+    output (a copy) by name, and the launch options (:func:`launch_flags`) of the reference's
+    ``matmul_ogs`` calls and of both cached runs' (None where the kernel calls none)."""
+    x, weights, ids = inputs
+    provider = method.rowcache_provider
+    experts = method.moe_kernel.fused_experts
+    outputs: dict[str, Any] = {}
+    reference_flags: list[str] | None = None
+    cached_flags: list[str] | None = None
+    for run in RUNS:
+        with launch_flags(experts) as logged:
+            if run == "reference":
+                outputs[run] = reference_forward(method, module, whole, x, weights, ids)
+            else:
+                if run == "cached_first":
+                    poison()
+                out = method._cached_apply(provider, module, x, weights, ids, None, None)
+                outputs[run] = out.clone()
+        if logged is None:
+            continue
+        if run == "reference":
+            reference_flags = logged
+        else:
+            cached_flags = [*(cached_flags or []), *logged]
+    return outputs, reference_flags, cached_flags
 
 
 def exactness(
@@ -574,8 +622,8 @@ def exactness(
     tiles). Independent of how two engines compile (their tokens can differ without any
     cache). Layers :func:`reference_weights` builds no reference for are counted as skipped.
 
-    The cached forward runs twice (:data:`ORDERS`): first after ``poison`` (default, on CUDA:
-    :func:`poison_device_memory`), then after the reference. A layer is equal where both
+    The cached forward runs twice (:func:`three_runs`): first after ``poison`` (default:
+    :func:`default_poison`), then after the reference. A layer is equal where both
     runs give the reference's bits: the second alone would miss a forward that reads what it
     did not write, since the reference has just written the right values there.
 
@@ -604,8 +652,7 @@ def exactness(
     layers = skipped = 0
     gen = torch.Generator(device=device).manual_seed(0)
     cuda = torch.device(device).type == "cuda"
-    if poison is None:
-        poison = functools.partial(poison_device_memory, device) if cuda else (lambda: None)
+    poison = default_poison(device) if poison is None else poison
     for _name, module in model.named_modules():
         method: Any = getattr(module, "quant_method", None)
         provider = getattr(method, "rowcache_provider", None)
@@ -624,25 +671,16 @@ def exactness(
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
-            kernel = method.moe_kernel
-            cached: dict[str, Any] = {}
-            cached_flags: list[str] | None = None
-            for order in ORDERS:
-                if order == "first":
-                    poison()
-                else:
-                    with launch_flags(kernel.fused_experts) as reference_flags:
-                        reference = reference_forward(method, module, whole, x, weights, ids)
-                with launch_flags(kernel.fused_experts) as logged:
-                    out = method._cached_apply(provider, module, x, weights, ids, None, None)
-                    cached[order] = out.clone()
-                if logged is not None:
-                    cached_flags = [*(cached_flags or []), *logged]
+            outputs, reference_flags, cached_flags = three_runs(
+                method, module, whole, (x, weights, ids), poison
+            )
             if cuda:
                 torch.cuda.synchronize()
+            reference = outputs["reference"]
             both = True
             for order in ORDERS:
-                differs, gap = bit_difference(reference, cached[order])
+                cached = outputs[f"cached_{order}"]
+                differs, gap = bit_difference(reference, cached)
                 same = not bool(differs.item())
                 both = both and same
                 found_order = by_order[order]
@@ -651,7 +689,7 @@ def exactness(
                     found_order["max_abs"][str(rows)], float(gap.item())
                 )
                 found_order["non_finite"][str(rows)] += not bool(
-                    torch.isfinite(cached[order].float()).all().item()
+                    torch.isfinite(cached.float()).all().item()
                 )
                 max_abs[str(rows)] = max(max_abs[str(rows)], float(gap.item()))
             equal[str(rows)] += both

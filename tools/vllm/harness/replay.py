@@ -6,39 +6,34 @@ its first forward that ran eagerly while it was on (``trace.kept_inputs``). Here
 runs three times in the cache engine: the cached forward first on poisoned memory
 (``probes.poison_device_memory``), vLLM's kernel over the whole expert set built from the
 cache's host sources (``probes.reference_forward``), and the cached forward again just after
-it. Each output's digest, beside the digest of that forward's output in the no-offload
-engine's trace (``steps_report.replay_line``), says which gives no offload's bits: the kernel
-over the sources (are the sources and the kernel no offload's?), the cached forward on its own
-memory, or only after the kernel has written its values where the cached forward reads.
+it (``probes.three_runs``, as the exactness probe runs its random inputs). Each output's
+digest, beside the digest of that forward's output in the no-offload engine's trace
+(``steps_report.replay_line``), says which gives no offload's bits: the kernel over the sources
+(are the sources and the kernel no offload's?), the cached forward on its own memory, or only
+after the kernel has written its values where the cached forward reads.
 
 torch is imported when a function runs (``probes``' rule).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RUNS", "first_forwards"]
-
-RUNS = ("cached_first", "reference", "cached_after")
-"""The three runs of a kept input, in the order they run."""
+__all__ = ["first_forwards"]
 
 
 def first_forwards(
     model: Any, device: str = "cuda", poison: Callable[[], None] | None = None
 ) -> dict[str, Any]:
-    """``{"layers": {name: {"rows": n, "x", "ids", "weights": digests of the kept input,
-    "cached_first", "reference", "cached_after": output digests}}}`` over the cached layers
-    whose first eager forward the trace kept (module docstring)."""
+    """``{"layers": {name: {"rows": n, "x", "ids", "weights": digests of the kept input, and
+    one output digest for each of ``probes.RUNS``}}}`` over the cached layers whose first eager
+    forward the trace kept (module docstring)."""
     import torch
 
     from tools.vllm.harness import probes, trace
 
-    cuda = torch.device(device).type == "cuda"
-    if poison is None:
-        poison = functools.partial(probes.poison_device_memory, device) if cuda else (lambda: None)
+    poison = probes.default_poison(device) if poison is None else poison
     layers: dict[str, Any] = {}
     for name, module in model.named_modules():
         kept = trace.kept_inputs(module)
@@ -52,23 +47,13 @@ def first_forwards(
         # Copies made here, outside inference mode: normal tensors, which a kernel may write
         # in place (the kept ones are inference tensors of vLLM's forward).
         x, ids, weights = (t.clone() for t in kept)
-        outputs: dict[str, Any] = {}
-        for run in RUNS:
-            if run == "cached_first":
-                poison()
-            if run == "reference":
-                out = probes.reference_forward(method, module, whole, x, weights, ids)
-            else:
-                out = method._cached_apply(provider, module, x, weights, ids, None, None).clone()
-            outputs[run] = trace.digest(out)
+        outputs, _, _ = probes.three_runs(method, module, whole, (x, weights, ids), poison)
+        digests = {"x": x, "ids": ids, "weights": weights, **outputs}
         layers[name] = {
             "rows": int(x.shape[0]),
-            "x": int(trace.digest(x).item()),
-            "ids": int(trace.digest(ids).item()),
-            "weights": int(trace.digest(weights).item()),
-            **{run: int(d.item()) for run, d in outputs.items()},
+            **{key: int(trace.digest(t).item()) for key, t in digests.items()},
         }
         del whole
-        if cuda:
+        if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return {"layers": layers}

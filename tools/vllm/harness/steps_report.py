@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, expert_bytes, kernel_profile, replay, trace
+from tools.vllm.harness import engines, expert_bytes, kernel_profile, probes, trace
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -966,14 +966,14 @@ def expert_bytes_line(results: Results, prefix: str, label: str) -> str | None:
     found = expert_bytes.compare(ours, theirs)
     head = (
         f"  expert bytes of {label}'s sources against {against}'s own tensors "
-        f"({found['layers']} layers, {found['experts']} expert tensors)"
+        f"({found['layers']} layers, {found['expert_tensors']} expert tensors)"
     )
     differing = found["differing"]
     unmatched = (
         f"; only one side has {', '.join(found['unmatched'][:4])}" if found["unmatched"] else ""
     )
     if not differing:
-        verdict = "met" if not found["unmatched"] and found["experts"] else "MISSED"
+        verdict = "met" if not found["unmatched"] and found["expert_tensors"] else "MISSED"
         return f"{head}: every digest identical{unmatched}: {verdict}"
     shown = ", ".join(f"{name} {key} expert {e}" for name, key, e in differing[:6])
     more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
@@ -985,7 +985,7 @@ REPLAY_WORDS = {
     "cached_first": "the cached forward first, on poisoned memory",
     "cached_after": "the cached forward after the kernel",
 }
-"""How :func:`replay_line` names ``replay.RUNS``."""
+"""How :func:`replay_line` names ``probes.RUNS``."""
 
 
 def replay_line(results: Results, prefix: str, label: str) -> str | None:
@@ -1012,7 +1012,7 @@ def replay_line(results: Results, prefix: str, label: str) -> str | None:
     out = there[fields.index("out")]
     cells = [
         f"{REPLAY_WORDS[run]} {'gives' if kept[run] == out else 'does not give'} its bits"
-        for run in replay.RUNS
+        for run in probes.RUNS
     ]
     return f"{head}, against {against}'s output of it: " + "; ".join(cells)
 
