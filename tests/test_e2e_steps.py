@@ -29,6 +29,7 @@ from tools.vllm.harness import (
     phases,
     probes,
     shadow,
+    slot_watch,
     steps_report,
     trace,
 )
@@ -1248,17 +1249,19 @@ def test_the_in_process_diagnostics_refuse_a_multiprocess_engine(
     before the engine where the engine core runs in the harness's process, and is refused,
     naming the option, where it runs in another (the hook would patch the wrong process)."""
     installed: list[str] = []
-    for name, hook in (("shadow", shadow), ("trace", trace)):
+    for name, hook in (("shadow", shadow), ("trace", trace), ("slot_watch", slot_watch)):
         monkeypatch.setattr(hook, "install", lambda name=name: installed.append(name))
     spec = engines.models(engines.GPT_OSS)[0]
     job = Job(spec, "/m", str(tmp_path), 30.0, **{option: True})
     child.install_hooks(job, multiprocess=False)
-    assert installed == [option]
+    # The trace brings the slot watch (both read over the first generation).
+    hooks = ["trace", "slot_watch"] if option == "trace" else [option]
+    assert installed == hooks
     with pytest.raises(RuntimeError, match=f"--{option} patches .* in another"):
         child.install_hooks(job, multiprocess=True)
-    assert installed == [option]
+    assert installed == hooks
     child.install_hooks(Job(spec, "/m", str(tmp_path), 30.0), multiprocess=True)  # neither
-    assert installed == [option]
+    assert installed == hooks
 
 
 @pytest.mark.parametrize("flag", [True, False])

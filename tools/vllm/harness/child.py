@@ -24,6 +24,7 @@ from tools.vllm.harness import (
     probes,
     replay,
     shadow,
+    slot_watch,
     trace,
 )
 from tools.vllm.harness.jit_count import JitCounter
@@ -241,6 +242,13 @@ def workload(
     if job.trace:
         result["trace"] = rpc(trace.read, None)
         trace.uninstall()
+        if spec.caches:
+            # Every prepare of the first generation checked (harness/slot_watch.py).
+            try:
+                result["slot_watch"] = rpc(slot_watch.read, None)
+            except Exception as exc:
+                result["slot_watch_error"] = f"{type(exc).__name__}: {exc}"[:600]
+        slot_watch.uninstall()
         if spec.caches and time.time() < deadline:
             # The kept real inputs, run again (harness/replay.py); a failure leaves the rest.
             try:
@@ -352,7 +360,11 @@ def install_hooks(job: Job, multiprocess: bool) -> None:
     """The in-process diagnostics ``job`` asks for (``--shadow``, ``--trace``), installed before
     its engine is built so that the engine's CUDA graphs capture them; refused, naming the
     option, where the engine core runs in another process (``multiprocess``)."""
-    hooks = (("--shadow", "the plugin", shadow), ("--trace", "vLLM", trace))
+    hooks = (
+        ("--shadow", "the plugin", shadow),
+        ("--trace", "vLLM", trace),
+        ("--trace", "the providers", slot_watch),
+    )
     for option, patched, hook in hooks:
         if not getattr(job, option.removeprefix("--")):
             continue

@@ -598,6 +598,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     for label in cached:
         for line in (
             replay_line(results, prefix, label),
+            slot_watch_line(results, prefix, label),
             expert_bytes_line(results, prefix, label),
         ):
             lines += [line] if line is not None else []
@@ -978,6 +979,42 @@ def expert_bytes_line(results: Results, prefix: str, label: str) -> str | None:
     shown = ", ".join(f"{name} {key} expert {e}" for name, key, e in differing[:6])
     more = f" and {len(differing) - 6} more" if len(differing) > 6 else ""
     return f"{head}: {len(differing)} differ ({shown}{more}){unmatched}: MISSED"
+
+
+def slot_watch_line(results: Results, prefix: str, label: str) -> str | None:
+    """The slot watch of a cache engine's first generation (``harness/slot_watch.py``): whether
+    every slot a ``prepare`` mapped held its expert's bytes when the forward read it, and where
+    not, which layers, source tensors and first forward; None where the engine has no watch."""
+    record = results.get(f"{prefix}.{label}") or {}
+    head = f"  slot watch of {label}"
+    found = record.get("slot_watch")
+    if not found:
+        error = record.get("slot_watch_error")
+        return f"{head}: not read ({error})" if error else None
+    layers = found.get("layers") or {}
+    prepares = sum(c["prepares"] for c in layers.values())
+    mapped = sum(c["mapped"] for c in layers.values())
+    head += (
+        f" (the first generation, {prepares} prepares in {len(layers)} layers, "
+        f"{mapped} mapped experts)"
+    )
+    bad = {name: c for name, c in layers.items() if c["bad_prepares"]}
+    if not bad:
+        verdict = "met" if prepares else "MISSED (nothing checked)"
+        return f"{head}: every slot held its expert's bytes: {verdict}"
+    cells = []
+    for name, c in list(bad.items())[:4]:
+        keys = ", ".join(f"{k} {n}" for k, n in c["by_key"].items() if n)
+        cells.append(
+            f"{name} ({c['bad_prepares']} prepares, {c['bad']} experts; {keys}; "
+            f"first at forward {c['first_bad']})"
+        )
+    more = f" and {len(bad) - 4} more layers" if len(bad) > 4 else ""
+    total = sum(c["bad_prepares"] for c in bad.values())
+    return (
+        f"{head}: {total} prepares mapped a slot without its expert's bytes: "
+        f"{'; '.join(cells)}{more}: MISSED"
+    )
 
 
 REPLAY_WORDS = {
