@@ -35,6 +35,16 @@ def test_prompt_sized_steps_loop_over_blocks_of_entries() -> None:
     assert done.stdout.splitlines()[-1].startswith("ok: ")
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_gpt_oss_shapes_at_half_its_experts(policy: str) -> None:
+    # gpt-oss-20b's 32 experts at 16 slots (the half, docs/GPT_OSS.md): an 8-token prompt's 32
+    # entries in two passes; steps of up to 8 rows.
+    args = ["--policy", policy, "--experts", "32", "--capacity", "16", "--max-rows", "8"]
+    done = interpreted(*args, "--steps", "100")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].startswith("ok: ")
+
+
 @pytest.mark.parametrize(
     ("mutant", "policy", "symptom"),
     [

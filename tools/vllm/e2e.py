@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="budgeted phases: every engine keeps digests of each MoE layer's input, routes "
         "and output over its first generation (harness/trace.py); the summary names the first "
-        "forward where a cache engine's differ from its no-offload reference's (its engines' "
-        "speeds are not for comparison)",
+        "forward where a cache engine's differ from its no-offload reference's; a cache "
+        "engine also checks at every prepare that each mapped slot holds its expert's bytes "
+        "(harness/slot_watch.py) (its engines' speeds are not for comparison)",
     )
     ns = ap.parse_intermixed_args(args)  # merge: files after --out too
     if ns.mode == "merge":
