@@ -167,3 +167,15 @@ def test_the_summary_line_says_what_the_watch_found() -> None:
     assert steps_report.slot_watch_line(errored, "p", "row") == (
         "  slot watch of row: not read (RuntimeError: boom)"
     )
+
+
+def test_a_first_prepare_inside_a_capture_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    slot_watch.install()
+    provider = PROVIDERS["device"]()
+    monkeypatch.setattr(trace, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="first prepare is being captured"):
+        _prepare(provider, [[0, 1]])
+    monkeypatch.setattr(trace, "_capturing", lambda: False)
+    _prepare(provider, [[0, 1]])  # the digests read outside: later captures only check
+    monkeypatch.setattr(trace, "_capturing", lambda: True)
+    _prepare(provider, [[2, 1]])

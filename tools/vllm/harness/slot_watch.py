@@ -63,12 +63,6 @@ def targets() -> tuple[type, ...]:
     return (DevicePlannedProvider, HostPlannedProvider)
 
 
-def _capturing() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _slot_keys(provider: Any) -> tuple[str, ...]:
     from rowcache.sources import SOURCE_NAMES
 
@@ -106,7 +100,9 @@ def _watch(provider: Any, device: Any) -> ProviderWatch:
         return found
     import torch
 
-    if _capturing():
+    from tools.vllm.harness import trace
+
+    if trace._capturing():
         raise RuntimeError(
             "slot watch: a provider's first prepare is being captured into a CUDA graph; its "
             "source digests must be read before (install the watch before the engine)"
