@@ -159,7 +159,10 @@ def test_the_summary_line_says_what_the_watch_found() -> None:
     line = steps_report.slot_watch_line(results, "p", "row")
     assert line is not None
     assert "2 prepares mapped a slot without its expert's bytes" in line
-    where = "model.layers.1.experts (2 prepares, 3 experts; w13 3, w2 1; first at forward 17)"
+    where = (
+        "model.layers.1.experts (2 prepares, 3 experts; w13 3, w2 1; first at the trace's order "
+        "number 17)"
+    )
     assert where in line
     assert line.endswith("MISSED")
     assert steps_report.slot_watch_line({"p.row": {}}, "p", "row") is None

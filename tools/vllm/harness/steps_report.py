@@ -1007,7 +1007,7 @@ def slot_watch_line(results: Results, prefix: str, label: str) -> str | None:
         keys = ", ".join(f"{k} {n}" for k, n in c["by_key"].items() if n)
         cells.append(
             f"{name} ({c['bad_prepares']} prepares, {c['bad']} experts; {keys}; "
-            f"first at forward {c['first_bad']})"
+            f"first at the trace's order number {c['first_bad']})"
         )
     more = f" and {len(bad) - 4} more layers" if len(bad) > 4 else ""
     total = sum(c["bad_prepares"] for c in bad.values())
