@@ -90,10 +90,13 @@ def test_a_correct_cache_finds_every_slot_right(kind: str) -> None:
     provider = PROVIDERS[kind]()
     _on(1)
     mapped = 0
+    maps = []
     for rows in ([[0, 1], [2, -1]], [[3, 1]], [[4, 5], [0, 5]]):
         result = _prepare(provider, rows)
         mapped += int((result.expert_map >= 0).sum())
+        maps.append(result.expert_map.tolist())
     found = slot_watch.read(Model(provider))["layers"]["layers.0.experts"]
+    assert found["maps"] == maps  # each call's map, in order
     assert found["prepares"] == 3 and found["mapped"] == mapped == 3 + 2 + 3
     assert found["bad_prepares"] == found["bad"] == 0 and found["first_bad"] == -1
     assert found["by_key"] == {"w13": 0, "w2": 0, "w13_bias": 0, "w2_bias": 0}
@@ -129,7 +132,20 @@ def test_nothing_counts_with_the_switch_off() -> None:
     _prepare(provider, [[0, 1]])
     found = slot_watch.read(Model(provider))["layers"]["layers.0.experts"]
     assert found["prepares"] == found["mapped"] == found["bad"] == 0
-    assert found["first_bad"] == -1
+    assert found["first_bad"] == -1 and found["maps"] == []
+
+
+def test_the_first_calls_maps_are_kept_and_later_ones_counted() -> None:
+    slot_watch.install()
+    provider = PROVIDERS["device"]()
+    _on(1)
+    maps = []
+    for step in range(slot_watch.MAPS_KEPT + 3):
+        result = _prepare(provider, [[step % E, (step + 2) % E]])
+        maps.append(result.expert_map.tolist())
+    found = slot_watch.read(Model(provider))["layers"]["layers.0.experts"]
+    assert found["prepares"] == slot_watch.MAPS_KEPT + 3
+    assert found["maps"] == maps[: slot_watch.MAPS_KEPT]
 
 
 def test_install_wraps_once_and_uninstall_restores() -> None:

@@ -14,7 +14,8 @@ of the expert the map sends there, read once from the provider's host sources
 (``source_weights``) at the provider's first call. While the layer trace is on (its switch,
 ``trace.start``, ``trace.stop``) each check adds to the provider's counters: prepares, mapped
 experts checked, prepares with a wrong slot, wrong experts by source tensor, and the trace's
-order number of the first forward with one (``first_bad``, -1 while none).
+order number of the first forward with one (``first_bad``, -1 while none); and it keeps the
+expert maps of its first calls (``MAPS_KEPT``: the passes of the generation's first forward).
 
 The digests cost a pass over the slot buffers at every call: a diagnostic, not for timings.
 torch is imported when a function runs (``probes``' rule).
@@ -26,13 +27,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COUNTS", "install", "installed", "read", "targets", "uninstall"]
+__all__ = ["COUNTS", "MAPS_KEPT", "install", "installed", "read", "targets", "uninstall"]
 
 COUNTS = ("prepares", "mapped", "bad_prepares", "bad", "first_bad")
 """A provider's counters, in order: its calls of ``prepare`` while the trace was on, the mapped
 experts they checked, the calls with at least one slot not holding its expert's bytes, those
 experts (summed over calls), and the trace's order number of the first such call's forward
 (-1: none)."""
+
+MAPS_KEPT = 8
+"""Calls whose expert maps a provider keeps (the first generation's first forward's passes)."""
 
 _ATTRIBUTE = "_rowcache_slot_watch"
 """Where a provider keeps its :class:`ProviderWatch`."""
@@ -53,6 +57,8 @@ class ProviderWatch:
     """``[len(COUNTS)]`` int64."""
     by_key: Any
     """``[len(keys)]`` int64: experts found wrong in each source tensor."""
+    maps: Any
+    """``[MAPS_KEPT, E]`` int64: the expert maps of the first calls while the trace is on."""
 
 
 def targets() -> tuple[type, ...]:
@@ -119,6 +125,7 @@ def _watch(provider: Any, device: Any) -> ProviderWatch:
         torch.stack(expected),
         torch.tensor([0, 0, 0, 0, -1], dtype=torch.int64, device=device),
         torch.zeros(len(keys), dtype=torch.int64, device=device),
+        torch.full((MAPS_KEPT, expected[0].numel()), -1, dtype=torch.int64, device=device),
     )
     vars(provider)[_ATTRIBUTE] = found
     return found
@@ -146,6 +153,12 @@ def check(provider: Any, expert_map: Any) -> None:
     counts = watch.counts
     first = torch.where((counts[4] < 0) & (bad_call * on > 0), seq, counts[4])
     step = torch.stack([on, mapped.sum() * on, bad_call * on, bad_experts * on])
+    # The map of one of the first MAPS_KEPT calls while on (the row past them rewritten as it
+    # was otherwise, as the trace keeps its records).
+    row = counts[0].clamp(max=MAPS_KEPT - 1).reshape(1)
+    kept = watch.maps.index_select(0, row)
+    keep = (counts[0] < MAPS_KEPT) & (on > 0)
+    watch.maps.index_copy_(0, row, torch.where(keep, expert_map.long().reshape(1, -1), kept))
     counts[:4].add_(step)
     counts[4].copy_(first)
     watch.by_key.add_(wrong_by_key.sum(1) * on)
@@ -187,7 +200,8 @@ def uninstall(classes: tuple[type, ...] | None = None) -> None:
 
 def read(model: Any) -> dict[str, Any]:
     """Every watched layer's counters: ``{"layers": {name: {count: n, ..., "by_key": {key:
-    n}}}}`` (:data:`COUNTS`), the layers whose provider ran a watched ``prepare``."""
+    n}, "maps": [[slot of each expert or -1], ...]}}}`` (:data:`COUNTS`, the kept maps), the
+    layers whose provider ran a watched ``prepare``."""
     import torch
 
     layers: dict[str, Any] = {}
@@ -200,5 +214,6 @@ def read(model: Any) -> dict[str, Any]:
             torch.cuda.synchronize(watch.counts.device)
         counts = [int(v) for v in watch.counts.tolist()]
         by_key = dict(zip(watch.keys, (int(v) for v in watch.by_key.tolist()), strict=True))
-        layers[name] = {**dict(zip(COUNTS, counts, strict=True)), "by_key": by_key}
+        maps = watch.maps[: min(counts[0], MAPS_KEPT)].tolist()
+        layers[name] = {**dict(zip(COUNTS, counts, strict=True)), "by_key": by_key, "maps": maps}
     return {"layers": layers}
