@@ -59,6 +59,7 @@ def _on(value: int) -> None:
     with torch.inference_mode():
         trace._SWITCH["on"].fill_(value)
         trace._SWITCH["seq"].add_(1)  # the next forward's order number
+    trace._SWITCH["keep"] = bool(value)  # the host's copy, as trace.start and stop set it
 
 
 def _prepare(provider: Any, rows: list[list[int]]) -> Any:
@@ -146,6 +147,36 @@ def test_the_first_calls_maps_are_kept_and_later_ones_counted() -> None:
     found = slot_watch.read(Model(provider))["layers"]["layers.0.experts"]
     assert found["prepares"] == slot_watch.MAPS_KEPT + 3
     assert found["maps"] == maps[: slot_watch.MAPS_KEPT]
+
+
+def test_an_eager_call_with_the_trace_off_skips_the_digests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slot_watch.install()
+    provider = PROVIDERS["device"]()
+    digested: list[int] = []
+    own = slot_watch._row_digests
+
+    def counting(rows: torch.Tensor) -> torch.Tensor:
+        digested.append(int(rows.shape[0]))
+        return own(rows)
+
+    monkeypatch.setattr(slot_watch, "_row_digests", counting)
+    _on(0)
+    _prepare(provider, [[0, 1]])  # the first call reads the sources' digests, checks nothing
+    sources = len(digested)
+    assert sources > 0
+    _prepare(provider, [[2, 1]])
+    assert len(digested) == sources  # off and eager: nothing digested
+    monkeypatch.setattr(trace, "_capturing", lambda: True)
+    _prepare(provider, [[3, 1]])  # a capture checks (its replays count while on)
+    assert len(digested) == sources + 4  # one digest of each of the four slot buffers
+    monkeypatch.setattr(trace, "_capturing", lambda: False)
+    _on(1)
+    _prepare(provider, [[4, 1]])
+    assert len(digested) == sources + 8
+    found = slot_watch.read(Model(provider))["layers"]["layers.0.experts"]
+    assert found["prepares"] == 1 and found["bad"] == 0
 
 
 def test_install_wraps_once_and_uninstall_restores() -> None:

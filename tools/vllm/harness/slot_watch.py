@@ -17,7 +17,8 @@ experts checked, prepares with a wrong slot, wrong experts by source tensor, and
 order number of the first forward with one (``first_bad``, -1 while none); and it keeps the
 expert maps of its first calls (``MAPS_KEPT``: the passes of the generation's first forward).
 
-The digests cost a pass over the slot buffers at every call: a diagnostic, not for timings.
+The digests cost a pass over the slot buffers at every call that checks (eagerly while the
+trace is on, and at every replay of a captured graph): a diagnostic, not for timings.
 torch is imported when a function runs (``probes``' rule).
 """
 
@@ -164,6 +165,15 @@ def check(provider: Any, expert_map: Any) -> None:
     watch.by_key.add_(wrong_by_key.sum(1) * on)
 
 
+def _checks_now() -> bool:
+    """Whether a call checks: inside a CUDA graph's capture (the check is replayed with the
+    graph, and counts only while the trace is on) and eagerly while the trace is on; an eager
+    call with the trace off would count nothing, and skips the digests' cost."""
+    from tools.vllm.harness import trace
+
+    return trace._capturing() or bool(trace._SWITCH.get("keep"))
+
+
 def install(classes: tuple[type, ...] | None = None) -> None:
     """Wrap ``prepare`` of each provider class (:func:`targets` unless a test names others)
     with the check; a second call changes nothing."""
@@ -176,7 +186,10 @@ def install(classes: tuple[type, ...] | None = None) -> None:
             self: Any, *args: Any, _original: Callable[..., Any] = original, **kwargs: Any
         ) -> Any:
             result = _original(self, *args, **kwargs)
-            check(self, result.expert_map)
+            if _checks_now():
+                check(self, result.expert_map)
+            else:
+                _watch(self, result.expert_map.device)  # the digests, before any capture
             return result
 
         setattr(watched, _MARK, original)
