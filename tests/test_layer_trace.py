@@ -32,6 +32,9 @@ def test_the_digest_sees_every_bit_and_its_place() -> None:
     ids = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
     assert int(trace.digest(ids)) != int(trace.digest(ids.flip(1)))
     assert int(trace.digest(ids.long())) == int(trace.digest(ids))  # the values, not the width
+    wide = ids.long()
+    trace.digest(wide)
+    assert torch.equal(wide, ids.long())  # an int64 tensor's digest works on a copy
 
 
 class Experts:

@@ -81,20 +81,19 @@ _WORD_TYPES = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
 
 def _row_digests(rows: Any) -> Any:
     """``[n]`` int64: a digest of each of ``rows``' first-dimension entries' bytes, mixed and
-    weighted by position as ``trace.digest`` mixes elements, over the widest integer words the
-    entry's size divides into: the same bytes give the same digest whatever their dtype. A few
-    kernels over the whole buffer (inside a CUDA graph as outside), one working copy of it."""
+    weighted by position as ``trace.digest`` mixes elements (``trace.mixed_sum``), over the
+    widest integer words the entry's size divides into: the same bytes give the same digest
+    whatever their dtype. A few kernels over the whole buffer (inside a CUDA graph as outside),
+    one working copy of it."""
     import torch
+
+    from tools.vllm.harness import trace
 
     flat = rows.detach().contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
     width = next(w for w in _WORD_TYPES if flat.shape[1] % w == 0)
     words = flat.view(getattr(torch, _WORD_TYPES[width]))
-    mixed = words.to(torch.int64, copy=True)  # a copy: the slot buffer is never written
-    position = torch.arange(mixed.shape[1], device=mixed.device, dtype=torch.int64)
-    weights = (position * 0x9E3779B97F4A7C1 + 0x7F4A7C15) | 1
-    mixed.add_(0x632BE5AB).mul_(0x85EBCA77C2B2AE3)
-    mixed.bitwise_xor_(mixed >> 29)
-    return mixed.mul_(weights).sum(1)
+    # A copy: the slot buffer is never written.
+    return trace.mixed_sum(words.to(torch.int64, copy=True))
 
 
 _SOURCE_CHUNK = 4

@@ -38,6 +38,7 @@ __all__ = [
     "install",
     "installed",
     "kept_inputs",
+    "mixed_sum",
     "read",
     "start",
     "stop",
@@ -90,13 +91,22 @@ def digest(t: Any) -> Any:
         flat = flat.to(torch.int8)
     if flat.is_floating_point() or flat.dtype not in (torch.int64,):
         flat = flat.view(getattr(torch, _INTEGER_VIEWS[flat.element_size()]))
-    # Each value mixed (multiply, xor-shift) and weighted by a large odd number of its
-    # position, all wrapping in int64: a swap of two elements or a changed bit moves the sum.
-    position = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+    return mixed_sum(flat.to(torch.int64, copy=True))
+
+
+def mixed_sum(values: Any) -> Any:
+    """The digests' sum over ``values``' last dimension (int64, overwritten: pass a copy).
+
+    Each value mixed (multiply, xor-shift) and weighted by a large odd number of its position,
+    all wrapping in int64: a swap of two elements or a changed bit moves the sum. In place, so
+    that a large buffer's digest holds one working copy of it (``harness/slot_watch.py``)."""
+    import torch
+
+    position = torch.arange(values.shape[-1], device=values.device, dtype=torch.int64)
     weights = (position * 0x9E3779B97F4A7C1 + 0x7F4A7C15) | 1
-    mixed = (flat.to(torch.int64) + 0x632BE5AB) * 0x85EBCA77C2B2AE3
-    mixed = mixed ^ (mixed >> 29)
-    return (mixed * weights).sum()
+    values.add_(0x632BE5AB).mul_(0x85EBCA77C2B2AE3)
+    values.bitwise_xor_(values >> 29)
+    return values.mul_(weights).sum(-1)
 
 
 def _switch(device: Any) -> tuple[Any, Any]:
