@@ -213,6 +213,10 @@ def test_the_summary_line_says_what_the_watch_found() -> None:
     assert where in line
     assert line.endswith("MISSED")
     assert steps_report.slot_watch_line({"p.row": {}}, "p", "row") is None
+    idle = {"prepares": 0, "mapped": 0, "bad_prepares": 0, "bad": 0, "first_bad": -1}
+    unchecked = {"p.row": {"slot_watch": {"layers": {"l": {**idle, "by_key": {}}}}}}
+    line = steps_report.slot_watch_line(unchecked, "p", "row")
+    assert line is not None and line.endswith("MISSED (nothing checked)")
     errored = {"p.row": {"slot_watch_error": "RuntimeError: boom"}}
     assert steps_report.slot_watch_line(errored, "p", "row") == (
         "  slot watch of row: not read (RuntimeError: boom)"
