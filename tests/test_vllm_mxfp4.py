@@ -1049,6 +1049,65 @@ def test_the_replay_runs_a_kept_input_three_ways(fake_mxfp4: Any) -> None:
     assert stale["cached_after"] == stale["reference"] != stale["cached_first"]
 
 
+def test_the_replay_runs_it_again_from_the_caches_state_at_that_forward(
+    fake_mxfp4: Any,
+) -> None:
+    """tools/vllm/harness/replay.py with the cache's state kept just before the forward
+    (``first_state``, as the trace's hook keeps it): the run from that state gives the kernel's
+    bits where the state was sound, and other bits where a slot held other bytes then (seeded
+    in the copy), while the three runs from the state of the end do not part; the cache's own
+    state is back after the replay."""
+    from tools.vllm.harness import first_state, replay, trace
+
+    first_state.reset()
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    method = layer.quant_method
+    provider = method.rowcache_provider
+    x, ids, weights = _inputs(6, seed=2)
+    # Outside inference mode: the fake kernel's workspace of a shape is made by its first call.
+    with torch.no_grad():
+        method.apply(layer, x, weights, ids, None, None)  # the step's last experts resident
+        assert first_state.take(layer)
+        method.apply(layer, x, weights, ids, None, None)  # the forward the trace keeps
+        later = _inputs(5, seed=3)
+        method.apply(layer, later[0], later[2], later[1], None, None)
+    vars(layer)[trace._INPUTS] = (x, ids, weights)
+    model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
+
+    def live() -> dict[str, torch.Tensor]:
+        fields, slots = first_state._tensors(provider)
+        return {**fields, **slots}
+
+    end = {k: t.clone() for k, t in live().items()}
+
+    def replayed() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        for key, tensor in live().items():
+            tensor.copy_(end[key])  # each replay from the state of the end
+        found = replay.first_forwards(model, device="cpu", poison=lambda: None)
+        return found["layers"]["layers.0.experts"], {k: t.clone() for k, t in live().items()}
+
+    def runs() -> dict[str, Any]:
+        copy = vars(layer).pop(first_state._ATTRIBUTE)
+        without, after_three = replayed()  # the three runs alone
+        vars(layer)[first_state._ATTRIBUTE] = copy
+        kept, after = replayed()
+        assert "from_start_error" not in kept and replay.FROM_START not in without
+        assert all(torch.equal(after[k], after_three[k]) for k in after)  # the state put back
+        return kept
+
+    clean = runs()
+    assert clean[replay.FROM_START] == clean["reference"] == clean["cached_first"]
+    assert clean["start_state"] == first_state.summary(layer)
+    hits = [s for s, e in enumerate(clean["start_state"]["owners"]) if e >= 0]
+    assert hits, "the copy holds resident experts"
+    copy = vars(layer)[first_state._ATTRIBUTE]
+    copy.slots["w2_bias"][hits] += 1.0  # the slots as a forward would have found them
+    seeded = runs()
+    assert seeded["cached_first"] == seeded["reference"] == seeded["cached_after"]
+    assert seeded[replay.FROM_START] != seeded["reference"]
+    first_state.reset()
+
+
 def test_expert_bytes_skip_a_layer_of_another_backend(fake_mxfp4: Any) -> None:
     """A gpt-oss layer on another backend (Marlin, where UVA offloads) holds plain tensors, not
     the OpenAI-Triton layout: counted as skipped, not read as one."""

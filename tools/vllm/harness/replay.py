@@ -6,11 +6,15 @@ its first forward that ran eagerly while it was on (``trace.kept_inputs``). Here
 runs three times in the cache engine: the cached forward first on poisoned memory
 (``probes.poison_device_memory``), vLLM's kernel over the whole expert set built from the
 cache's host sources (``probes.reference_forward``), and the cached forward again just after
-it (``probes.three_runs``, as the exactness probe runs its random inputs). Each output's
+it (``probes.three_runs``, as the exactness probe runs its random inputs); and where the layer
+kept a copy of its cache as that forward found it (``harness/first_state.py``), the cached
+forward once more from that copy (:data:`FROM_START`), the cache's own state put back after.
+Each output's
 digest, beside the digest of that forward's output in the no-offload engine's trace
 (``steps_report.replay_line``), says which gives no offload's bits: the kernel over the sources
 (are the sources and the kernel no offload's?), the cached forward on its own memory, or only
-after the kernel has written its values where the cached forward reads.
+after the kernel has written its values where the cached forward reads, or only from the
+cache's state at the generation's first forward.
 
 torch is imported when a function runs (``probes``' rule).
 """
@@ -20,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["first_forwards"]
+__all__ = ["FROM_START", "first_forwards"]
+
+FROM_START = "cached_from_start"
+"""The run from the cache's state at the first forward (after ``probes.RUNS``)."""
 
 
 def first_forwards(
@@ -28,10 +35,12 @@ def first_forwards(
 ) -> dict[str, Any]:
     """``{"layers": {name: {"rows": n, "x", "ids", "weights": digests of the kept input, and
     one output digest for each of ``probes.RUNS``}}}`` over the cached layers whose first eager
-    forward the trace kept (module docstring)."""
+    forward the trace kept (module docstring); a layer that kept its cache's state adds an
+    output digest for :data:`FROM_START` and ``"start_state"`` (``first_state.summary``), or
+    ``"from_start_error"`` where that run failed."""
     import torch
 
-    from tools.vllm.harness import probes, trace
+    from tools.vllm.harness import first_state, probes, trace
 
     poison = probes.default_poison(device) if poison is None else poison
     layers: dict[str, Any] = {}
@@ -48,10 +57,20 @@ def first_forwards(
         # in place (the kept ones are inference tensors of vLLM's forward).
         x, ids, weights = (t.clone() for t in kept)
         outputs, _, _ = probes.three_runs(method, module, whole, (x, weights, ids), poison)
+        extra: dict[str, Any] = {}
+        if first_state.kept(module):
+            try:
+                extra["start_state"] = first_state.summary(module)
+                with first_state.restored(module):
+                    out = method._cached_apply(provider, module, x, weights, ids, None, None)
+                    outputs[FROM_START] = out.clone()
+            except Exception as exc:  # the three runs above stand; say why this one is missing
+                extra["from_start_error"] = f"{type(exc).__name__}: {exc}"[:600]
         digests = {"x": x, "ids": ids, "weights": weights, **outputs}
         layers[name] = {
             "rows": int(x.shape[0]),
             **{key: int(trace.digest(t).item()) for key, t in digests.items()},
+            **extra,
         }
         del whole
         if torch.device(device).type == "cuda":

@@ -13,6 +13,7 @@ from typing import Any
 
 from tools.vllm.harness import engines, expert_bytes, kernel_profile, probes, trace
 from tools.vllm.harness.phases import Results
+from tools.vllm.harness.replay import FROM_START
 
 Sequences = list[list[int]]
 
@@ -1021,8 +1022,9 @@ REPLAY_WORDS = {
     "reference": "vLLM's kernel over the cache's sources",
     "cached_first": "the cached forward first, on poisoned memory",
     "cached_after": "the cached forward after the kernel",
+    "cached_from_start": "the cached forward from the cache's state at that forward",
 }
-"""How :func:`replay_line` names ``probes.RUNS``."""
+"""How :func:`replay_line` names ``probes.RUNS`` and ``replay.FROM_START``."""
 
 
 def replay_line(results: Results, prefix: str, label: str) -> str | None:
@@ -1047,10 +1049,15 @@ def replay_line(results: Results, prefix: str, label: str) -> str | None:
     if any(kept[f] != there[fields.index(f)] for f in ("x", "ids", "weights")):
         return f"{head}: the kept input is not that forward's (another forward ran first eagerly)"
     out = there[fields.index("out")]
+    runs = [*probes.RUNS, *([FROM_START] if FROM_START in kept else [])]
     cells = [
         f"{REPLAY_WORDS[run]} {'gives' if kept[run] == out else 'does not give'} its bits"
-        for run in probes.RUNS
+        for run in runs
     ]
+    if kept.get("from_start_error"):
+        cells.append(
+            f"the run from the cache's state at that forward failed: {kept['from_start_error']}"
+        )
     return f"{head}, against {against}'s output of it: " + "; ".join(cells)
 
 

@@ -15,7 +15,9 @@ forward that ran just before it, which agreed (attention, norms, the token sampl
 input agrees but whose routes differ, the router's.
 
 Each layer also keeps the hidden states, ids and weights of its first forward that runs eagerly
-while the trace is on (``kept_inputs``), which ``harness/replay.py`` runs again at the end.
+while the trace is on (``kept_inputs``), which ``harness/replay.py`` runs again at the end; just
+before that forward, the first layer with a device-planned cache keeps a copy of the cache
+(``harness/first_state.py``), which the replay runs the input from once more.
 
 A digest is the sum of a tensor's elements' bits, each mixed and times a weight of its
 position, in int64: integer arithmetic, so the same bits give the same digest whatever the
@@ -198,9 +200,15 @@ def install(target: Any = None) -> None:
         shared_experts: Any = None,
         shared_experts_input: Any = None,
     ) -> Any:
+        first = bool(_SWITCH.get("keep")) and _INPUTS not in vars(self) and not _capturing()
+        if first:
+            # The cache as this forward finds it, for the replay (harness/first_state.py).
+            from tools.vllm.harness import first_state
+
+            first_state.take(self)
         out = original(self, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
         record(self, x, topk_ids, topk_weights, out)
-        if _SWITCH.get("keep") and _INPUTS not in vars(self) and not _capturing():
+        if first:
             # Its first forward while on, run eagerly: the input to replay (harness/replay.py).
             vars(self)[_INPUTS] = (x.clone(), topk_ids.clone(), topk_weights.clone())
         return out
