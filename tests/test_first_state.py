@@ -10,28 +10,17 @@ from typing import Any
 
 import pytest
 import torch
+from test_slot_watch import C, weights
 
 from rowcache import RowCacheWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
 from tools.vllm.harness import first_state, steps_report, trace
-
-E, C = 6, 3
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trace, "_SWITCH", {})
     monkeypatch.setattr(first_state, "_TAKEN", {"layers": 0})
-
-
-def weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "w13": torch.randn(E, 4, 3, generator=gen),
-        "w2": torch.randn(E, 3, 2, generator=gen),
-        "w13_bias": torch.randn(E, 4, generator=gen),
-        "w2_bias": torch.randn(E, 3, generator=gen),
-    }
 
 
 class Experts:
