@@ -1098,6 +1098,7 @@ def test_the_replay_runs_it_again_from_the_caches_state_at_that_forward(
     clean = runs()
     assert clean[replay.FROM_START] == clean["reference"] == clean["cached_first"]
     assert clean["start_state"] == first_state.summary(layer)
+    assert clean["ids_list"] == ids.tolist()
     hits = [s for s, e in enumerate(clean["start_state"]["owners"]) if e >= 0]
     assert hits, "the copy holds resident experts"
     copy = vars(layer)[first_state._ATTRIBUTE]

@@ -29,6 +29,9 @@ __all__ = ["FROM_START", "first_forwards"]
 FROM_START = "cached_from_start"
 """The run from the cache's state at the first forward (after ``probes.RUNS``)."""
 
+IDS_KEPT = 512
+"""A kept input's router ids are written out as a list up to this many entries."""
+
 
 def first_forwards(
     model: Any, device: str = "cuda", poison: Callable[[], None] | None = None
@@ -37,7 +40,8 @@ def first_forwards(
     one output digest for each of ``probes.RUNS``}}}`` over the cached layers whose first eager
     forward the trace kept (module docstring); a layer that kept its cache's state adds an
     output digest for :data:`FROM_START` and ``"start_state"`` (``first_state.summary``), or
-    ``"from_start_error"`` where that run failed."""
+    ``"from_start_error"`` where that run failed; ``"ids_list"``: the router's ids, up to
+    :data:`IDS_KEPT` entries."""
     import torch
 
     from tools.vllm.harness import first_state, probes, trace
@@ -58,6 +62,9 @@ def first_forwards(
         x, ids, weights = (t.clone() for t in kept)
         outputs, _, _ = probes.three_runs(method, module, whole, (x, weights, ids), poison)
         extra: dict[str, Any] = {}
+        if ids.numel() <= IDS_KEPT:
+            # The routes themselves, small: what the planner planned from (``start_state``).
+            extra["ids_list"] = [[int(v) for v in row] for row in ids.tolist()]
         if first_state.kept(module):
             try:
                 extra["start_state"] = first_state.summary(module)
