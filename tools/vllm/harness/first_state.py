@@ -59,7 +59,7 @@ def _tensors(provider: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     copies)."""
     import torch
 
-    from tools.vllm.harness.slot_watch import slot_keys
+    from rowcache.sources import SOURCE_NAMES
 
     state = provider._state
     fields = {
@@ -67,15 +67,12 @@ def _tensors(provider: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         for f in dataclasses.fields(state)
         if isinstance(getattr(state, f.name), torch.Tensor)
     }
-    return fields, {key: getattr(provider, f"buf_{key}") for key in slot_keys(provider)}
-
-
-def _copy(provider: Any) -> FirstState:
-    """Copies of the provider's state tensors and slot buffers as they are now."""
-    fields, slots = _tensors(provider)
-    return FirstState(
-        {k: t.clone() for k, t in fields.items()}, {k: t.clone() for k, t in slots.items()}
-    )
+    slots = {
+        key: buf
+        for key in SOURCE_NAMES
+        if (buf := getattr(provider, f"buf_{key}", None)) is not None
+    }
+    return fields, slots
 
 
 def take(layer: Any) -> bool:
@@ -86,7 +83,10 @@ def take(layer: Any) -> bool:
     provider = _provider(layer)
     if provider is None:
         return False
-    vars(layer)[_ATTRIBUTE] = _copy(provider)
+    fields, slots = _tensors(provider)
+    vars(layer)[_ATTRIBUTE] = FirstState(
+        {k: t.clone() for k, t in fields.items()}, {k: t.clone() for k, t in slots.items()}
+    )
     _TAKEN["layers"] += 1
     return True
 
@@ -113,7 +113,9 @@ def restored(layer: Any) -> Iterator[None]:
         raise RuntimeError("first_state: this layer kept no state of a device-planned cache")
     fields, slots = _tensors(provider)
     with torch.no_grad():
-        now = _copy(provider)
+        now = FirstState(
+            {k: t.clone() for k, t in fields.items()}, {k: t.clone() for k, t in slots.items()}
+        )
         _copy_into(fields, first.state)
         _copy_into(slots, first.slots)
     try:

@@ -28,16 +28,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = [
-    "COUNTS",
-    "MAPS_KEPT",
-    "install",
-    "installed",
-    "read",
-    "slot_keys",
-    "targets",
-    "uninstall",
-]
+__all__ = ["COUNTS", "MAPS_KEPT", "install", "installed", "read", "targets", "uninstall"]
 
 COUNTS = ("prepares", "mapped", "bad_prepares", "bad", "first_bad")
 """A provider's counters, in order: its calls of ``prepare`` while the trace was on, the mapped
@@ -79,8 +70,7 @@ def targets() -> tuple[type, ...]:
     return (DevicePlannedProvider, HostPlannedProvider)
 
 
-def slot_keys(provider: Any) -> tuple[str, ...]:
-    """The source names whose slot buffers (``buf_<key>``) the provider has."""
+def _slot_keys(provider: Any) -> tuple[str, ...]:
     from rowcache.sources import SOURCE_NAMES
 
     return tuple(k for k in SOURCE_NAMES if getattr(provider, f"buf_{k}", None) is not None)
@@ -123,7 +113,7 @@ def _watch(provider: Any, device: Any) -> ProviderWatch:
             "slot watch: a provider's first prepare is being captured into a CUDA graph; its "
             "source digests must be read before (install the watch before the engine)"
         )
-    keys = slot_keys(provider)
+    keys = _slot_keys(provider)
     expected = []
     for key in keys:
         whole = provider.source_weights(key, device)
