@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tools.vllm.harness.slot_buffers import slot_buffers
+
 __all__ = ["LAYERS_KEPT", "kept", "reset", "restored", "summary", "take"]
 
 LAYERS_KEPT = 1
@@ -59,20 +61,13 @@ def _tensors(provider: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     copies)."""
     import torch
 
-    from rowcache.sources import SOURCE_NAMES
-
     state = provider._state
     fields = {
         f.name: getattr(state, f.name)
         for f in dataclasses.fields(state)
         if isinstance(getattr(state, f.name), torch.Tensor)
     }
-    slots = {
-        key: buf
-        for key in SOURCE_NAMES
-        if (buf := getattr(provider, f"buf_{key}", None)) is not None
-    }
-    return fields, slots
+    return fields, slot_buffers(provider)
 
 
 def take(layer: Any) -> bool:
@@ -83,16 +78,20 @@ def take(layer: Any) -> bool:
     provider = _provider(layer)
     if provider is None:
         return False
-    fields, slots = _tensors(provider)
-    vars(layer)[_ATTRIBUTE] = FirstState(
-        {k: t.clone() for k, t in fields.items()}, {k: t.clone() for k, t in slots.items()}
-    )
+    vars(layer)[_ATTRIBUTE] = _copy(*_tensors(provider))
     _TAKEN["layers"] += 1
     return True
 
 
 def kept(layer: Any) -> bool:
     return isinstance(vars(layer).get(_ATTRIBUTE), FirstState)
+
+
+def _copy(fields: dict[str, Any], slots: dict[str, Any]) -> FirstState:
+    """Clones of ``fields`` and ``slots`` (on their device)."""
+    return FirstState(
+        {k: t.clone() for k, t in fields.items()}, {k: t.clone() for k, t in slots.items()}
+    )
 
 
 def _copy_into(live: dict[str, Any], values: dict[str, Any]) -> None:
@@ -113,9 +112,7 @@ def restored(layer: Any) -> Iterator[None]:
         raise RuntimeError("first_state: this layer kept no state of a device-planned cache")
     fields, slots = _tensors(provider)
     with torch.no_grad():
-        now = FirstState(
-            {k: t.clone() for k, t in fields.items()}, {k: t.clone() for k, t in slots.items()}
-        )
+        now = _copy(fields, slots)
         _copy_into(fields, first.state)
         _copy_into(slots, first.slots)
     try:

@@ -28,6 +28,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from tools.vllm.harness.slot_buffers import slot_keys
+
 __all__ = ["COUNTS", "MAPS_KEPT", "install", "installed", "read", "targets", "uninstall"]
 
 COUNTS = ("prepares", "mapped", "bad_prepares", "bad", "first_bad")
@@ -70,12 +72,6 @@ def targets() -> tuple[type, ...]:
     return (DevicePlannedProvider, HostPlannedProvider)
 
 
-def _slot_keys(provider: Any) -> tuple[str, ...]:
-    from rowcache.sources import SOURCE_NAMES
-
-    return tuple(k for k in SOURCE_NAMES if getattr(provider, f"buf_{k}", None) is not None)
-
-
 _WORD_TYPES = {8: "int64", 4: "int32", 2: "int16", 1: "int8"}
 
 
@@ -113,7 +109,7 @@ def _watch(provider: Any, device: Any) -> ProviderWatch:
             "slot watch: a provider's first prepare is being captured into a CUDA graph; its "
             "source digests must be read before (install the watch before the engine)"
         )
-    keys = _slot_keys(provider)
+    keys = slot_keys(provider)
     expected = []
     for key in keys:
         whole = provider.source_weights(key, device)
