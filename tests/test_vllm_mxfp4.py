@@ -87,6 +87,9 @@ FAKE_MXFP4 = {
 
         WORKSPACE = {}  # one buffer a shape, reused by every call, as vLLM's workspace is
         STALE = []  # seeded bug: a cached call leaves entry (0, 0) unwritten, read stale
+        NEIGHBOUR = []  # seeded bug: an entry also reads the next slot's w2 bias
+        TAIL = []  # seeded bug: every entry also reads the w2 bias row past the last slot
+        MAP_PATH = []  # seeded bug: a call with an expert map rounds its entries otherwise
 
         class OAITritonMxfp4ExpertsMonolithic:
             def __init__(self):
@@ -127,6 +130,16 @@ FAKE_MXFP4 = {
                         gate, up = h.chunk(2)
                         a = (F.silu(gate) * up).to(torch.bfloat16).float()
                         y = (a @ dequant(w2[s], s2[s]).t() + qc.w2_bias[s]) * weights[t, j]
+                        bias = qc.w2_bias
+                        if MAP_PATH and expert_map is not None:
+                            y = y * 1.01
+                        if NEIGHBOUR:
+                            y = y + 1e-2 * bias[(s + 1) % bias.shape[0]]
+                        room = bias.untyped_storage().nbytes() // bias.element_size()
+                        if TAIL and room >= bias.storage_offset() + bias.numel() + bias.shape[1]:
+                            rows = (bias.shape[0] + 1, bias.shape[1])
+                            past = bias.as_strided(rows, bias.stride())
+                            y = y + 1e-2 * past[-1]
                         cache3[t, j] = y.to(x.dtype)
                 out = torch.empty_like(x)
                 masked_moe_sum(cache3, local, out)  # the module global, as in vLLM
@@ -1119,3 +1132,69 @@ def test_expert_bytes_skip_a_layer_of_another_backend(fake_mxfp4: Any) -> None:
     )
     model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
     assert expert_bytes.digests(model, device="cpu") == {"layers": {}, "skipped": 1}
+
+
+@pytest.mark.parametrize("bug", ["none", "neighbour", "tail", "map path"])
+def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
+    fake_mxfp4: Any, bug: str
+) -> None:
+    """tools/vllm/harness/placement.py over the MXFP4 fake: a kernel that reads only its
+    experts' bytes gives the reference's bits in every layout (the whole set mapped, permuted;
+    a copy of the slots with the resident map, with garbage in the other slots, past the last)
+    and the cached forward's over the slots; a kernel that also reads the next slot parts in
+    the permuted set and with garbage in the other slots; one that reads past the last slot
+    parts with garbage there alone; one whose map path computes otherwise parts with any map."""
+    from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+    from tools.vllm.harness import placement
+
+    section = {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"}
+    layers = [(f"layers.{i}.experts", _layer(fake_mxfp4, section)) for i in range(2)]
+    model = SimpleNamespace(named_modules=lambda: iter(layers))
+    seeded = {"neighbour": oai.NEIGHBOUR, "tail": oai.TAIL, "map path": oai.MAP_PATH}.get(bug)
+    if seeded is not None:
+        seeded.append(True)
+    try:
+        found = placement.placement(model, device="cpu", row_counts=(1, 6))
+    finally:
+        oai.NEIGHBOUR.clear()
+        oai.TAIL.clear()
+        oai.MAP_PATH.clear()
+    assert found["layers"] == 2 and found["rows"] == [1, 6]
+    ways = found["ways"]
+    for way in ("mapped", "permuted"):
+        assert ways[way]["1"]["ran"] == ways[way]["6"]["ran"] == 2
+    for way in placement.SLOT_WAYS:
+        assert ways[way]["1"]["ran"] == 2  # two experts a row, three slots: all resident
+        assert ways[way]["6"]["ran"] == 0  # twelve entries over three slots: never all
+    equal = {way: ways[way]["1"]["equal_reference"] for way in placement.WAYS}
+    from tools.vllm.harness import steps_report
+
+    line = steps_report.placement_line({"placement": found}, "row3")
+    assert line is not None and line.startswith("  placement of row3: ")
+    assert "a copy of the slots with the resident map (1: " in line and "6: not run" in line
+    assert steps_report.placement_line({"placement_error": "E: x"}, "r") == (
+        "  placement of r: not run (E: x)"
+    )
+    if bug == "map path":
+        assert equal == {way: 0 for way in placement.WAYS}
+        assert all(ways[w]["1"]["equal_cached"] == 2 for w in placement.SLOT_WAYS)
+        return
+    assert equal["mapped"] == 2  # an identity map reads what no map reads
+    if bug == "none":
+        assert all(n == 2 for n in equal.values())
+        assert all(ways[w]["1"]["equal_cached"] == 2 for w in placement.SLOT_WAYS)
+        assert ways["permuted"]["6"]["equal_reference"] == 2
+        assert found["cached"]["1"]["max_abs"] == 0.0
+    elif bug == "neighbour":
+        assert (
+            ways["permuted"]["1"]["equal_reference"] + ways["permuted"]["6"]["equal_reference"] < 4
+        )
+        assert ways["others_garbage"]["1"]["equal_cached"] < 2
+        assert ways["slots"]["1"]["equal_cached"] == 2
+    else:
+        assert ways["tail_garbage"]["1"]["equal_cached"] == 0
+        assert (
+            ways["slots"]["1"]["equal_cached"] == ways["others_garbage"]["1"]["equal_cached"] == 2
+        )
+        assert equal["permuted"] == 2

@@ -21,6 +21,7 @@ from tools.vllm.harness import (
     expert_bytes,
     jit_count,
     kernel_profile,
+    placement,
     probes,
     replay,
     shadow,
@@ -270,6 +271,13 @@ def workload(
     # Last: its random forwards move the cache (after the stats above are taken).
     if spec.caches and time.time() < deadline:
         result["exactness"] = rpc(probes.exactness_in(spec.max_num_batched_tokens), None)
+    if job.trace and spec.caches and spec.checkpoint.arch == "gpt_oss" and time.time() < deadline:
+        # vLLM's kernel over the same bytes laid out otherwise (harness/placement.py): where
+        # the cached forward parts from it with every slot's bytes right.
+        try:
+            result["placement"] = rpc(placement.placement, None)
+        except Exception as exc:
+            result["placement_error"] = f"{type(exc).__name__}: {exc}"[:600]
 
 
 def profile_into(

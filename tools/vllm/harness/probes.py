@@ -329,12 +329,26 @@ def mxfp4_sources(
     scales; ``bias``: the whole set's float32 biases). None for any other method."""
     if type(method).__name__ != "RowcacheGptOssMxfp4MoEMethod":
         return None
+    keys = [k for k in MXFP4_KEYS if getattr(provider, f"buf_{k}", None) is not None]
+    rows = {key: provider.source_weights(key, device) for key in keys}
+    return mxfp4_wrapped(method, rows, int(rows["w13"].shape[0]))
+
+
+MXFP4_KEYS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
+"""The sources of a gpt-oss MXFP4 layer's experts (the biases where the layer has them)."""
+
+
+def mxfp4_wrapped(
+    method: Any, rows: dict[str, Any], count: int
+) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """:func:`mxfp4_sources`'s four over any ``[n, bytes]`` rows by source (``n >= count``:
+    the kernel sees ``count`` experts, the rows past them lie in the storage after the last,
+    where a read past an expert's range would find them)."""
     # Imported here: only an engine with MXFP4 layers has (and needs) them.
     from rowcache.vllm.mxfp4_slots import rewrapped, slot_view
 
-    def whole(key: str, wrapper: Any) -> Any:
-        rows = provider.source_weights(key, device)
-        return rewrapped(wrapper, slot_view(rows, wrapper.storage.data))
+    def wrap(key: str, wrapper: Any) -> Any:
+        return rewrapped(wrapper, slot_view(rows[key], wrapper.storage.data)[:count])
 
     w13_slots, w2_slots = method._kernel_w
     kept = method.moe_kernel.fused_experts.quant_config
@@ -343,13 +357,13 @@ def mxfp4_sources(
         precision = descriptor.scale
         found = {
             "scale": dataclasses.replace(
-                precision, weight_scale=whole(f"{key}_scale", precision.weight_scale)
+                precision, weight_scale=wrap(f"{key}_scale", precision.weight_scale)
             )
         }
-        if getattr(provider, f"buf_{key}_bias", None) is not None:
-            found["bias"] = provider.source_weights(f"{key}_bias", device)
+        if f"{key}_bias" in rows:
+            found["bias"] = rows[f"{key}_bias"][:count]
         fields.append(found)
-    return whole("w13", w13_slots), whole("w2", w2_slots), fields[0], fields[1]
+    return wrap("w13", w13_slots), wrap("w2", w2_slots), fields[0], fields[1]
 
 
 @contextlib.contextmanager

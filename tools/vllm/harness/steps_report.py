@@ -590,6 +590,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
         for line in (
             slots_line(record, label),
             exactness_line(record, label),
+            placement_line(record, label),
             shadow_line(record, label),
         ):
             lines += [line] if line is not None else []
@@ -869,6 +870,54 @@ def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
         f"({', '.join(cells)}): {'met' if every else 'MISSED'}"
         + ("" if every else _order_cells(found, layers))
     ) + launch_flags_lines(found)
+
+
+PLACEMENT_WORDS = {
+    "mapped": "the whole set with an identity map",
+    "permuted": "the whole set permuted",
+    "slots": "a copy of the slots with the resident map",
+    "others_garbage": "the same with garbage in the other slots",
+    "tail_garbage": "the same with garbage past the last slot",
+}
+"""How :func:`placement_line` names ``harness/placement.py``'s layouts (its ``WAYS``)."""
+
+
+def placement_line(record: dict[str, Any] | None, label: str) -> str | None:
+    """``harness/placement.py``: vLLM's kernel over the same bytes in other layouts, layers
+    bit-identical to it over the whole set in id order (and, over the slots, to the cached
+    forward), by rows; or the probe's error."""
+    record = record or {}
+    if record.get("placement_error"):
+        return f"  placement of {label}: not run ({record['placement_error']})"
+    found = record.get("placement")
+    if not found or not found.get("layers"):
+        return None
+    rows = [str(r) for r in found["rows"]]
+
+    def cells(tallies: dict[str, Any], also_cached: bool) -> str:
+        said = []
+        for r in rows:
+            t = tallies[r]
+            if not t.get("ran", 1):
+                said.append(f"{r}: not run")
+                continue
+            cell = f"{r}: {t['equal_reference']}/{t.get('ran', found['layers'])}"
+            if also_cached:
+                cell += f", to the cached {t['equal_cached']}"
+            if t["max_abs"]:
+                cell += f" (max |d| {t['max_abs']:.3g})"
+            said.append(cell)
+        return "; ".join(said)
+
+    parts = [f"the cached forward ({cells(found['cached'], False)})"]
+    for way, words in PLACEMENT_WORDS.items():
+        if way in found["ways"]:
+            over_slots = way.startswith(("slots", "others", "tail"))
+            parts.append(f"{words} ({cells(found['ways'][way], over_slots)})")
+    return (
+        f"  placement of {label}: layers bit-identical to vLLM's kernel over the whole set in "
+        f"id order ({found['layers']} layers), by rows: " + " | ".join(parts)
+    )
 
 
 ORDER_WORDS = {
