@@ -1078,7 +1078,7 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
     }
     line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
     assert line is not None and line.endswith(
-        ": MISSED; the cached forward run first, on poisoned memory (1: 8/8, 8: 8/8, 2048: 7/8 "
+        ": MISSED; the cached forward on poisoned memory (1: 8/8, 8: 8/8, 2048: 7/8 "
         "(1 non-finite)); run again just after vLLM's kernel (1: 8/8, 8: 8/8, 2048: 8/8)"
     )
     del found["by_order"]

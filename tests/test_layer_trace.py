@@ -270,7 +270,7 @@ def test_the_replay_line_sets_each_run_beside_no_offloads_output() -> None:
         }
 
     kept = {"rows": 8, "x": 11, "ids": 12, "weights": 13}
-    runs = {"cached_first": 100, "reference": 200, "cached_after": 200}
+    runs = {"cached_first": 100, "reference": 200, "reference_poisoned": 300, "cached_after": 200}
     results: dict[str, Any] = {
         "p.row.full": {
             "trace": traced(100),
@@ -281,9 +281,18 @@ def test_the_replay_line_sets_each_run_beside_no_offloads_output() -> None:
     }
     line = steps_report.replay_line(results, "p", "row.full")
     assert line == (
-        "  replay of row.full's l0 forward 0 (8 rows), against none.full's output of it: the "
-        "cached forward first, on poisoned memory does not give its bits; vLLM's kernel over "
-        "the cache's sources gives its bits; the cached forward after the kernel gives its bits"
+        "  replay of row.full's l0 forward 0 (8 rows), against none.full's output of it: "
+        "vLLM's kernel over the cache's sources gives its bits; the cached forward on poisoned "
+        "memory does not give its bits; the kernel again on poisoned memory does not give its "
+        "bits; the cached forward after the kernel gives its bits"
+    )
+    # A record from before the kernel's second run names the three runs it has.
+    del results["p.row.full"]["replay"]["layers"]["l0"]["reference_poisoned"]
+    line = steps_report.replay_line(results, "p", "row.full")
+    assert (
+        line is not None
+        and "the kernel again" not in line
+        and line.endswith("the cached forward after the kernel gives its bits")
     )
     results["p.row.full"]["replay"]["layers"]["l0"]["x"] = 99
     line = steps_report.replay_line(results, "p", "row.full")

@@ -15,6 +15,7 @@ off) over the same checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -90,6 +91,7 @@ FAKE_MXFP4 = {
         NEIGHBOUR = []  # seeded bug: an entry also reads the next slot's w2 bias
         TAIL = []  # seeded bug: every entry also reads the w2 bias row past the last slot
         MAP_PATH = []  # seeded bug: a call with an expert map rounds its entries otherwise
+        STALE_KERNEL = []  # seeded bug: a call without a map (no offload's) reads (0, 0) stale
 
         class OAITritonMxfp4ExpertsMonolithic:
             def __init__(self):
@@ -117,12 +119,14 @@ FAKE_MXFP4 = {
                 self.tiles.append(tile)
                 shape = (rows, top_k, x.shape[1])
                 cache3 = WORKSPACE.setdefault(shape, torch.empty(shape, dtype=x.dtype))
-                if not STALE:
+                if not STALE and not STALE_KERNEL:
                     cache3.fill_(float("nan"))  # entries not computed: not what was there
                 for t in range(rows):
                     for j in range(top_k):
                         s = int(local[t, j])
                         if s < 0 or (STALE and expert_map is not None and t == j == 0):
+                            continue
+                        if STALE_KERNEL and expert_map is None and t == j == 0:
                             continue
                         h = x[t].float() @ dequant(w1[s], s1[s]).t() + qc.w1_bias[s]
                         if tile >= 128:  # another tile, another rounding of the first GEMM
@@ -739,6 +743,57 @@ def test_the_exactness_probe_catches_a_forward_reading_what_it_did_not_write(
     assert found["by_order"]["first"]["equal"] == {"1": 0, "100": 0}
     assert found["by_order"]["first"]["non_finite"] == {"1": 2, "100": 2}
     assert found["equal"] == {"1": 0, "100": 0}
+    # vLLM's own kernel is sound here: its run on poisoned memory repeats its first.
+    assert clean["kernel_again"]["equal"] == found["kernel_again"]["equal"] == {"1": 2, "100": 2}
+    from tools.vllm.harness import steps_report
+
+    said = steps_report.exactness_line({"exactness": clean}, "row3")
+    assert said is not None and "vLLM's kernel run again on poisoned memory gives its own " in said
+    assert "(1: 2/2, 100: 2/2)" in said and "reads memory it did not write" not in said
+
+
+def test_the_exactness_probe_names_vllms_kernel_reading_what_it_did_not_write(
+    fake_mxfp4: Any,
+) -> None:
+    """Where vLLM's kernel without a map (the reference, as no offload runs it) reads one
+    entry it did not write (seeded in the fake), its run on poisoned memory parts from its
+    first run (NaN there); the cached forward, which computes every entry, parts from the
+    reference's first run in both orders, and the line says the kernel moves."""
+    from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
+
+    from tools.vllm.harness import probes, steps_report
+
+    # One layer: a second would read what the first layer's runs left (poison included).
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
+
+    def poison() -> None:
+        for buffer in oai.WORKSPACE.values():
+            buffer.fill_(float("nan"))
+
+    # What earlier calls left there: finite, wrong (a poison fills every shape's buffer, so
+    # one row count: the next would find it poisoned before its first run).
+    oai.WORKSPACE[(4, TOP_K, HIDDEN)] = torch.full((4, TOP_K, HIDDEN), 7.0).bfloat16()
+    oai.STALE_KERNEL.append(True)
+    try:
+        found = probes.exactness(model, device="cpu", row_counts=(4,), poison=poison)
+    finally:
+        oai.STALE_KERNEL.clear()
+    again = found["kernel_again"]
+    assert again["equal"] == {"4": 0} and again["non_finite"] == {"4": 1}
+    assert math.isnan(again["max_abs"]["4"])
+    assert found["equal"] == {"4": 0}
+    assert found["by_order"]["first"]["non_finite"] == {"4": 0}
+    said = steps_report.exactness_line({"exactness": found}, "row3")
+    assert (
+        said is not None
+        and (
+            "\n  vLLM's kernel run again on poisoned memory gives its own first run's bits, by "
+            "rows (4: 0/1 (max |d| nan) (1 non-finite)): it reads memory it did not write, and "
+            "the reference moves with it\n  matmul_ogs launch options"
+        )
+        in said
+    )
 
 
 @pytest.mark.parametrize("route", ["exact", "float32 sum", "captured only"])
@@ -1198,3 +1253,15 @@ def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
             ways["slots"]["1"]["equal_cached"] == ways["others_garbage"]["1"]["equal_cached"] == 2
         )
         assert equal["permuted"] == 2
+
+
+def test_the_largest_difference_keeps_a_nan() -> None:
+    """``probes._larger``: a NaN difference, seen first or later, stays the largest (a plain
+    ``max`` would keep the number before it and hide the NaN)."""
+    from tools.vllm.harness import probes
+
+    nan = torch.tensor(float("nan"))
+    assert probes._larger(2.0, torch.tensor(1.0)) == 2.0
+    assert probes._larger(2.0, torch.tensor(3.0)) == 3.0
+    assert math.isnan(probes._larger(0.0, nan))
+    assert math.isnan(probes._larger(float("nan"), torch.tensor(3.0)))

@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -567,10 +568,15 @@ def poison_device_memory(device: str) -> None:
     del taken
 
 
-RUNS = ("cached_first", "reference", "cached_after")
-"""The three runs of one input (:func:`three_runs`), in order: the cached forward on memory
-:func:`poison_device_memory` filled, vLLM's kernel over the whole set, the cached forward just
-after it (where a forward that reads memory it did not write finds the kernel's values)."""
+RUNS = ("reference", "cached_first", "reference_poisoned", "cached_after")
+"""The runs of one input (:func:`probe_runs`), in order: vLLM's kernel over the whole set on
+memory as it is, the cached forward on memory :func:`poison_device_memory` filled, vLLM's kernel
+again on poisoned memory (a kernel that reads what it did not write parts from its own first
+run), the cached forward just after it (where a forward that reads memory it did not write
+finds the kernel's values)."""
+
+POISONED = ("cached_first", "reference_poisoned")
+"""The runs :func:`probe_runs` poisons memory before."""
 
 ORDERS = ("first", "after")
 """The cached forward's two runs as :func:`exactness` reports them (``cached_<order>`` of
@@ -587,7 +593,7 @@ def default_poison(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def three_runs(
+def probe_runs(
     method: Any,
     module: Any,
     whole: WholeSet,
@@ -595,8 +601,9 @@ def three_runs(
     poison: Callable[[], None],
 ) -> tuple[dict[str, Any], list[str] | None, list[str] | None]:
     """One input ``(x, weights, ids)`` of a cached layer run as :data:`RUNS` says: each run's
-    output (a copy) by name, and the launch options (:func:`launch_flags`) of the reference's
-    ``matmul_ogs`` calls and of both cached runs' (None where the kernel calls none)."""
+    output (a copy) by name, and the launch options (:func:`launch_flags`) of the first
+    reference's ``matmul_ogs`` calls and of both cached runs' (None where the kernel calls
+    none)."""
     x, weights, ids = inputs
     provider = method.rowcache_provider
     experts = method.moe_kernel.fused_experts
@@ -604,21 +611,28 @@ def three_runs(
     reference_flags: list[str] | None = None
     cached_flags: list[str] | None = None
     for run in RUNS:
+        if run in POISONED:
+            poison()
         with launch_flags(experts) as logged:
-            if run == "reference":
+            if run.startswith("reference"):
                 outputs[run] = reference_forward(method, module, whole, x, weights, ids)
             else:
-                if run == "cached_first":
-                    poison()
                 out = method._cached_apply(provider, module, x, weights, ids, None, None)
                 outputs[run] = out.clone()
         if logged is None:
             continue
         if run == "reference":
             reference_flags = logged
-        else:
+        elif run.startswith("cached"):
             cached_flags = [*(cached_flags or []), *logged]
     return outputs, reference_flags, cached_flags
+
+
+def _larger(so_far: float, gap: Any) -> float:
+    """The larger of ``so_far`` and the 0-d ``gap``; NaN where either is (``max`` would keep
+    ``so_far`` over a NaN, hiding a difference no number measures)."""
+    value = float(gap.item())
+    return value if math.isnan(value) or value > so_far else so_far
 
 
 def exactness(
@@ -636,14 +650,20 @@ def exactness(
     tiles). Independent of how two engines compile (their tokens can differ without any
     cache). Layers :func:`reference_weights` builds no reference for are counted as skipped.
 
-    The cached forward runs twice (:func:`three_runs`): first after ``poison`` (default:
-    :func:`default_poison`), then after the reference. A layer is equal where both
-    runs give the reference's bits: the second alone would miss a forward that reads what it
-    did not write, since the reference has just written the right values there.
+    The cached forward runs twice (:func:`probe_runs`): first after ``poison`` (default:
+    :func:`default_poison`), then just after the reference's second run. A layer is equal
+    where both runs give the first reference's bits: the second alone would miss a forward
+    that reads what it did not write, since the reference has just written the right values
+    there. The reference runs twice too, on memory as it is and after ``poison``
+    (``kernel_again``: layers where both give the same bits, their largest difference, and
+    layers where either holds a NaN or infinity): vLLM's kernel reading memory it did not
+    write parts from itself.
 
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
     largest difference}, "by_order": {order: {"equal": {rows: n}, "max_abs": {rows: d},
-    "non_finite": {rows: layers whose output holds a NaN or infinity}}}, "skipped": n}``,
+    "non_finite": {rows: layers whose output holds a NaN or infinity}}}, "kernel_again":
+    {"equal", "max_abs", "non_finite": {rows: ...}}, "skipped": n}`` (a difference no number
+    measures, a NaN, makes ``max_abs`` NaN),
     and where the kernel calls ``matmul_ogs`` (:func:`launch_flags`) ``"launch_flags": {rows:
     {"reference": [...], "cached": [...], "layers_differing": n}}``: the distinct launch
     options of the reference's calls and of the cached forward's (every pass, both runs),
@@ -661,6 +681,11 @@ def exactness(
             "non_finite": {str(m): 0 for m in row_counts},
         }
         for order in ORDERS
+    }
+    kernel: dict[str, dict[str, Any]] = {
+        "equal": {str(m): 0 for m in row_counts},
+        "max_abs": {str(m): 0.0 for m in row_counts},
+        "non_finite": {str(m): 0 for m in row_counts},
     }
     flags: dict[str, dict[str, Any]] = {}
     layers = skipped = 0
@@ -685,12 +710,21 @@ def exactness(
             weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
             weights = weights / weights.sum(dim=-1, keepdim=True)
             ids = ids.to(torch.int32)
-            outputs, reference_flags, cached_flags = three_runs(
+            outputs, reference_flags, cached_flags = probe_runs(
                 method, module, whole, (x, weights, ids), poison
             )
             if cuda:
                 torch.cuda.synchronize()
             reference = outputs["reference"]
+            again = outputs["reference_poisoned"]
+            differs, gap = bit_difference(reference, again)
+            kernel["equal"][str(rows)] += not bool(differs.item())
+            kernel["max_abs"][str(rows)] = _larger(kernel["max_abs"][str(rows)], gap)
+            kernel["non_finite"][str(rows)] += not bool(
+                (
+                    torch.isfinite(reference.float()).all() & torch.isfinite(again.float()).all()
+                ).item()
+            )
             both = True
             for order in ORDERS:
                 cached = outputs[f"cached_{order}"]
@@ -699,13 +733,11 @@ def exactness(
                 both = both and same
                 found_order = by_order[order]
                 found_order["equal"][str(rows)] += same
-                found_order["max_abs"][str(rows)] = max(
-                    found_order["max_abs"][str(rows)], float(gap.item())
-                )
+                found_order["max_abs"][str(rows)] = _larger(found_order["max_abs"][str(rows)], gap)
                 found_order["non_finite"][str(rows)] += not bool(
                     torch.isfinite(cached.float()).all().item()
                 )
-                max_abs[str(rows)] = max(max_abs[str(rows)], float(gap.item()))
+                max_abs[str(rows)] = _larger(max_abs[str(rows)], gap)
             equal[str(rows)] += both
             if reference_flags is not None and cached_flags is not None:
                 seen = flags.setdefault(
@@ -723,6 +755,7 @@ def exactness(
         "equal": equal,
         "max_abs": max_abs,
         "by_order": by_order,
+        "kernel_again": kernel,
         "skipped": skipped,
     }
     if flags:

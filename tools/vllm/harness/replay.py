@@ -3,10 +3,11 @@
 The layer trace (``harness/trace.py``) names the first forward where a cache engine's MoE op
 parts from no offload's with the same input and routes, and keeps, in each layer, the input of
 its first forward that ran eagerly while it was on (``trace.kept_inputs``). Here that input
-runs three times in the cache engine: the cached forward first on poisoned memory
-(``probes.poison_device_memory``), vLLM's kernel over the whole expert set built from the
-cache's host sources (``probes.reference_forward``), and the cached forward again just after
-it (``probes.three_runs``, as the exactness probe runs its random inputs); and where the layer
+runs four times in the cache engine: vLLM's kernel over the whole expert set built from the
+cache's host sources (``probes.reference_forward``), the cached forward on poisoned memory
+(``probes.poison_device_memory``), the kernel again on poisoned memory, and the cached forward
+just after it (``probes.probe_runs``, as the exactness probe runs its random inputs); and where
+the layer
 kept a copy of its cache as that forward found it (``harness/first_state.py``), the cached
 forward once more from that copy (:data:`FROM_START`), the cache's own state put back after.
 Each output's
@@ -60,7 +61,7 @@ def first_forwards(
         # Copies made here, outside inference mode: normal tensors, which a kernel may write
         # in place (the kept ones are inference tensors of vLLM's forward).
         x, ids, weights = (t.clone() for t in kept)
-        outputs, _, _ = probes.three_runs(method, module, whole, (x, weights, ids), poison)
+        outputs, _, _ = probes.probe_runs(method, module, whole, (x, weights, ids), poison)
         extra: dict[str, Any] = {}
         if ids.numel() <= IDS_KEPT:
             # The routes themselves, small: what the planner planned from (``start_state``).

@@ -865,11 +865,36 @@ def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
         for rows in found["rows"]
     ]
     every = all(found["equal"][str(rows)] == layers for rows in found["rows"])
+    head = f"  layers of {label} bit-identical to vLLM's kernel with every expert resident"
     return (
-        f"  layers of {label} bit-identical to vLLM's kernel with every expert resident, by rows "
-        f"({', '.join(cells)}): {'met' if every else 'MISSED'}"
+        f"{head}, by rows ({', '.join(cells)}): {'met' if every else 'MISSED'}"
         + ("" if every else _order_cells(found, layers))
-    ) + launch_flags_lines(found)
+        + kernel_again_line(found, layers)
+        + launch_flags_lines(found)
+    )
+
+
+def kernel_again_line(found: dict[str, Any], layers: int) -> str:
+    """The exactness probe's second run of vLLM's kernel, on poisoned memory, against its
+    first (``kernel_again``), as a line to follow its line; empty for records from before."""
+    again = found.get("kernel_again")
+    if not again:
+        return ""
+    rows = [str(r) for r in found["rows"]]
+    cells = []
+    for r in rows:
+        cell = f"{r}: {again['equal'][r]}/{layers}"
+        if again["equal"][r] != layers:
+            cell += f" (max |d| {again['max_abs'][r]:.3g})"
+        if again["non_finite"][r]:
+            cell += f" ({again['non_finite'][r]} non-finite)"
+        cells.append(cell)
+    same = all(again["equal"][r] == layers and not again["non_finite"][r] for r in rows)
+    return (
+        "\n  vLLM's kernel run again on poisoned memory gives its own first run's bits, by rows "
+        f"({', '.join(cells)})"
+        + ("" if same else ": it reads memory it did not write, and the reference moves with it")
+    )
 
 
 PLACEMENT_WORDS = {
@@ -921,7 +946,7 @@ def placement_line(record: dict[str, Any] | None, label: str) -> str | None:
 
 
 ORDER_WORDS = {
-    "first": "the cached forward run first, on poisoned memory",
+    "first": "the cached forward on poisoned memory",
     "after": "run again just after vLLM's kernel",
 }
 """How :func:`exactness_line` names the probe's two runs of a cached forward
@@ -1069,7 +1094,8 @@ def slot_watch_line(results: Results, prefix: str, label: str) -> str | None:
 
 REPLAY_WORDS = {
     "reference": "vLLM's kernel over the cache's sources",
-    "cached_first": "the cached forward first, on poisoned memory",
+    "cached_first": "the cached forward on poisoned memory",
+    "reference_poisoned": "the kernel again on poisoned memory",
     "cached_after": "the cached forward after the kernel",
     "cached_from_start": "the cached forward from the cache's state at that forward",
 }
@@ -1098,7 +1124,8 @@ def replay_line(results: Results, prefix: str, label: str) -> str | None:
     if any(kept[f] != there[fields.index(f)] for f in ("x", "ids", "weights")):
         return f"{head}: the kept input is not that forward's (another forward ran first eagerly)"
     out = there[fields.index("out")]
-    runs = [*probes.RUNS, *([FROM_START] if FROM_START in kept else [])]
+    # Records from before a run was added name fewer runs.
+    runs = [run for run in (*probes.RUNS, FROM_START) if run in kept]
     cells = [
         f"{REPLAY_WORDS[run]} {'gives' if kept[run] == out else 'does not give'} its bits"
         for run in runs
