@@ -1217,7 +1217,7 @@ def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
         oai.MAP_PATH.clear()
     assert found["layers"] == 2 and found["rows"] == [1, 6]
     ways = found["ways"]
-    for way in ("mapped", "permuted"):
+    for way in ("mapped", "whole_tail_garbage", "permuted"):
         assert ways[way]["1"]["ran"] == ways[way]["6"]["ran"] == 2
     for way in placement.SLOT_WAYS:
         assert ways[way]["1"]["ran"] == 2  # two experts a row, three slots: all resident
@@ -1232,7 +1232,7 @@ def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
         "  placement of r: not run (E: x)"
     )
     if bug == "map path":
-        assert equal == {way: 0 for way in placement.WAYS}
+        assert equal == {way: 2 if way == "whole_tail_garbage" else 0 for way in placement.WAYS}
         assert all(ways[w]["1"]["equal_cached"] == 2 for w in placement.SLOT_WAYS)
         return
     assert equal["mapped"] == 2  # an identity map reads what no map reads
@@ -1249,6 +1249,7 @@ def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
         assert ways["slots"]["1"]["equal_cached"] == 2
     else:
         assert ways["tail_garbage"]["1"]["equal_cached"] == 0
+        assert ways["whole_tail_garbage"]["1"]["equal_reference"] == 0
         assert (
             ways["slots"]["1"]["equal_cached"] == ways["others_garbage"]["1"]["equal_cached"] == 2
         )

@@ -10,6 +10,9 @@ laid out in several ways (:data:`WAYS`) and counts, by rows, the layers whose ou
 bit-identical to the kernel over the whole set in id order:
 
 - ``mapped``: the whole set in id order, with an identity expert map (the map's path);
+- ``whole_tail_garbage``: the whole set in id order, no map, with :data:`GARBAGE` bytes past
+  the last expert's range (the reference itself is run over the whole set with zero bytes
+  there);
 - ``permuted``: the whole set in a seeded order, with the map that finds each expert;
 - ``slots``: a copy of the cache's slot buffers with its resident map, where every routed
   expert is resident after the cached forward (one pass), its tiles pinned as the cached
@@ -34,7 +37,7 @@ from tools.vllm.harness import probes
 
 __all__ = ["GARBAGE", "ROWS", "WAYS", "placement"]
 
-WAYS = ("mapped", "permuted", "slots", "others_garbage", "tail_garbage")
+WAYS = ("mapped", "whole_tail_garbage", "permuted", "slots", "others_garbage", "tail_garbage")
 SLOT_WAYS = ("slots", "others_garbage", "tail_garbage")
 ROWS = (1, 8, 32)
 GARBAGE = 0x7F
@@ -148,6 +151,7 @@ def placement(
         order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed + index))
         order = order.to(device)
         permuted = {key: _with_row(rows[:-1][order], None) for key, rows in whole.items()}
+        tail = {key: _with_row(rows[:-1], GARBAGE) for key, rows in whole.items()}
         finds = torch.empty(experts, dtype=torch.int32, device=device)
         finds[order] = torch.arange(experts, dtype=torch.int32, device=device)
         identity = torch.arange(experts, dtype=torch.int32, device=device)
@@ -162,6 +166,7 @@ def placement(
             reference = _kernel(method, module, whole, experts, inputs, None, None)
             outs = {
                 "mapped": _kernel(method, module, whole, experts, inputs, identity, None),
+                "whole_tail_garbage": _kernel(method, module, tail, experts, inputs, None, None),
                 "permuted": _kernel(method, module, permuted, experts, inputs, finds, None),
             }
             cached = method._cached_apply(
@@ -187,7 +192,7 @@ def placement(
                 tally["max_abs"] = max(tally["max_abs"], float(gap.item()))
                 if way in SLOT_WAYS:
                     tally["equal_cached"] += not bool(probes.bit_difference(cached, out)[0].item())
-        del whole, permuted
+        del whole, permuted, tail
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return {"rows": list(row_counts), "layers": layers, "ways": ways, "cached": cached_tally}

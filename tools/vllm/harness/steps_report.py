@@ -899,6 +899,7 @@ def kernel_again_line(found: dict[str, Any], layers: int) -> str:
 
 PLACEMENT_WORDS = {
     "mapped": "the whole set with an identity map",
+    "whole_tail_garbage": "the whole set with garbage past the last expert",
     "permuted": "the whole set permuted",
     "slots": "a copy of the slots with the resident map",
     "others_garbage": "the same with garbage in the other slots",
