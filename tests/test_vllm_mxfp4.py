@@ -773,18 +773,32 @@ def test_the_exactness_probe_names_vllms_kernel_reading_what_it_did_not_write(
 
     # What earlier calls left there: finite, wrong (a poison fills every shape's buffer, so
     # one row count: the next would find it poisoned before its first run).
-    oai.WORKSPACE[(4, TOP_K, HIDDEN)] = torch.full((4, TOP_K, HIDDEN), 7.0).bfloat16()
-    oai.STALE_KERNEL.append(True)
-    try:
-        found = probes.exactness(model, device="cpu", row_counts=(4,), poison=poison)
-    finally:
-        oai.STALE_KERNEL.clear()
+    def probed(rows: int) -> dict[str, Any]:
+        oai.WORKSPACE[(rows, TOP_K, HIDDEN)] = torch.full((rows, TOP_K, HIDDEN), 7.0).bfloat16()
+        oai.STALE_KERNEL.append(True)
+        try:
+            return probes.exactness(model, device="cpu", row_counts=(rows,), poison=poison)
+        finally:
+            oai.STALE_KERNEL.clear()
+
+    # One row: the routes (seed 0) miss the last expert, and the layer misses all the same.
+    one = probed(1)
+    assert one["equal"] == {"1": 0} and one["missed_with_last_expert"] == {"1": 0}
+    found = probed(4)
     again = found["kernel_again"]
     assert again["equal"] == {"4": 0} and again["non_finite"] == {"4": 1}
     assert math.isnan(again["max_abs"]["4"])
     assert found["equal"] == {"4": 0}
     assert found["by_order"]["first"]["non_finite"] == {"4": 0}
+    # The probe's routes, drawn as it draws them: did they hold the last expert?
+    gen = torch.Generator().manual_seed(0)
+    torch.randn(4, HIDDEN, generator=gen, dtype=torch.bfloat16)
+    _, ids = torch.topk(torch.softmax(torch.randn(4, E, generator=gen), dim=-1), TOP_K, dim=-1)
+    last = int(bool((ids == E - 1).any()))
+    assert last == 1 and found["missed_with_last_expert"] == {"4": 1}
     said = steps_report.exactness_line({"exactness": found}, "row3")
+    assert said is not None
+    assert f"; of the layers missed, those whose routes held the last expert (4: {last}/1)" in said
     assert (
         said is not None
         and (

@@ -662,7 +662,8 @@ def exactness(
     ``{"rows": [...], "layers": n, "equal": {rows: layers bit-identical}, "max_abs": {rows:
     largest difference}, "by_order": {order: {"equal": {rows: n}, "max_abs": {rows: d},
     "non_finite": {rows: layers whose output holds a NaN or infinity}}}, "kernel_again":
-    {"equal", "max_abs", "non_finite": {rows: ...}}, "skipped": n}`` (a difference no number
+    {"equal", "max_abs", "non_finite": {rows: ...}}, "missed_with_last_expert": {rows: layers
+    not equal whose routes held the last expert}, "skipped": n}`` (a difference no number
     measures, a NaN, makes ``max_abs`` NaN),
     and where the kernel calls ``matmul_ogs`` (:func:`launch_flags`) ``"launch_flags": {rows:
     {"reference": [...], "cached": [...], "layers_differing": n}}``: the distinct launch
@@ -682,6 +683,7 @@ def exactness(
         }
         for order in ORDERS
     }
+    last_routed: dict[str, int] = {str(m): 0 for m in row_counts}
     kernel: dict[str, dict[str, Any]] = {
         "equal": {str(m): 0 for m in row_counts},
         "max_abs": {str(m): 0.0 for m in row_counts},
@@ -739,6 +741,10 @@ def exactness(
                 )
                 max_abs[str(rows)] = _larger(max_abs[str(rows)], gap)
             equal[str(rows)] += both
+            if not both:
+                # A kernel reading past its weights' last expert parts only where that
+                # expert is routed: count the layers that missed with it routed.
+                last_routed[str(rows)] += bool((ids == experts_total - 1).any().item())
             if reference_flags is not None and cached_flags is not None:
                 seen = flags.setdefault(
                     str(rows), {"reference": set(), "cached": set(), "layers_differing": 0}
@@ -756,6 +762,7 @@ def exactness(
         "max_abs": max_abs,
         "by_order": by_order,
         "kernel_again": kernel,
+        "missed_with_last_expert": last_routed,
         "skipped": skipped,
     }
     if flags:

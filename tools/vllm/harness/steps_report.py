@@ -866,9 +866,18 @@ def exactness_line(record: dict[str, Any] | None, label: str) -> str | None:
     ]
     every = all(found["equal"][str(rows)] == layers for rows in found["rows"])
     head = f"  layers of {label} bit-identical to vLLM's kernel with every expert resident"
+    last = found.get("missed_with_last_expert")
+    with_last = (
+        "; of the layers missed, those whose routes held the last expert ("
+        + ", ".join(f"{r}: {last[str(r)]}/{layers - found['equal'][str(r)]}" for r in found["rows"])
+        + ")"
+        if last is not None and not every
+        else ""
+    )
     return (
         f"{head}, by rows ({', '.join(cells)}): {'met' if every else 'MISSED'}"
         + ("" if every else _order_cells(found, layers))
+        + with_last
         + kernel_again_line(found, layers)
         + launch_flags_lines(found)
     )
