@@ -29,8 +29,6 @@ with both of those clean names the cache. torch is imported when a function runs
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from tools.vllm.harness import probes
@@ -45,21 +43,6 @@ GARBAGE = 0x7F
 a float32 bias of 3.4e38 (a read of it shows)."""
 
 
-@contextlib.contextmanager
-def _tiles(method: Any, entries: int | None) -> Iterator[None]:
-    """vLLM's own tiles (None) or those the cached forward pins for ``entries``."""
-    if entries is None:
-        with probes.unpinned_tiles(method):
-            yield
-        return
-    kept = method._forward_entries
-    method._forward_entries = entries
-    try:
-        yield
-    finally:
-        method._forward_entries = kept
-
-
 def _kernel(
     method: Any,
     module: Any,
@@ -69,25 +52,12 @@ def _kernel(
     expert_map: Any,
     entries: int | None,
 ) -> Any:
-    """vLLM's kernel of the layer over ``rows`` (``count`` experts seen) and ``expert_map``."""
+    """vLLM's kernel of the layer over ``rows`` (``count`` experts seen) and ``expert_map``,
+    with vLLM's tiles (``entries`` None) or those the cached forward pins."""
     w13, w2, w1_fields, w2_fields = probes.mxfp4_wrapped(method, rows, count)
+    whole = probes.WholeSet(w13, w2, w1_fields, w2_fields, int(w13.shape[-2]))
     x, weights, ids = inputs
-    kernel = method.moe_kernel
-    with probes.whole_set(kernel, w1_fields, w2_fields), _tiles(method, entries):
-        out = kernel.apply(
-            hidden_states=x,
-            w1=w13,
-            w2=w2,
-            topk_weights=weights,
-            topk_ids=ids,
-            activation=module.activation,
-            global_num_experts=module.global_num_experts,
-            expert_map=expert_map,
-            apply_router_weight_on_input=module.apply_router_weight_on_input,
-            shared_experts=None,
-            shared_experts_input=None,
-        )
-    return out.clone()
+    return probes.reference_forward(method, module, whole, x, weights, ids, expert_map, entries)
 
 
 def _with_row(rows: Any, fill: int | None) -> Any:

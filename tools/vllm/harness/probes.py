@@ -406,6 +406,22 @@ def unpinned_tiles(method: Any) -> Iterator[None]:
         method._forward_entries = kept
 
 
+@contextlib.contextmanager
+def tiles(method: Any, entries: int | None) -> Iterator[None]:
+    """For the block below, vLLM's own tiles (``entries`` None: :func:`unpinned_tiles`) or
+    those the cached forward pins for a forward of ``entries`` routing entries."""
+    if entries is None:
+        with unpinned_tiles(method):
+            yield
+        return
+    kept = method._forward_entries
+    method._forward_entries = entries
+    try:
+        yield
+    finally:
+        method._forward_entries = kept
+
+
 OPT_FLAGS_LEFT_OUT = ("arch", "target_kernel_kwargs")
 """``OptFlags`` fields :func:`launch_flags` leaves out: the same in every call of one engine."""
 
@@ -492,13 +508,22 @@ def reference_weights(method: Any, provider: Any, device: str) -> WholeSet | Non
 
 
 def reference_forward(
-    method: Any, module: Any, whole: WholeSet, x: Any, weights: Any, ids: Any
+    method: Any,
+    module: Any,
+    whole: WholeSet,
+    x: Any,
+    weights: Any,
+    ids: Any,
+    expert_map: Any = None,
+    entries: int | None = None,
 ) -> Any:
-    """vLLM's kernel of the layer over ``whole`` (every expert resident, no expert map, its
-    own tiles), on the router's ``weights`` and ``ids``; a copy of its output (the kernel may
-    return a view of its workspace, which the next call reuses)."""
+    """vLLM's kernel of the layer over ``whole`` (by default every expert resident, no expert
+    map, its own tiles; ``expert_map`` and ``entries``, the tiles the cached forward pins for
+    that many entries, for other layouts: ``harness/placement.py``), on the router's
+    ``weights`` and ``ids``; a copy of its output (the kernel may return a view of its
+    workspace, which the next call reuses)."""
     kernel = method.moe_kernel
-    with whole_set(kernel, whole.w1_fields, whole.w2_fields), unpinned_tiles(method):
+    with whole_set(kernel, whole.w1_fields, whole.w2_fields), tiles(method, entries):
         return kernel.apply(
             hidden_states=x,
             w1=whole.w13,
@@ -507,7 +532,7 @@ def reference_forward(
             topk_ids=ids,
             activation=module.activation,
             global_num_experts=module.global_num_experts,
-            expert_map=None,
+            expert_map=expert_map,
             apply_router_weight_on_input=module.apply_router_weight_on_input,
             shared_experts=None,
             shared_experts_input=None,
