@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, expert_bytes, kernel_profile, probes, trace
+from tools.vllm.harness import engines, expert_bytes, kernel_profile, placement, probes, trace
 from tools.vllm.harness.phases import Results
 from tools.vllm.harness.replay import FROM_START
 
@@ -902,7 +902,12 @@ def kernel_again_line(found: dict[str, Any], layers: int) -> str:
     return (
         "\n  vLLM's kernel run again on poisoned memory gives its own first run's bits, by rows "
         f"({', '.join(cells)})"
-        + ("" if same else ": it reads memory it did not write, and the reference moves with it")
+        + (
+            ""
+            if same
+            else ": it reads memory it did not write or is not deterministic, and the "
+            "reference moves with it"
+        )
     )
 
 
@@ -947,8 +952,7 @@ def placement_line(record: dict[str, Any] | None, label: str) -> str | None:
     parts = [f"the cached forward ({cells(found['cached'], False)})"]
     for way, words in PLACEMENT_WORDS.items():
         if way in found["ways"]:
-            over_slots = way.startswith(("slots", "others", "tail"))
-            parts.append(f"{words} ({cells(found['ways'][way], over_slots)})")
+            parts.append(f"{words} ({cells(found['ways'][way], way in placement.SLOT_WAYS)})")
     return (
         f"  placement of {label}: layers bit-identical to vLLM's kernel over the whole set in "
         f"id order ({found['layers']} layers), by rows: " + " | ".join(parts)
