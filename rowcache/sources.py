@@ -6,7 +6,7 @@ provider can index them without re-checking shapes, devices or dtypes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +19,12 @@ from rowcache.pinned import pinned_empty_exact
 
 __all__ = [
     "HELD_CODE_BITS",
+    "SLOT_GUARD_BYTES",
     "SOURCE_NAMES",
     "ExpertSources",
     "SlotBuffers",
     "allocate_slot_buffers",
+    "guarded_empty",
     "planes_and_slots",
     "validate_capacity",
 ]
@@ -337,22 +339,6 @@ def _encoded_on_host(source: Tensor, target: torch.device) -> Bf16Planes:
     return encode(source, HELD_CODE_BITS, work_device=target, pin_memory=True)
 
 
-def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    shared: dict[int, int] = {}
-    unaddressed = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        address = storage.data_ptr()
-        if address == 0:  # meta or empty: no address to tell storages apart by
-            unaddressed += storage.nbytes()
-        else:
-            shared[address] = storage.nbytes()
-    return sum(shared.values()) + unaddressed
-
-
 def _row_bytes(t: Tensor) -> int:
     return t[0].numel() * t.element_size()
 
@@ -417,15 +403,51 @@ class SlotBuffers:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of device memory held by all slot buffers together."""
-        return _storage_bytes(self.tensors())
+        """Bytes of device memory the slots span, all buffers together (the zero guard past
+        each storage, :data:`SLOT_GUARD_BYTES`, not counted: it holds no expert)."""
+        spans: dict[int, int] = {}
+        unaddressed = 0
+        for t in self.tensors():
+            if t is None:
+                continue
+            # From the storage's start, ``capacity`` rows of the view's row stride: a buffer
+            # of its own, or the packed rows at their full width (every view alike).
+            end = t.shape[0] * t.stride(0) * t.element_size()
+            address = t.untyped_storage().data_ptr()
+            if address == 0:  # meta or empty: no address to tell storages apart by
+                unaddressed += end
+            else:
+                spans[address] = max(spans.get(address, 0), end)
+        return sum(spans.values()) + unaddressed
+
+
+SLOT_GUARD_BYTES = 512
+"""Zero bytes after the end of every slot buffer, which itself starts zeroed.
+
+A kernel may load a little past a row it reads and multiply what it finds by a zero weight:
+triton_kernels' MXFP4 matmul on Hopper (vLLM 0.25.0's gpt-oss kernel) loads each weight-scale
+row's last K step unmasked, 64 bytes past the row; the last row of the last slot reads past
+the buffer, every other slot's reads the next row or slot. Finite bytes there vanish in the
+product; an e8m0 ``0xFF`` (NaN) turns it into NaN, which the clamped SwiGLU turns into wrong
+finite values. Zeros past the buffer, and in slots no miss has filled yet, keep such reads
+harmless whatever the allocator put there before (512: the over-read with room to spare, a
+multiple of every element size)."""
+
+
+def guarded_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zeroed contiguous ``shape`` tensor whose storage runs :data:`SLOT_GUARD_BYTES` zero
+    bytes past its end."""
+    count = math.prod(shape)
+    tail = -(-SLOT_GUARD_BYTES // dtype.itemsize)
+    return torch.zeros(count + tail, dtype=dtype, device=device)[:count].view(shape)
 
 
 def allocate_slot_buffers(
     sources: ExpertSources, capacity: int, device: torch.device | str
 ) -> SlotBuffers:
     """Allocate one ``[capacity, *row_shape]`` buffer per present source on ``device`` (views
-    of one ``[capacity, P]`` byte buffer when the sources are packed).
+    of one ``[capacity, P]`` byte buffer when the sources are packed), zeroed, with a zero
+    guard past the end (:data:`SLOT_GUARD_BYTES`).
 
     ``device`` must be the one the sources were prepared for, because pinning
     was decided by it.
@@ -439,18 +461,18 @@ def allocate_slot_buffers(
 
     if sources.pack is not None:
         offsets, size = sources.pack
-        storage = packed_storage(capacity, size, device=target)
+        storage = guarded_empty((capacity, size), torch.uint8, target)
         views = packed_views(storage, sources.tensors(), offsets)
         first, second = views[0], views[1]
         assert first is not None and second is not None
         return SlotBuffers(capacity, first, second, *views[2:])
 
-    # torch.empty on the target device is the only allocation: device-generic,
-    # so that the CUDA specifics stay in the CUDA backend.
+    # Plain torch allocations on the target device: device-generic, so that the CUDA
+    # specifics stay in the CUDA backend.
     def alloc(src: Tensor | None) -> Tensor | None:
         if src is None:
             return None
-        return torch.empty((capacity, *src.shape[1:]), dtype=src.dtype, device=target)
+        return guarded_empty((capacity, *src.shape[1:]), src.dtype, target)
 
     bufs = [alloc(t) for t in sources.tensors()]
     w13, w2 = bufs[0], bufs[1]

@@ -16,13 +16,13 @@
 #   bash scripts/device_bundle.sh join          # join, check, unpack only
 #
 # Paths (for tests): BUNDLE_GPU (.gpu), BUNDLE_VP (/tmp/vp), BUNDLE_SITE (/tmp/site),
-# BUNDLE_PIECES (how many pieces `split` cuts: 4).
+# BUNDLE_PIECES (how many pieces `split` cuts: 5).
 set -euo pipefail
 
 GPU=${BUNDLE_GPU:-.gpu}
 VP=${BUNDLE_VP:-/tmp/vp}
 SITE=${BUNDLE_SITE:-/tmp/site}
-COUNT=${BUNDLE_PIECES:-4}
+COUNT=${BUNDLE_PIECES:-5}
 PARTS="core.tar.xz.partaa core.tar.xz.partab core.tar.xz.partac"
 EXTRAS="compressed-tensors==0.17.0 loguru==0.7.3"
 

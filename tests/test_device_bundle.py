@@ -8,6 +8,7 @@ import io
 import lzma
 import math
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -18,6 +19,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_bundle.sh"
+_COUNT = re.search(r"COUNT=\$\{BUNDLE_PIECES:-(\d+)\}", SCRIPT.read_text())
+assert _COUNT is not None
+PIECES = int(_COUNT.group(1))
+"""How many pieces ``split`` cuts by default (the script's own number)."""
 PARTS = ("core.tar.xz.partaa", "core.tar.xz.partab", "core.tar.xz.partac")
 
 CALL_LIMIT = 64 << 20
@@ -90,10 +95,10 @@ def test_split_then_join_gives_back_the_bundle(bundle: tuple[Path, bytes]) -> No
     out = _run("split", tmp)
     assert out.returncode == 0, out.stderr
     pieces = _arrive(tmp)
-    assert [p.name for p in pieces] == [f"core.tar.xz.piece{i}" for i in range(4)]
+    assert [p.name for p in pieces] == [f"core.tar.xz.piece{i}" for i in range(PIECES)]
     whole = b"".join((tmp / ".gpu" / "parts" / n).read_bytes() for n in PARTS)
     assert b"".join(p.read_bytes() for p in pieces) == whole
-    assert max(p.stat().st_size for p in pieces) <= math.ceil(len(whole) / 4)
+    assert max(p.stat().st_size for p in pieces) <= math.ceil(len(whole) / PIECES)
     manifest = (tmp / ".gpu" / "tools" / "PIECES").read_text().split("\n")
     assert manifest[0] == f"core.tar.xz.piece0 {pieces[0].stat().st_size}"
     (tmp / "site").mkdir()  # an earlier call's site folder: replaced whole
@@ -213,7 +218,7 @@ def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
     ).stdout.split(b"\0")
     paths = [ROOT / os.fsdecode(name) for name in listed if name]
     tracked = sum(path.stat().st_size for path in paths if path.exists())
-    piece = math.ceil(BUNDLE_BYTES / 4)
+    piece = math.ceil(BUNDLE_BYTES / PIECES)
     assert tracked + piece + SMALL_PATHS <= CALL_LIMIT, (
         f"tracked files {tracked:,} B + a piece {piece:,} B + {SMALL_PATHS:,} B exceed one "
         f"device call's {CALL_LIMIT:,} B: cut the bundle into more pieces (BUNDLE_PIECES) or "

@@ -1271,12 +1271,33 @@ def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
 
 
 def test_the_largest_difference_keeps_a_nan() -> None:
-    """``probes._larger``: a NaN difference, seen first or later, stays the largest (a plain
+    """``probes.larger_gap``: a NaN difference, seen first or later, stays the largest (a plain
     ``max`` would keep the number before it and hide the NaN)."""
     from tools.vllm.harness import probes
 
     nan = torch.tensor(float("nan"))
-    assert probes._larger(2.0, torch.tensor(1.0)) == 2.0
-    assert probes._larger(2.0, torch.tensor(3.0)) == 3.0
-    assert math.isnan(probes._larger(0.0, nan))
-    assert math.isnan(probes._larger(float("nan"), torch.tensor(3.0)))
+    assert probes.larger_gap(2.0, torch.tensor(1.0)) == 2.0
+    assert probes.larger_gap(2.0, torch.tensor(3.0)) == 3.0
+    assert math.isnan(probes.larger_gap(0.0, nan))
+    assert math.isnan(probes.larger_gap(float("nan"), torch.tensor(3.0)))
+
+
+def test_the_reference_whole_set_runs_past_its_last_expert_in_zeros(fake_mxfp4: Any) -> None:
+    """The exactness probe's whole expert set (``probes.reference_weights``) is followed by zero
+    bytes, as the slots are (``rowcache.sources.SLOT_GUARD_BYTES``): vLLM's MXFP4 kernel loads
+    past each scale row, and the reference must not find a poisoned NaN byte there."""
+    from rowcache.sources import SLOT_GUARD_BYTES
+    from tools.vllm.harness import probes
+
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    method = layer.quant_method
+    whole = probes.reference_weights(method, method.rowcache_provider, "cpu")
+    assert whole is not None
+    tensors = [whole.w13.storage.data, whole.w2.storage.data]
+    tensors += [f["scale"].weight_scale.storage.data for f in (whole.w1_fields, whole.w2_fields)]
+    tensors += [f["bias"] for f in (whole.w1_fields, whole.w2_fields)]
+    for tensor in tensors:
+        raw = torch.tensor([], dtype=torch.uint8).set_(tensor.untyped_storage())
+        end = (tensor.storage_offset() + tensor.shape[0] * tensor.stride(0)) * tensor.element_size()
+        assert tensor.shape[0] == E and raw[end:].numel() >= SLOT_GUARD_BYTES
+        assert not raw[end:].any()

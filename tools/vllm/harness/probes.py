@@ -330,8 +330,16 @@ def mxfp4_sources(
     scales; ``bias``: the whole set's float32 biases). None for any other method."""
     if type(method).__name__ != "RowcacheGptOssMxfp4MoEMethod":
         return None
+    from rowcache.sources import guarded_empty
+
     keys = [k for k in MXFP4_KEYS if getattr(provider, f"buf_{k}", None) is not None]
-    rows = {key: provider.source_weights(key, device) for key in keys}
+    rows = {}
+    for key in keys:
+        # Zeros past the whole set, as past the slots (rowcache.sources.SLOT_GUARD_BYTES):
+        # the kernel's scale loads run past the last expert and must find no NaN byte there.
+        source = provider.source_weights(key, device)
+        rows[key] = guarded_empty(tuple(source.shape), source.dtype, source.device)
+        rows[key].copy_(source)
     return mxfp4_wrapped(method, rows, int(rows["w13"].shape[0]))
 
 
@@ -653,7 +661,7 @@ def probe_runs(
     return outputs, reference_flags, cached_flags
 
 
-def _larger(so_far: float, gap: Any) -> float:
+def larger_gap(so_far: float, gap: Any) -> float:
     """The larger of ``so_far`` and the 0-d ``gap``; NaN where either is (``max`` would keep
     ``so_far`` over a NaN, hiding a difference no number measures)."""
     value = float(gap.item())
@@ -746,7 +754,7 @@ def exactness(
             again = outputs["reference_poisoned"]
             differs, gap = bit_difference(reference, again)
             kernel["equal"][str(rows)] += not bool(differs.item())
-            kernel["max_abs"][str(rows)] = _larger(kernel["max_abs"][str(rows)], gap)
+            kernel["max_abs"][str(rows)] = larger_gap(kernel["max_abs"][str(rows)], gap)
             kernel["non_finite"][str(rows)] += not bool(
                 (
                     torch.isfinite(reference.float()).all() & torch.isfinite(again.float()).all()
@@ -760,11 +768,13 @@ def exactness(
                 both = both and same
                 found_order = by_order[order]
                 found_order["equal"][str(rows)] += same
-                found_order["max_abs"][str(rows)] = _larger(found_order["max_abs"][str(rows)], gap)
+                found_order["max_abs"][str(rows)] = larger_gap(
+                    found_order["max_abs"][str(rows)], gap
+                )
                 found_order["non_finite"][str(rows)] += not bool(
                     torch.isfinite(cached.float()).all().item()
                 )
-                max_abs[str(rows)] = _larger(max_abs[str(rows)], gap)
+                max_abs[str(rows)] = larger_gap(max_abs[str(rows)], gap)
             equal[str(rows)] += both
             if not both:
                 # A kernel reading past its weights' last expert parts only where that
