@@ -1301,3 +1301,19 @@ def test_the_reference_whole_set_runs_past_its_last_expert_in_zeros(fake_mxfp4: 
         end = (tensor.storage_offset() + tensor.shape[0] * tensor.stride(0)) * tensor.element_size()
         assert tensor.shape[0] == E and raw[end:].numel() >= SLOT_GUARD_BYTES
         assert not raw[end:].any()
+
+
+def test_the_slot_scales_are_followed_by_zeros_where_the_kernel_reads(fake_mxfp4: Any) -> None:
+    """tools/vllm/harness/scale_tails.py over a cached gpt-oss layer: the 64 bytes past its w13
+    scale slots (where vLLM's kernel reads past the last slot's rows) are the slots' zero guard,
+    and every byte was read."""
+    from tools.vllm.harness import scale_tails
+
+    def read(raw: torch.Tensor, start: int, count: int) -> list[int]:
+        return [int(v) for v in raw[start : start + count].tolist()]
+
+    layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
+    model = SimpleNamespace(named_modules=lambda: iter([("layers.0.experts", layer)]))
+    found = scale_tails.tails(model, read=read)
+    assert found["layers"]["layers.0.experts"] == {"bytes": [0] * 64, "ff": 0}
+    assert found["layers_with_ff"] == 0

@@ -24,6 +24,7 @@ from tools.vllm.harness import (
     placement,
     probes,
     replay,
+    scale_tails,
     shadow,
     slot_watch,
     trace,
@@ -223,6 +224,13 @@ def workload(
     result["steps"] = run_workload(
         spec.workload, generate, deadline, time.time, stats, keep, kernels, jit, spec.caches
     )
+    if job.trace and spec.checkpoint.arch == "gpt_oss":
+        # Before any probe allocates: what lies past each layer's w13 scales, where the
+        # forwards above read it (harness/scale_tails.py).
+        try:
+            result["scale_tails"] = rpc(scale_tails.tails, None)
+        except Exception as exc:
+            result["scale_tails_error"] = f"{type(exc).__name__}: {exc}"[:600]
     if spec.caches:
         result["route"] = rpc(probes.routes, None)
         after = stats()

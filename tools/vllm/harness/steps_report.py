@@ -604,7 +604,35 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             expert_bytes_line(results, prefix, label),
         ):
             lines += [line] if line is not None else []
+    for label in ("none", *controls, *cached):
+        line = scale_tails_line(results.get(f"{prefix}.{label}"), label)
+        lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
+
+
+def scale_tails_line(record: dict[str, Any] | None, label: str) -> str | None:
+    """``harness/scale_tails.py``: the layers whose w13 weight scales are followed by an
+    ``0xFF`` where vLLM's MXFP4 kernel reads past them, or the probe's error."""
+    record = record or {}
+    if record.get("scale_tails_error"):
+        return f"  scale tails of {label}: not read ({record['scale_tails_error']})"
+    found = record.get("scale_tails")
+    if not found or not found.get("layers"):
+        return None
+    layers = found["layers"]
+    head = (
+        f"  scale tails of {label} ({len(layers)} layers, {found['tail_bytes']} bytes past each "
+        "w13 scale tensor, where vLLM's MXFP4 kernel reads)"
+    )
+    bad = {name: c["ff"] for name, c in layers.items() if c["ff"]}
+    if not bad:
+        return f"{head}: no 0xFF byte"
+    named = ", ".join(f"{name} ({n})" for name, n in list(bad.items())[:4])
+    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+    return (
+        f"{head}: {len(bad)} layers hold 0xFF bytes there: {named}{more}; the last expert's "
+        "outputs in those layers are not the kernel's arithmetic over the experts' bytes"
+    )
 
 
 def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
