@@ -48,8 +48,8 @@ def test_the_bytes_past_each_scale_tensor_are_read_and_0xff_counted() -> None:
     assert line == (
         "  scale tails of none.full (2 layers, 64 bytes past each w13 scale tensor, where vLLM's "
         "MXFP4 kernel reads): 1 layers hold 0xFF bytes there: model.layers.1.mlp.experts (2); "
-        "the last expert's outputs in those layers are not the kernel's arithmetic over the "
-        "experts' bytes"
+        "where one is among the 32 that reach outputs, the last expert's outputs in that layer "
+        "are not the kernel's arithmetic over the experts' bytes"
     )
     clean = {"scale_tails": {**found, "layers": {"l0": first}, "layers_with_ff": 0}}
     assert steps_report.scale_tails_line(clean, "row").endswith(": no 0xFF byte")

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from tools.vllm.harness import probes
+from tools.vllm.harness.slot_buffers import slot_buffers
 
 __all__ = ["GARBAGE", "ROWS", "WAYS", "placement"]
 
@@ -63,32 +64,28 @@ def _kernel(
     return probes.reference_forward(method, module, whole, x, weights, ids, expert_map, entries)
 
 
-def _with_row(rows: Any, fill: int | None) -> Any:
-    """``rows`` with one more row after the last (zeros, or ``fill`` bytes)."""
+def _with_row(rows: Any, fill: int) -> Any:
+    """``rows`` with one more row of ``fill`` bytes after the last."""
     import torch
 
-    more = torch.zeros((rows.shape[0] + 1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    more = torch.empty((rows.shape[0] + 1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     more[:-1].copy_(rows)
-    if fill is not None:
-        more[-1].view(torch.uint8).fill_(fill)
+    more[-1].view(torch.uint8).fill_(fill)
     return more
 
 
-def _slot_sets(
-    provider: Any, keys: list[str], routed: Any, resident: Any
-) -> dict[str, dict[str, Any]]:
+def _slot_sets(provider: Any, routed: Any, resident: Any) -> dict[str, dict[str, Any]]:
     """The three slot layouts of :data:`SLOT_WAYS` (copies of the slot buffers)."""
     import torch
 
     held = torch.zeros(int(provider.capacity), dtype=torch.bool, device=resident.device)
     held[resident[routed].long()] = True
     sets: dict[str, dict[str, Any]] = {way: {} for way in SLOT_WAYS}
-    for key in keys:
-        slots = getattr(provider, f"buf_{key}")
-        sets["slots"][key] = _with_row(slots, None)
+    for key, slots in slot_buffers(provider).items():
+        sets["slots"][key] = probes.guarded_copy(slots)
         sets["tail_garbage"][key] = _with_row(slots, GARBAGE)
-        others = _with_row(slots, None)
-        others[:-1].view(torch.uint8)[~held] = GARBAGE
+        others = probes.guarded_copy(slots)
+        others.view(torch.uint8)[~held] = GARBAGE
         sets["others_garbage"][key] = others
     return sets
 
@@ -118,13 +115,12 @@ def placement(
         if provider is None or type(method).__name__ != "RowcacheGptOssMxfp4MoEMethod":
             continue
         layers += 1
-        keys = [k for k in probes.MXFP4_KEYS if getattr(provider, f"buf_{k}", None) is not None]
-        whole = {key: _with_row(provider.source_weights(key, device), None) for key in keys}
-        experts = int(whole["w13"].shape[0]) - 1
+        whole = probes.mxfp4_rows(provider, device)
+        experts = int(whole["w13"].shape[0])
         order = torch.randperm(experts, generator=torch.Generator().manual_seed(seed + index))
         order = order.to(device)
-        permuted = {key: _with_row(rows[:-1][order], None) for key, rows in whole.items()}
-        tail = {key: _with_row(rows[:-1], GARBAGE) for key, rows in whole.items()}
+        permuted = {key: probes.guarded_copy(rows[order]) for key, rows in whole.items()}
+        tail = {key: _with_row(rows, GARBAGE) for key, rows in whole.items()}
         finds = torch.empty(experts, dtype=torch.int32, device=device)
         finds[order] = torch.arange(experts, dtype=torch.int32, device=device)
         identity = torch.arange(experts, dtype=torch.int32, device=device)
@@ -149,7 +145,7 @@ def placement(
             routed = ids.reshape(-1).long()
             if bool((resident[routed] >= 0).all()):
                 capacity = int(provider.capacity)
-                for way, rows in _slot_sets(provider, keys, routed, resident).items():
+                for way, rows in _slot_sets(provider, routed, resident).items():
                     outs[way] = _kernel(
                         method, module, rows, capacity, inputs, resident, int(ids.numel())
                     )

@@ -330,21 +330,27 @@ def mxfp4_sources(
     scales; ``bias``: the whole set's float32 biases). None for any other method."""
     if type(method).__name__ != "RowcacheGptOssMxfp4MoEMethod":
         return None
-    from rowcache.sources import guarded_empty
-
-    keys = [k for k in MXFP4_KEYS if getattr(provider, f"buf_{k}", None) is not None]
-    rows = {}
-    for key in keys:
-        # Zeros past the whole set, as past the slots (rowcache.sources.SLOT_GUARD_BYTES):
-        # the kernel's scale loads run past the last expert and must find no NaN byte there.
-        source = provider.source_weights(key, device)
-        rows[key] = guarded_empty(tuple(source.shape), source.dtype, source.device)
-        rows[key].copy_(source)
+    rows = mxfp4_rows(provider, device)
     return mxfp4_wrapped(method, rows, int(rows["w13"].shape[0]))
 
 
-MXFP4_KEYS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
-"""The sources of a gpt-oss MXFP4 layer's experts (the biases where the layer has them)."""
+def guarded_copy(t: Any) -> Any:
+    """A copy of ``t`` followed by zero bytes, as the slots are
+    (``rowcache.sources.SLOT_GUARD_BYTES``)."""
+    from rowcache.sources import guarded_empty
+
+    copy = guarded_empty(tuple(t.shape), t.dtype, t.device)
+    copy.copy_(t)
+    return copy
+
+
+def mxfp4_rows(provider: Any, device: str) -> dict[str, Any]:
+    """Every expert's ``[E, bytes]`` rows of each source ``provider`` has slots for, on
+    ``device``, each followed by zeros: the kernel's scale loads run past the last expert and
+    must find no NaN byte there (docs/GPT_OSS.md, section 3)."""
+    from tools.vllm.harness.slot_buffers import slot_keys
+
+    return {key: guarded_copy(provider.source_weights(key, device)) for key in slot_keys(provider)}
 
 
 def mxfp4_wrapped(

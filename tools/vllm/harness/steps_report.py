@@ -630,8 +630,9 @@ def scale_tails_line(record: dict[str, Any] | None, label: str) -> str | None:
     named = ", ".join(f"{name} ({n})" for name, n in list(bad.items())[:4])
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
     return (
-        f"{head}: {len(bad)} layers hold 0xFF bytes there: {named}{more}; the last expert's "
-        "outputs in those layers are not the kernel's arithmetic over the experts' bytes"
+        f"{head}: {len(bad)} layers hold 0xFF bytes there: {named}{more}; where one is among "
+        "the 32 that reach outputs, the last expert's outputs in that layer are not the "
+        "kernel's arithmetic over the experts' bytes"
     )
 
 
