@@ -79,6 +79,11 @@ def bundle(tmp_path: Path) -> tuple[Path, bytes]:
     return tmp_path, payload
 
 
+def _largest_piece(size: int) -> int:
+    """``split -n`` cuts ``size // N`` bytes a piece and gives the remainder to the last."""
+    return size // PIECES + size % PIECES
+
+
 def _arrive(tmp: Path, skip: str = "") -> list[Path]:
     """The device calls: each piece copied to the machine's /tmp/vp."""
     vp = tmp / "vp"
@@ -98,7 +103,7 @@ def test_split_then_join_gives_back_the_bundle(bundle: tuple[Path, bytes]) -> No
     assert [p.name for p in pieces] == [f"core.tar.xz.piece{i}" for i in range(PIECES)]
     whole = b"".join((tmp / ".gpu" / "parts" / n).read_bytes() for n in PARTS)
     assert b"".join(p.read_bytes() for p in pieces) == whole
-    assert max(p.stat().st_size for p in pieces) <= math.ceil(len(whole) / PIECES)
+    assert max(p.stat().st_size for p in pieces) == _largest_piece(len(whole))
     manifest = (tmp / ".gpu" / "tools" / "PIECES").read_text().split("\n")
     assert manifest[0] == f"core.tar.xz.piece0 {pieces[0].stat().st_size}"
     (tmp / "site").mkdir()  # an earlier call's site folder: replaced whole
@@ -218,7 +223,7 @@ def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
     ).stdout.split(b"\0")
     paths = [ROOT / os.fsdecode(name) for name in listed if name]
     tracked = sum(path.stat().st_size for path in paths if path.exists())
-    piece = math.ceil(BUNDLE_BYTES / PIECES)
+    piece = _largest_piece(BUNDLE_BYTES)
     assert tracked + piece + SMALL_PATHS <= CALL_LIMIT, (
         f"tracked files {tracked:,} B + a piece {piece:,} B + {SMALL_PATHS:,} B exceed one "
         f"device call's {CALL_LIMIT:,} B: cut the bundle into more pieces (BUNDLE_PIECES) or "
