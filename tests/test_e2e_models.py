@@ -500,7 +500,14 @@ def test_gpt_oss_phases() -> None:
         "row8devlfu.full",  # the quarter's cache with victims by request count
         "none.eager",  # on demand: the half's cache and its reference without graphs
         "row16dev.eager",
+        "nonebare.full",  # on demand: no offload without the scale guard
     ]
+    # No offload on the cache's backend has zeros after its weight scales, as the slots do
+    # (harness/scale_guard.py); vLLM as it comes is the on-demand diagnostic.
+    guarded = [s.name.split(".", 2)[2] for s in specs if s.guard_scale_tails]
+    assert guarded == ["none.full", "none2.full", "none.eager"]
+    assert "nonebare.full" in engines.BUDGETED_LABELS
+    assert not any(s.guard_scale_tails for s in engines.models(engines.DS2))
     for spec in specs + engines.models(engines.GPT_OSS_SKEW):
         assert spec.quantized and spec.model_runner_v1
         prefix = engines.MODELS_PREFIX[spec.checkpoint]
@@ -510,6 +517,7 @@ def test_gpt_oss_phases() -> None:
         eager = spec.mode is Mode.EAGER
         assert child.engine_kwargs(spec, "/w/g").get("enforce_eager", False) is eager
         reference = "nonemarlin.full" if marlin else "none.eager" if eager else "none.full"
+        assert spec.on_demand is (eager or spec.name.endswith(".nonebare.full"))
         assert spec.compare_with == (f"{prefix}.{reference}",)
         # At least the slots' expert memory stays on the GPU in every offloading engine.
         assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
@@ -533,6 +541,40 @@ def test_gpt_oss_phases() -> None:
         assert label in engines.BUDGETED_LABELS
     for phase in phases.select(["gpt_oss", "gpt_oss_skew"]):
         assert phase.budgeted and phase.one_at_a_time and "gpt-oss-20b" in phase.about
+
+
+def test_the_scale_guard_and_vllm_as_it_comes_are_reported() -> None:
+    """gpt-oss's guarded no offload says so; vLLM as it comes (``nonebare.full``, on demand)
+    has its tokens judged against it, and every reference's scale tails are reported (the
+    no-offload engines' too, which a label without its mode once missed)."""
+    specs = {s.name: s for s in engines.models(engines.GPT_OSS)}
+    tokens = [[i, i + 1, i + 2] for i in range(8)]
+    prefix = "models.gptoss20b"
+    results: dict[str, Any] = {
+        name: _record(spec, 40.0, 100.0, tokens) for name, spec in specs.items()
+    }
+    tails = {"layers": {"l0": {"bytes": [0] * 64, "ff": 0}}, "layers_with_ff": 0, "tail_bytes": 64}
+    results[f"{prefix}.none.full"] |= {"scale_guard": {"layers": 24}, "scale_tails": tails}
+    bare_tails = {
+        "layers": {"l0": {"bytes": [0xFF] * 64, "ff": 64}},
+        "layers_with_ff": 1,
+        "tail_bytes": 64,
+    }
+    results[f"{prefix}.nonebare.full"]["scale_tails"] = bare_tails
+    results[f"{prefix}.nonebare.full"]["steps"]["decode"]["1"]["tokens"] = [[0, 1, 9]]
+    lines = steps_report.report(results)
+    assert (
+        "  scale guard of none.full: 24 layers' w13 and w2 weight scales followed by zeros, as "
+        "the cache's slots are (what vLLM's kernel reads past them)"
+    ) in lines
+    assert (
+        "  scale tails of none.full (1 layers, 64 bytes past each w13 scale tensor, where "
+        "vLLM's MXFP4 kernel reads): no 0xFF byte" in lines
+    )
+    assert any(line.startswith("  scale tails of nonebare.full (1 layers") for line in lines)
+    bare = next(line for line in lines if line.startswith("  tokens nonebare.full identical"))
+    assert "to none.full" in bare and "MISSED" in bare
+    assert not any(line.startswith("  scale guard of nonebare") for line in lines)
 
 
 def test_a_uva_engine_that_kept_its_experts_on_the_gpu_is_named() -> None:

@@ -28,6 +28,7 @@ from tools.vllm.harness import (
     orchestrate,
     phases,
     probes,
+    scale_guard,
     shadow,
     slot_watch,
     steps_report,
@@ -1251,7 +1252,7 @@ def test_the_in_process_diagnostics_refuse_a_multiprocess_engine(
     installed: list[str] = []
     for name, hook in (("shadow", shadow), ("trace", trace), ("slot_watch", slot_watch)):
         monkeypatch.setattr(hook, "install", lambda name=name: installed.append(name))
-    spec = engines.models(engines.GPT_OSS)[0]
+    spec = next(s for s in engines.models(engines.GPT_OSS) if s.caches)  # no scale guard
     job = Job(spec, "/m", str(tmp_path), 30.0, **{option: True})
     child.install_hooks(job, multiprocess=False)
     # The trace brings the slot watch (both read over the first generation).
@@ -1262,6 +1263,25 @@ def test_the_in_process_diagnostics_refuse_a_multiprocess_engine(
     assert installed == hooks
     child.install_hooks(Job(spec, "/m", str(tmp_path), 30.0), multiprocess=True)  # neither
     assert installed == hooks
+
+
+def test_the_scale_guard_is_installed_where_the_spec_asks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``child.install_hooks``: an engine whose spec guards its scale tails (gpt-oss's no
+    offload, harness/scale_guard.py) gets the guard before the engine is built, whatever the
+    job's options; refused where the engine core runs in another process."""
+    installed: list[str] = []
+    monkeypatch.setattr(scale_guard, "install", lambda: installed.append("guard"))
+    by = {s.name.split(".", 2)[2]: s for s in engines.models(engines.GPT_OSS)}
+    child.install_hooks(Job(by["nonebare.full"], "/m", str(tmp_path), 30.0), multiprocess=False)
+    assert installed == []
+    job = Job(by["none.full"], "/m", str(tmp_path), 30.0)
+    child.install_hooks(job, multiprocess=False)
+    assert installed == ["guard"]
+    with pytest.raises(RuntimeError, match=r"guard_scale_tails patches .* in another"):
+        child.install_hooks(job, multiprocess=True)
+    assert installed == ["guard"]
 
 
 @pytest.mark.parametrize("flag", [True, False])

@@ -62,6 +62,6 @@ def test_the_bytes_past_each_scale_tensor_are_read_and_0xff_counted() -> None:
 def test_the_end_follows_the_strides() -> None:
     base = torch.zeros(2 * 3 * 5 + 9, dtype=torch.uint8)
     plain = base[:30].view(2, 3, 5)
-    assert scale_tails._end(plain) == 30
-    assert scale_tails._end(plain.mT) == 30  # the same bytes, other strides
-    assert scale_tails._end(base[4:].as_strided((2, 3), (6, 1), 4)) == 4 + 6 + 3
+    assert scale_tails.storage_end(plain) == 30
+    assert scale_tails.storage_end(plain.mT) == 30  # the same bytes, other strides
+    assert scale_tails.storage_end(base[4:].as_strided((2, 3), (6, 1), 4)) == 4 + 6 + 3

@@ -24,6 +24,7 @@ from tools.vllm.harness import (
     placement,
     probes,
     replay,
+    scale_guard,
     scale_tails,
     shadow,
     slot_watch,
@@ -373,16 +374,19 @@ def deterministic_inductor() -> dict[str, Any]:
 
 
 def install_hooks(job: Job, multiprocess: bool) -> None:
-    """The in-process diagnostics ``job`` asks for (``--shadow``, ``--trace``), installed before
-    its engine is built so that the engine's CUDA graphs capture them; refused, naming the
-    option, where the engine core runs in another process (``multiprocess``)."""
+    """The in-process diagnostics ``job`` asks for (``--shadow``, ``--trace``) and the scale
+    guard its spec asks for (``guard_scale_tails``), installed before its engine is built so
+    that the engine's CUDA graphs capture them; refused, naming the option, where the engine
+    core runs in another process (``multiprocess``)."""
     hooks = (
         ("--shadow", "the plugin", shadow),
         ("--trace", "vLLM", trace),
         ("--trace", "the providers", slot_watch),
+        ("guard_scale_tails", "vLLM's MXFP4 method", scale_guard),
     )
     for option, patched, hook in hooks:
-        if not getattr(job, option.removeprefix("--")):
+        asked = job.spec if option == "guard_scale_tails" else job
+        if not getattr(asked, option.removeprefix("--")):
             continue
         if multiprocess:
             raise RuntimeError(
@@ -419,6 +423,8 @@ def run(job: Job, save: Any = None) -> dict[str, Any]:
         t1 = time.time()
         llm = LLM(**llm_arguments(kw))
         result["init_s"] = round(time.time() - t1, 1)
+        if spec.guard_scale_tails:
+            result["scale_guard"] = scale_guard.record()
         started = 0
         if jit is not None:
             started = jit.mark()

@@ -709,6 +709,11 @@ class ModelBudget:
     """Whether the cache holds these experts as planes by default (bf16 in full graphs): then
     the quarter's ``lfu`` engine runs again holding raw bytes (``lfu_raw_label``), the
     format's gain or loss on this model's shapes beside the same policy."""
+    scale_guard: bool = False
+    """Whether vLLM's kernel for these experts reads past their weight scales (MXFP4 on
+    Hopper): then the no-offload engines on the cache's backend are followed by zeros there,
+    as the slots are (``EngineSpec.guard_scale_tails``), and :data:`BARE_REFERENCE`, vLLM
+    as it comes, runs on demand beside them."""
 
     def slots(self, fraction: float) -> int:
         return round(self.experts * fraction)
@@ -798,6 +803,7 @@ GPT_OSS_BUDGET = ModelBudget(
     expert_gib=24 * 32 * GPT_OSS_EXPERT_BYTES / 2**30,
     top_k=4,
     baseline=Baseline("marlin", 32 * GPT_OSS_MARLIN_EXPERT_BYTES, "marlin"),
+    scale_guard=True,
 )
 """gpt-oss-20b at full depth: 24 MoE layers x 32 MXFP4 experts (9.50 GiB, 0.396 GiB a layer). A
 quarter: 8 slots (2.38 GiB) against UVA on Marlin keeping 6 layers (2.58 GiB of Marlin's padded
@@ -846,7 +852,14 @@ class ModelEngine(NamedTuple):
     mode: Mode = Mode.DEFAULT
     on_demand: bool = False
     """Run only where ``run --only`` names it (``EngineSpec.on_demand``)."""
+    guard_scale_tails: bool = False
+    """``EngineSpec.guard_scale_tails``."""
 
+
+BARE_REFERENCE = "nonebare.full"
+"""No offload on the cache's backend with nothing done to what follows its weight scales,
+where the others are guarded (``ModelBudget.scale_guard``), on demand: its tokens against the
+guarded ``none.full``'s say whether vLLM's read past the scales changes vLLM's own."""
 
 EAGER_REFERENCE = "none.eager"
 """No offload in eager mode: the reference of a model's eager diagnostic (:func:`eager_label`)."""
@@ -902,7 +915,8 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
     last."""
     roles = model_roles(budget)
     reference = "none.full"
-    out = [ModelEngine(reference, None, None, cache_backend, None)]
+    guard = budget.scale_guard  # no offload on the cache's backend guarded as the slots are
+    out = [ModelEngine(reference, None, None, cache_backend, None, guard_scale_tails=guard)]
     uva_backend, uva_reference = cache_backend, reference
     if budget.baseline is not None:
         uva_backend = budget.baseline.backend
@@ -928,7 +942,9 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
             ModelEngine(uva, None, offload, uva_backend, uva_reference),
         ]
         if fraction == QUARTER:
-            out.append(ModelEngine(CONTROL, None, None, cache_backend, reference))
+            out.append(
+                ModelEngine(CONTROL, None, None, cache_backend, reference, guard_scale_tails=guard)
+            )
     # Last, after every target and control: the quarter's cache with victims by request
     # count (rowcache.policy), what the policy gains where routing is skewed (docs/POLICY.md).
     lfu = Knob(
@@ -945,7 +961,16 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
     # other tokens than no offload on gpt-oss, docs/GPT_OSS.md).
     half = knobs[HALF]
     eager = [
-        ModelEngine(EAGER_REFERENCE, None, None, cache_backend, None, Mode.EAGER, True),
+        ModelEngine(
+            EAGER_REFERENCE,
+            None,
+            None,
+            cache_backend,
+            None,
+            Mode.EAGER,
+            True,
+            guard_scale_tails=guard,
+        ),
         ModelEngine(
             eager_label(budget.slots(HALF)),
             half,
@@ -956,8 +981,10 @@ def models_labels(budget: ModelBudget, cache_backend: str | None = None) -> list
             True,
         ),
     ]
+    # On demand, where the no-offload engines are guarded: vLLM as it comes.
+    bare = [ModelEngine(BARE_REFERENCE, None, None, cache_backend, reference, on_demand=True)]
     # The baseline's control after the targets: it tells noise from UVA's own effect.
-    return [*out, *extra_controls, by_count, *raw, *eager]
+    return [*out, *extra_controls, by_count, *raw, *eager, *(bare if guard else [])]
 
 
 def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
@@ -970,7 +997,9 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
     (``EngineSpec.model_runner_v1``: the V2 runner, DeepSeek's default in vLLM 0.25.0, ignores
     ``cpu_offload_gb``). gpt-oss's cache engines and their reference run vLLM's
     ``triton_unfused`` MXFP4 backend, the one the cache serves (its default on Hopper rounds
-    differently); its UVA engines and theirs run Marlin (``Baseline``), where UVA offloads."""
+    differently); its UVA engines and theirs run Marlin (``Baseline``), where UVA offloads.
+    That backend's kernel reads past the weight scales, so its no-offload engines have zeros
+    there as the slots do (``ModelBudget.scale_guard``), and vLLM as it comes runs on demand."""
     prefix = MODELS_PREFIX[checkpoint]
     budget = MODEL_BUDGETS[checkpoint]
     work = MODELS_WORKLOAD
@@ -1003,6 +1032,7 @@ def models(checkpoint: Checkpoint = DS2) -> list[EngineSpec]:
                 compare_with=(f"{prefix}.{reference}",),
                 offload=engine.offload,
                 workload=work,
+                guard_scale_tails=engine.guard_scale_tails,
                 prefix_caching=False,
                 # Every engine of a model on the runner where UVA offload works (specs), so
                 # that its engines compare like with like.

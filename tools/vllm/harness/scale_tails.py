@@ -7,8 +7,9 @@ weight: a finite byte vanishes, an e8m0 ``0xFF`` gives NaN, and the clamped SwiG
 NaN into wrong finite values (docs/GPT_OSS.md, section 3). So the last expert's outputs depend
 on what the allocator put after that tensor. This probe reads :data:`TAIL_BYTES` bytes past the
 end of each layer's w13 scale storage, as the kernel finds them, and counts the ``0xFF`` bytes:
-in no offload that is vLLM's own tensor and whatever follows it; in a cache engine the slot
-buffer, whose zero guard (``rowcache.sources.SLOT_GUARD_BYTES``) should show zeros.
+in vLLM as it comes (``nonebare.full``) its own tensor and whatever follows it; in a cache
+engine the slot buffer, and in the guarded no offload (``harness/scale_guard.py``) a copy of
+vLLM's tensor, whose zero guard (``rowcache.sources.SLOT_GUARD_BYTES``) should show zeros.
 
 On CUDA the bytes are read by a small Triton kernel (a load past the tensor's end, as the
 matmul's); ``read`` stands in for it elsewhere. torch and Triton are imported when it runs.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["TAIL_BYTES", "tails"]
+__all__ = ["TAIL_BYTES", "storage_end", "tails"]
 
 TAIL_BYTES = 64
 """Bytes read past the storage's end: the matmul's over-read of one scale row."""
@@ -37,7 +38,7 @@ def _w13_scales(method: Any) -> Any:
     return getattr(storage, "data", None)
 
 
-def _end(data: Any) -> int:
+def storage_end(data: Any) -> int:
     """The byte offset in its storage just past ``data``'s last element (any strides)."""
     span = 1 + sum(
         (size - 1) * stride for size, stride in zip(data.shape, data.stride(), strict=True)
@@ -75,7 +76,7 @@ def tails(model: Any, read: Callable[[Any, int, int], list[int]] | None = None) 
         if not isinstance(data, torch.Tensor):
             continue
         raw = torch.tensor([], dtype=torch.uint8, device=data.device).set_(data.untyped_storage())
-        found = reader(raw, _end(data), TAIL_BYTES)
+        found = reader(raw, storage_end(data), TAIL_BYTES)
         layers[name] = {"bytes": found, "ff": sum(b == FF for b in found)}
     return {
         "layers": layers,

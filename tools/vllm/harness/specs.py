@@ -347,6 +347,9 @@ class EngineSpec:
     """Estimated seconds to start and run every measurement with all its repeats."""
     on_demand: bool = False
     """A diagnostic engine of a budgeted phase: it runs only where ``run --only`` names it."""
+    guard_scale_tails: bool = False
+    """gpt-oss without the cache, its MXFP4 weight scales followed by zeros as the cache's
+    slots are (``harness/scale_guard.py``): vLLM's kernel reads past them on Hopper."""
 
     @property
     def graphs(self) -> bool:

@@ -582,7 +582,8 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     for label in controls:
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
-    for label in (uva_q, uva_h, *cached):
+    bare = (engines.BARE_REFERENCE,) if budget.scale_guard else ()  # on demand only
+    for label in (uva_q, uva_h, *cached, *bare):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"), checked)
         lines += [line] if line is not None else []
     for label in cached:
@@ -604,10 +605,24 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             expert_bytes_line(results, prefix, label),
         ):
             lines += [line] if line is not None else []
-    for label in ("none", *controls, *cached):
-        line = scale_tails_line(results.get(f"{prefix}.{label}"), label)
-        lines += [line] if line is not None else []
+    references = ("none.full", *bare, *controls, engines.EAGER_REFERENCE)
+    for label in (*references, *cached):
+        record = results.get(f"{prefix}.{label}")
+        for line in (scale_guard_line(record, label), scale_tails_line(record, label)):
+            lines += [line] if line is not None else []
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
+
+
+def scale_guard_line(record: dict[str, Any] | None, label: str) -> str | None:
+    """``harness/scale_guard.py``: the layers of a no-offload engine whose weight scales were
+    followed by zeros, as the cache's slots are (None where the engine was not guarded)."""
+    guarded = (record or {}).get("scale_guard")
+    if not guarded:
+        return None
+    return (
+        f"  scale guard of {label}: {guarded['layers']} layers' w13 and w2 weight scales "
+        "followed by zeros, as the cache's slots are (what vLLM's kernel reads past them)"
+    )
 
 
 def scale_tails_line(record: dict[str, Any] | None, label: str) -> str | None:
