@@ -4,11 +4,11 @@ over the slots, and the masked-sum tap's exact route, against one call over ever
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+from triton_wrappers import Storage, Wrapper
 
 from rowcache.errors import InvalidInputError
 from rowcache.forward import run_unreduced_with_expert_cache
@@ -62,20 +62,6 @@ def test_a_slot_view_holds_what_the_experts_storage_held() -> None:
         slot_view(torch.zeros(3, 59, dtype=torch.uint8), t)
     with pytest.raises(InvalidInputError, match="needs a contiguous buffer"):
         slot_view(torch.zeros(A * B, 3, dtype=torch.uint8).T, t)
-
-
-@dataclass
-class Storage:  # triton_kernels.tensor.Storage's fields
-    data: torch.Tensor
-    layout: Any = None
-
-
-@dataclass
-class Wrapper:  # triton_kernels.tensor.Tensor's fields
-    storage: Storage
-    dtype: Any = None
-    shape: list[int] = field(default_factory=list)
-    shape_max: list[int] = field(default_factory=list)
 
 
 def test_the_wrapper_is_rebuilt_over_the_slots() -> None:

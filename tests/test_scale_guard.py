@@ -12,20 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from triton_wrappers import Storage, Wrapper
 
 from rowcache.sources import SLOT_GUARD_BYTES
 from tools.vllm.harness import scale_guard, scale_tails
-
-
-@dataclass
-class Storage:  # triton_kernels.tensor.Storage's fields
-    data: torch.Tensor
-    layout: Any = None
-
-
-@dataclass
-class Wrapper:  # triton_kernels.tensor.Tensor's fields
-    storage: Storage
 
 
 @dataclass
