@@ -379,14 +379,13 @@ def install_hooks(job: Job, multiprocess: bool) -> None:
     that the engine's CUDA graphs capture them; refused, naming the option, where the engine
     core runs in another process (``multiprocess``)."""
     hooks = (
-        ("--shadow", "the plugin", shadow),
-        ("--trace", "vLLM", trace),
-        ("--trace", "the providers", slot_watch),
-        ("guard_scale_tails", "vLLM's MXFP4 method", scale_guard),
+        ("--shadow", job.shadow, "the plugin", shadow),
+        ("--trace", job.trace, "vLLM", trace),
+        ("--trace", job.trace, "the providers", slot_watch),
+        ("guard_scale_tails", job.spec.guard_scale_tails, "vLLM's MXFP4 method", scale_guard),
     )
-    for option, patched, hook in hooks:
-        asked = job.spec if option == "guard_scale_tails" else job
-        if not getattr(asked, option.removeprefix("--")):
+    for option, asked, patched, hook in hooks:
+        if not asked:
             continue
         if multiprocess:
             raise RuntimeError(
