@@ -13,7 +13,7 @@ import pytest
 from tools.vllm import deepseek_layout as dl
 from tools.vllm import make_moe_checkpoint as mk
 from tools.vllm import shards
-from tools.vllm.harness import checkpoints, engines, orchestrate, phases, steps_report
+from tools.vllm.harness import checkpoints, engines, orchestrate, phases, probe_lines, steps_report
 from tools.vllm.harness.specs import EngineSpec, Mode, OffloadBackend, Planner
 
 
@@ -356,8 +356,8 @@ def test_a_budgets_experts_and_top_k_are_its_checkpoints(checkpoint: Any) -> Non
 
 
 def test_slots_line_without_a_record() -> None:
-    assert steps_report.slots_line(None, "x") is None
-    assert steps_report.slots_line({"slots": {"layers": 0, "slots": 0, "mismatches": []}}, "x") == (
+    assert probe_lines.slots_line(None, "x") is None
+    assert probe_lines.slots_line({"slots": {"layers": 0, "slots": 0, "mismatches": []}}, "x") == (
         "  slots of x byte-identical to their host bytes (0 slots in 0 layers, 0 differ): MISSED"
     )
 

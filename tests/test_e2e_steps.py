@@ -27,6 +27,7 @@ from tools.vllm.harness import (
     measure,
     orchestrate,
     phases,
+    probe_lines,
     probes,
     scale_guard,
     shadow,
@@ -1061,14 +1062,14 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
         "max_abs": {"1": 0.0, "8": 0.0, "2048": 0.0},
         "skipped": 0,
     }
-    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    line = probe_lines.exactness_line({"exactness": found}, "row32dev.full")
     assert line is not None and line.endswith(": met") and "2048: 8/8" in line
     found["equal"]["2048"] = 7
     found["max_abs"]["2048"] = 0.0078125
-    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    line = probe_lines.exactness_line({"exactness": found}, "row32dev.full")
     assert line is not None and line.endswith(": MISSED") and "2048: 7/8 (max |d| 0.00781)" in line
-    assert steps_report.exactness_line({}, "row32dev.full") is None
-    assert steps_report.exactness_line(None, "row32dev.full") is None
+    assert probe_lines.exactness_line({}, "row32dev.full") is None
+    assert probe_lines.exactness_line(None, "row32dev.full") is None
     # Each run of the cached forward alone, where a layer missed (probes.ORDERS).
     found["by_order"] = {
         "first": {
@@ -1077,7 +1078,7 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
         },
         "after": {"equal": {"1": 8, "8": 8, "2048": 8}, "non_finite": {"1": 0, "8": 0, "2048": 0}},
     }
-    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    line = probe_lines.exactness_line({"exactness": found}, "row32dev.full")
     assert line is not None and line.endswith(
         ": MISSED; the cached forward on poisoned memory (1: 8/8, 8: 8/8, 2048: 7/8 "
         "(1 non-finite)); run again just after vLLM's kernel (1: 8/8, 8: 8/8, 2048: 8/8)"
@@ -1089,7 +1090,7 @@ def test_the_in_engine_exactness_is_reported_per_row_count() -> None:
         "1": {"reference": same, "cached": same, "layers_differing": 0},
         "2048": {"reference": same, "cached": [*same, "block_m=64"], "layers_differing": 3},
     }
-    line = steps_report.exactness_line({"exactness": found}, "row32dev.full")
+    line = probe_lines.exactness_line({"exactness": found}, "row32dev.full")
     assert line is not None
     lines = line.split("\n")
     assert lines[1].endswith("by rows (1: same, 2048: 3/8 differ)")
@@ -1318,7 +1319,7 @@ def test_run_diagnostics_reach_their_engines_jobs(
 
 
 def test_the_expert_bytes_line_names_the_experts_whose_sources_differ() -> None:
-    """steps_report.expert_bytes_line: a cache engine's source digests against its no-offload
+    """probe_lines.expert_bytes_line: a cache engine's source digests against its no-offload
     reference's (harness/expert_bytes.py), met where every digest agrees, else the experts
     named; an engine whose digests failed says why; without digests, no line."""
     layer = {"w13": [1, 2, 3], "w2": [4, 5, 6]}
@@ -1328,18 +1329,18 @@ def test_the_expert_bytes_line_names_the_experts_whose_sources_differ() -> None:
         "p.row.full": {"expert_digests": theirs, "spec": {"compare_with": ["p.none.full"]}},
         "p.none.full": {"expert_digests": theirs},
     }
-    line = steps_report.expert_bytes_line(results, "p", "row.full")
+    line = probe_lines.expert_bytes_line(results, "p", "row.full")
     assert line == (
         "  expert bytes of row.full's sources against none.full's own tensors (2 layers, 12 "
         "expert tensors): every digest identical: met"
     )
     results["p.row.full"]["expert_digests"] = ours
-    line = steps_report.expert_bytes_line(results, "p", "row.full")
+    line = probe_lines.expert_bytes_line(results, "p", "row.full")
     assert line is not None and line.endswith(": 1 differ (l1 w2 expert 1): MISSED")
     del results["p.row.full"]["expert_digests"]
-    assert steps_report.expert_bytes_line(results, "p", "row.full") is None
+    assert probe_lines.expert_bytes_line(results, "p", "row.full") is None
     results["p.row.full"]["expert_digests_error"] = "RuntimeError: out of memory"
-    assert steps_report.expert_bytes_line(results, "p", "row.full") == (
+    assert probe_lines.expert_bytes_line(results, "p", "row.full") == (
         "  expert bytes of row.full: not read (RuntimeError: out of memory)"
     )
 

@@ -14,7 +14,7 @@ from test_slot_watch import C, weights
 
 from rowcache import RowCacheWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
-from tools.vllm.harness import first_state, steps_report, trace
+from tools.vllm.harness import first_state, probe_lines, trace
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +150,7 @@ def test_the_replay_line_names_the_run_from_the_first_state() -> None:
         },
         "p.none.eager": {"trace": traced(200)},
     }
-    line = steps_report.replay_line(results, "p", "row.eager")
+    line = probe_lines.replay_line(results, "p", "row.eager")
     assert line is not None and line.endswith(
         "the cached forward after the kernel gives its bits; the cached forward from the "
         "cache's state at that forward does not give its bits"
@@ -158,7 +158,7 @@ def test_the_replay_line_names_the_run_from_the_first_state() -> None:
     layer = results["p.row.eager"]["replay"]["layers"]["l0"]
     del layer["cached_from_start"]
     layer["from_start_error"] = "RuntimeError: no"
-    line = steps_report.replay_line(results, "p", "row.eager")
+    line = probe_lines.replay_line(results, "p", "row.eager")
     assert line is not None and line.endswith(
         "the cached forward after the kernel gives its bits; the run from the cache's state "
         "at that forward failed: RuntimeError: no"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools.vllm.harness import steps_report, trace
+from tools.vllm.harness import probe_lines, trace
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +169,7 @@ def test_first_divergence_names_where_two_engines_part(
         "p.row.full": {"trace": ours, "spec": {"compare_with": ["p.none.full"]}},
         "p.none.full": {"trace": theirs},
     }
-    line = steps_report.trace_line(results, "p", "row.full")
+    line = probe_lines.trace_line(results, "p", "row.full")
     assert line is not None
     assert line.startswith("  layer trace of row.full against none.full (the first generation, ")
     first = found["first"]
@@ -211,7 +211,7 @@ def test_first_divergence_names_where_two_engines_part(
         assert first["layer"] == "layers.2" and first["index"] == 2
         assert first["differ"] == ["ids", "out"]
         assert line.endswith("its input agrees, the router's ids differ")
-    assert steps_report.trace_line({"p.row.full": {"spec": {}}}, "p", "row.full") is None
+    assert probe_lines.trace_line({"p.row.full": {"spec": {}}}, "p", "row.full") is None
 
 
 def test_a_trace_that_kept_nothing_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,7 +223,7 @@ def test_a_trace_that_kept_nothing_says_so(monkeypatch: pytest.MonkeyPatch) -> N
         "p.row.full": {"trace": empty, "spec": {"compare_with": ["p.none.full"]}},
         "p.none.full": {"trace": empty},
     }
-    line = steps_report.trace_line(results, "p", "row.full")
+    line = probe_lines.trace_line(results, "p", "row.full")
     assert line == (
         "  layer trace of row.full against none.full (the first generation, 0 forwards in 2 "
         "layers): nothing to compare (no forward ran while the trace was on)"
@@ -257,7 +257,7 @@ def test_the_trace_keeps_each_layers_first_input_while_on(monkeypatch: pytest.Mo
 
 
 def test_the_replay_line_sets_each_run_beside_no_offloads_output() -> None:
-    """steps_report.replay_line: where the trace's first difference is a layer's forward 0 with
+    """probe_lines.replay_line: where the trace's first difference is a layer's forward 0 with
     its input and routes agreeing, each replayed run's output digest against no offload's
     output of that forward; an input kept from another forward is said to be one; no line
     where the trace parts elsewhere."""
@@ -279,7 +279,7 @@ def test_the_replay_line_sets_each_run_beside_no_offloads_output() -> None:
         },
         "p.none.full": {"trace": traced(200)},
     }
-    line = steps_report.replay_line(results, "p", "row.full")
+    line = probe_lines.replay_line(results, "p", "row.full")
     assert line == (
         "  replay of row.full's l0 forward 0 (8 rows), against none.full's output of it: "
         "vLLM's kernel over the cache's sources gives its bits; the cached forward on poisoned "
@@ -288,20 +288,20 @@ def test_the_replay_line_sets_each_run_beside_no_offloads_output() -> None:
     )
     # A record from before the kernel's second run names the three runs it has.
     del results["p.row.full"]["replay"]["layers"]["l0"]["reference_poisoned"]
-    line = steps_report.replay_line(results, "p", "row.full")
+    line = probe_lines.replay_line(results, "p", "row.full")
     assert (
         line is not None
         and "the kernel again" not in line
         and line.endswith("the cached forward after the kernel gives its bits")
     )
     results["p.row.full"]["replay"]["layers"]["l0"]["x"] = 99
-    line = steps_report.replay_line(results, "p", "row.full")
+    line = probe_lines.replay_line(results, "p", "row.full")
     assert line is not None and line.endswith(
         "is not that forward's (another forward ran first eagerly)"
     )
     del results["p.row.full"]["replay"]
-    assert steps_report.replay_line(results, "p", "row.full") == (
+    assert probe_lines.replay_line(results, "p", "row.full") == (
         "  replay of row.full's l0 forward 0 (8 rows): no input kept"
     )
     results["p.row.full"]["trace"] = traced(200)  # no difference: nothing to replay
-    assert steps_report.replay_line(results, "p", "row.full") is None
+    assert probe_lines.replay_line(results, "p", "row.full") is None

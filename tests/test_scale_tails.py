@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tools.vllm.harness import scale_tails, steps_report
+from tools.vllm.harness import probe_lines, scale_tails
 
 
 def _read(raw: torch.Tensor, start: int, count: int) -> list[int]:
@@ -44,7 +44,7 @@ def test_the_bytes_past_each_scale_tensor_are_read_and_0xff_counted() -> None:
     assert first == {"bytes": [0] * 64, "ff": 0}
     assert second["bytes"][0] == second["bytes"][63] == 0xFF and second["ff"] == 2  # not 64
     assert found["layers_with_ff"] == 1
-    line = steps_report.scale_tails_line({"scale_tails": found}, "none.full")
+    line = probe_lines.scale_tails_line({"scale_tails": found}, "none.full")
     assert line == (
         "  scale tails of none.full (2 layers, 64 bytes past each w13 scale tensor, where vLLM's "
         "MXFP4 kernel reads): 1 layers hold 0xFF bytes there: model.layers.1.mlp.experts (2); "
@@ -52,11 +52,11 @@ def test_the_bytes_past_each_scale_tensor_are_read_and_0xff_counted() -> None:
         "are not the kernel's arithmetic over the experts' bytes"
     )
     clean = {"scale_tails": {**found, "layers": {"l0": first}, "layers_with_ff": 0}}
-    assert steps_report.scale_tails_line(clean, "row").endswith(": no 0xFF byte")
-    assert steps_report.scale_tails_line({"scale_tails_error": "E: x"}, "row") == (
+    assert probe_lines.scale_tails_line(clean, "row").endswith(": no 0xFF byte")
+    assert probe_lines.scale_tails_line({"scale_tails_error": "E: x"}, "row") == (
         "  scale tails of row: not read (E: x)"
     )
-    assert steps_report.scale_tails_line({}, "row") is None
+    assert probe_lines.scale_tails_line({}, "row") is None
 
 
 def test_the_end_follows_the_strides() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from rowcache import RowCacheWeightProvider
 from rowcache.device_plan.provider import DevicePlannedProvider
-from tools.vllm.harness import slot_watch, steps_report, trace
+from tools.vllm.harness import probe_lines, slot_watch, trace
 
 E, C = 6, 3
 
@@ -197,13 +197,13 @@ def test_the_summary_line_says_what_the_watch_found() -> None:
         "model.layers.1.experts": {**clean, "by_key": {"w13": 0, "w2": 0}},
     }
     results = {"p.row": {"slot_watch": {"layers": layers}}}
-    line = steps_report.slot_watch_line(results, "p", "row")
+    line = probe_lines.slot_watch_line(results, "p", "row")
     assert line is not None
     assert "96 prepares in 2 layers, 400 mapped experts" in line
     assert line.endswith("every slot held its expert's bytes: met")
     bad = {**clean, "bad_prepares": 2, "bad": 3, "first_bad": 17}
     layers["model.layers.1.experts"] = {**bad, "by_key": {"w13": 3, "w2": 1}}
-    line = steps_report.slot_watch_line(results, "p", "row")
+    line = probe_lines.slot_watch_line(results, "p", "row")
     assert line is not None
     assert "2 prepares mapped a slot without its expert's bytes" in line
     where = (
@@ -212,13 +212,13 @@ def test_the_summary_line_says_what_the_watch_found() -> None:
     )
     assert where in line
     assert line.endswith("MISSED")
-    assert steps_report.slot_watch_line({"p.row": {}}, "p", "row") is None
+    assert probe_lines.slot_watch_line({"p.row": {}}, "p", "row") is None
     idle = {"prepares": 0, "mapped": 0, "bad_prepares": 0, "bad": 0, "first_bad": -1}
     unchecked = {"p.row": {"slot_watch": {"layers": {"l": {**idle, "by_key": {}}}}}}
-    line = steps_report.slot_watch_line(unchecked, "p", "row")
+    line = probe_lines.slot_watch_line(unchecked, "p", "row")
     assert line is not None and line.endswith("MISSED (nothing checked)")
     errored = {"p.row": {"slot_watch_error": "RuntimeError: boom"}}
-    assert steps_report.slot_watch_line(errored, "p", "row") == (
+    assert probe_lines.slot_watch_line(errored, "p", "row") == (
         "  slot watch of row: not read (RuntimeError: boom)"
     )
 

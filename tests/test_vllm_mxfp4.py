@@ -745,9 +745,9 @@ def test_the_exactness_probe_catches_a_forward_reading_what_it_did_not_write(
     assert found["equal"] == {"1": 0, "100": 0}
     # vLLM's own kernel is sound here: its run on poisoned memory repeats its first.
     assert clean["kernel_again"]["equal"] == found["kernel_again"]["equal"] == {"1": 2, "100": 2}
-    from tools.vllm.harness import steps_report
+    from tools.vllm.harness import probe_lines
 
-    said = steps_report.exactness_line({"exactness": clean}, "row3")
+    said = probe_lines.exactness_line({"exactness": clean}, "row3")
     assert said is not None and "vLLM's kernel run again on poisoned memory gives its own " in said
     assert "(1: 2/2, 100: 2/2)" in said and "reads memory it did not write" not in said
 
@@ -761,7 +761,7 @@ def test_the_exactness_probe_names_vllms_kernel_reading_what_it_did_not_write(
     reference's first run in both orders, and the line says the kernel moves."""
     from vllm.model_executor.layers.fused_moe.experts import gpt_oss_triton_kernels_moe as oai
 
-    from tools.vllm.harness import probes, steps_report
+    from tools.vllm.harness import probe_lines, probes
 
     # One layer: a second would read what the first layer's runs left (poison included).
     layer = _layer(fake_mxfp4, {"moe_expert_cache_size": 3, "moe_expert_cache_planner": "device"})
@@ -796,7 +796,7 @@ def test_the_exactness_probe_names_vllms_kernel_reading_what_it_did_not_write(
     _, ids = torch.topk(torch.softmax(torch.randn(4, E, generator=gen), dim=-1), TOP_K, dim=-1)
     last = int(bool((ids == E - 1).any()))
     assert last == 1 and found["missed_with_last_expert"] == {"4": 1}
-    said = steps_report.exactness_line({"exactness": found}, "row3")
+    said = probe_lines.exactness_line({"exactness": found}, "row3")
     assert said is not None
     assert f"; of the layers missed, those whose routes held the last expert (4: {last}/1)" in said
     assert (
@@ -825,7 +825,7 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
     from moe_reference import make_routing
 
     from rowcache.vllm._method import CachedForward
-    from tools.vllm.harness import shadow, steps_report
+    from tools.vllm.harness import probe_lines, shadow
 
     # The class attribute comes back after the test, whatever install() did to it.
     monkeypatch.setattr(CachedForward, "_cached_apply", CachedForward._cached_apply)
@@ -903,7 +903,7 @@ def test_the_shadow_check_counts_the_engines_own_forwards(
     assert by["captured"]["9-64"]["forwards"] == 2
     assert by["eager"]["2-8"]["forwards"] == 0 and by["captured"]["1"]["forwards"] == 0
     cut = (by["eager"]["9-64"], by["captured"]["9-64"])
-    line = steps_report.shadow_line({"shadow": found}, "row3dev.full")
+    line = probe_lines.shadow_line({"shadow": found}, "row3dev.full")
     assert line is not None
     assert "2 skipped" not in line and "1 no forward, 1 shared experts skipped" in line
     if route == "exact":
@@ -965,7 +965,7 @@ def test_the_shadow_replay_says_what_is_to_blame(
 
     from rowcache.vllm._method import CachedForward
     from rowcache.vllm.mxfp4_slots import rewrapped
-    from tools.vllm.harness import shadow, steps_report
+    from tools.vllm.harness import probe_lines, shadow
 
     monkeypatch.setattr(CachedForward, "_cached_apply", CachedForward._cached_apply)
     shadow.install()
@@ -1007,7 +1007,7 @@ def test_the_shadow_replay_says_what_is_to_blame(
         return
     replay = found["replays"][0]
     assert replay["kept"] and replay["replay_differs"]
-    line = steps_report.shadow_line({"shadow": found}, "row3dev.full")
+    line = probe_lines.shadow_line({"shadow": found}, "row3dev.full")
     assert line is not None
     if bug == "stale reference":
         assert replay["whole_set_changed"] == {"w13": [0]}
@@ -1237,12 +1237,12 @@ def test_the_placement_probe_names_a_kernel_reading_outside_an_experts_bytes(
         assert ways[way]["1"]["ran"] == 2  # two experts a row, three slots: all resident
         assert ways[way]["6"]["ran"] == 0  # twelve entries over three slots: never all
     equal = {way: ways[way]["1"]["equal_reference"] for way in placement.WAYS}
-    from tools.vllm.harness import steps_report
+    from tools.vllm.harness import probe_lines
 
-    line = steps_report.placement_line({"placement": found}, "row3")
+    line = probe_lines.placement_line({"placement": found}, "row3")
     assert line is not None and line.startswith("  placement of row3: ")
     assert "a copy of the slots with the resident map (1: " in line and "6: not run" in line
-    assert steps_report.placement_line({"placement_error": "E: x"}, "r") == (
+    assert probe_lines.placement_line({"placement_error": "E: x"}, "r") == (
         "  placement of r: not run (E: x)"
     )
     if bug == "map path":

@@ -8,8 +8,11 @@
   ``measure``: what an engine with a workload measures, in turn, before its deadline.
 * ``profiling``: the MoE forward's profile (``run --profile``).
 * ``summary``: the printed summary (``steps_report``: the steps comparison's tables, token
-  comparisons and targets); ``records``: references of results recorded before specs
-  carried their own.
+  comparisons and targets; ``probe_lines``: one line a probe of an engine's record);
+  ``records``: references of results recorded before specs carried their own.
+* The probes an engine runs with ``--trace`` and beside it: ``trace``, ``slot_watch``,
+  ``first_state``, ``replay``, ``shadow``, ``placement``, ``scale_tails``, ``expert_bytes``;
+  ``scale_guard``: no offload's MXFP4 weight scales followed by zeros, as the slots are.
 * ``register_probe``: the plugin's registration cost in a fresh process.
 
 Every module imports only the standard library at import time; vLLM and torch are imported

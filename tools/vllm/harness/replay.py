@@ -12,7 +12,7 @@ kept a copy of its cache as that forward found it (``harness/first_state.py``), 
 forward once more from that copy (:data:`FROM_START`), the cache's own state put back after.
 Each output's
 digest, beside the digest of that forward's output in the no-offload engine's trace
-(``steps_report.replay_line``), says which gives no offload's bits: the kernel over the sources
+(``probe_lines.replay_line``), says which gives no offload's bits: the kernel over the sources
 (are the sources and the kernel no offload's?), the cached forward on its own memory, or only
 after the kernel has written its values where the cached forward reads, or only from the
 cache's state at the generation's first forward.
