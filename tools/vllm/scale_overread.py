@@ -131,8 +131,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     size = storage.numel()  # uint8, dense: the .mT of a contiguous tensor
     backing = torch.zeros(size + GUARD_BYTES, dtype=torch.uint8, device=device)
     placed = backing[:size].view(storage.mT.shape).mT
+    if placed.stride() != storage.stride():
+        raise RuntimeError(
+            f"the swizzled scales are not the .mT of a contiguous tensor (shape "
+            f"{tuple(storage.shape)}, strides {storage.stride()}): another vLLM layout"
+        )
     placed.copy_(storage)
-    assert placed.stride() == storage.stride()
     w_scale.storage.data = placed
     tail = backing[size:]
     ids = torch.arange(experts - top_k, experts, dtype=torch.int32)[None, :].repeat(tokens, 1)
