@@ -335,13 +335,11 @@ def mxfp4_sources(
 
 
 def guarded_copy(t: Any) -> Any:
-    """A copy of ``t`` followed by zero bytes, as the slots are
+    """A contiguous copy of ``t`` followed by zero bytes, as the slots are
     (``rowcache.sources.SLOT_GUARD_BYTES``)."""
-    from rowcache.sources import guarded_empty
+    from tools.vllm.harness.scale_guard import guarded_like
 
-    copy = guarded_empty(tuple(t.shape), t.dtype, t.device)
-    copy.copy_(t)
-    return copy
+    return guarded_like(t.contiguous())
 
 
 def mxfp4_rows(provider: Any, device: str) -> dict[str, Any]:
