@@ -13,8 +13,9 @@ output must then come from the slots' bytes or the kernel.
 
     PYTHONPATH=. python3 tools/vllm/replan.py docs/vllm/RUN/e2e/results.json [--json OUT]
 
-Exit status 0 when every compared layer agrees and exposes every entry, 1 when one does not,
-2 when the results hold nothing to compare (no trace, no start state, no watched maps).
+Exit status 0 when every layer with a kept start state agrees and exposes every entry, 1 when
+one does not or cannot be compared (no ids or no watched maps kept, each named), 2 when no
+record kept a start state (no trace, or no device-planned cache).
 """
 
 from __future__ import annotations
