@@ -188,13 +188,13 @@ def test_phases_and_labels() -> None:
         phase = phases.PHASES[names.index(name)]
         assert phase.budgeted and phase.one_at_a_time
         for spec in phase.engines({}):
-            assert orchestrate._label(spec) in engines.BUDGETED_LABELS
+            assert orchestrate._label(spec) in phases.BUDGETED_LABELS
             assert EngineSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
             job = Job(spec, "/m", "/b", 30.0, deadline=1.0)
             assert Job.from_json(json.loads(json.dumps(job.to_json()))) == job
     fp8 = phases.PHASES[names.index("fp8")]
     assert [c.directory for c in fp8.checkpoints()] == ["qwen8-fp8", "qwen8"]
-    assert len(engines.BUDGETED_LABELS) == len(set(engines.BUDGETED_LABELS))
+    assert len(phases.BUDGETED_LABELS) == len(set(phases.BUDGETED_LABELS))
 
 
 @pytest.mark.parametrize("version", ["0.25.0", "0.33.0"])

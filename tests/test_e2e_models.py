@@ -13,7 +13,15 @@ import pytest
 from tools.vllm import deepseek_layout as dl
 from tools.vllm import make_moe_checkpoint as mk
 from tools.vllm import shards
-from tools.vllm.harness import checkpoints, engines, orchestrate, phases, probe_lines, steps_report
+from tools.vllm.harness import (
+    checkpoints,
+    engines,
+    model_engines,
+    orchestrate,
+    phases,
+    probe_lines,
+    steps_report,
+)
 from tools.vllm.harness.specs import EngineSpec, Mode, OffloadBackend, Planner
 
 
@@ -21,7 +29,7 @@ def test_budget_of_deepseek_v2_lite_is_its_checkpoints() -> None:
     config = dl.config("deepseek_v2", None)
     plan = mk.sharded_plan("deepseek_v2", config)
     experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".experts." in n)
-    budget = engines.DS2_BUDGET
+    budget = model_engines.DS2_BUDGET
     assert budget.expert_gib * 2**30 == experts
     assert (budget.experts, budget.moe_layers) == (64, len(dl.moe_layers(config)))
     # A quarter: 16 slots; UVA keeps 7 of 26 layers (at least the slots' memory).
@@ -34,7 +42,7 @@ def test_budget_of_deepseek_v2_lite_is_its_checkpoints() -> None:
 def test_uva_keeps_at_least_the_slots_memory_and_stops_at_a_layer_boundary() -> None:
     """vLLM's UVA offloader takes parameters (w13, then w2 of each layer) while its total is
     below the limit: with the limit at whole layers it stops exactly there."""
-    budget = engines.DS2_BUDGET
+    budget = model_engines.DS2_BUDGET
     per_layer = 2**30 * budget.expert_gib / budget.moe_layers
     w13 = per_layer * 2 / 3
     for fraction in (0.25, 0.5):
@@ -51,8 +59,8 @@ def test_uva_keeps_at_least_the_slots_memory_and_stops_at_a_layer_boundary() -> 
 
 
 def test_models_phase_engines() -> None:
-    plain = engines.models(engines.DS2)
-    skew = engines.models(engines.DS2_SKEW)
+    plain = model_engines.models(model_engines.DS2)
+    skew = model_engines.models(model_engines.DS2_SKEW)
     assert [s.name for s in plain] == [
         "models.ds2lite.none.full",
         "models.ds2lite.row16dev.full",  # the quarter's pair next to each other: one call
@@ -79,11 +87,11 @@ def test_models_phase_engines() -> None:
         "row32dev.eager",
     ]
     for spec in plain + skew:
-        prefix = engines.MODELS_PREFIX[spec.checkpoint]
+        prefix = model_engines.MODELS_PREFIX[spec.checkpoint]
         eager = spec.name.endswith(".eager")
         assert spec.compare_with == (f"{prefix}.none.{'eager' if eager else 'full'}",)
         assert spec.mode is (Mode.EAGER if eager else Mode.DEFAULT)
-        assert spec.on_demand is eager and spec.workload == engines.MODELS_WORKLOAD
+        assert spec.on_demand is eager and spec.workload == model_engines.MODELS_WORKLOAD
         assert spec.max_num_batched_tokens >= spec.workload.prefill_tokens
         assert spec.max_model_len > spec.workload.prefill_tokens
         assert spec.time_once_s > 0
@@ -94,8 +102,8 @@ def test_models_phase_engines() -> None:
             assert spec.offload.cpu_offload_params == ("experts",)
         assert EngineSpec.from_json(spec.to_json()) == spec
     for label in ("row16dev.full", "uva1959.full", "uva1341.full", "row16devlfu.full"):
-        assert label in engines.BUDGETED_LABELS
-    assert "row16devlfuraw.full" in engines.BUDGETED_LABELS
+        assert label in phases.BUDGETED_LABELS
+    assert "row16devlfuraw.full" in phases.BUDGETED_LABELS
     # DeepSeek-V2-Lite's estimates come from its own run on the V1 runner.
     assert [(s.time_once_s, s.time_full_s) for s in plain[:3]] == [
         (80, 100),
@@ -108,7 +116,7 @@ def test_models_phase_engines() -> None:
     runner.only = ("none.eager", "row32dev.eager")
     assert runner.picked(plain) == plain[-2:]
     assert plain[-1].knob is not None and plain[-1].knob.size == 32  # the half
-    assert "row32dev.eager" in engines.BUDGETED_LABELS and "none.eager" in engines.BUDGETED_LABELS
+    assert "row32dev.eager" in phases.BUDGETED_LABELS and "none.eager" in phases.BUDGETED_LABELS
     lfu, raw = plain[-4].knob, plain[-3].knob
     assert lfu is not None and lfu.size == 16 and lfu.planner is Planner.DEVICE
     assert lfu.config()["moe_expert_cache_policy"] == "lfu"
@@ -118,22 +126,22 @@ def test_models_phase_engines() -> None:
         "moe_expert_cache_compress": "off",
     }
     # Models whose experts are not bf16 hold no planes: no raw-bytes engine.
-    for checkpoint in (engines.DS3, engines.QWEN48_FP8, engines.GPT_OSS):
-        assert not any("raw" in s.name for s in engines.models(checkpoint))
+    for checkpoint in (model_engines.DS3, model_engines.QWEN48_FP8, model_engines.GPT_OSS):
+        assert not any("raw" in s.name for s in model_engines.models(checkpoint))
     [plain_phase, skew_phase] = phases.select(["deepseek", "deepseek_skew"])
     assert plain_phase.budgeted and skew_phase.budgeted
     assert [c.directory for c in skew_phase.checkpoints()] == ["deepseek-v2-lite-skew"]
 
 
 def test_the_skewed_twin_is_built_from_the_plain_checkpoint(tmp_path: Path) -> None:
-    assert engines.DS2.builder_args() == ["--arch", "deepseek_v2"]
-    assert checkpoints.command(tmp_path, engines.DS2)[1:] == [
+    assert model_engines.DS2.builder_args() == ["--arch", "deepseek_v2"]
+    assert checkpoints.command(tmp_path, model_engines.DS2)[1:] == [
         checkpoints.CKPT_TOOL,
         str(tmp_path / "deepseek-v2-lite"),
         "--arch",
         "deepseek_v2",
     ]
-    assert checkpoints.command(tmp_path, engines.DS2_SKEW) == [
+    assert checkpoints.command(tmp_path, model_engines.DS2_SKEW) == [
         sys.executable,
         checkpoints.CKPT_TOOL,
         str(tmp_path / "deepseek-v2-lite-skew"),
@@ -175,7 +183,7 @@ def _record(
 
 
 def _results(skew: bool, row_b1: float, row_tokens: list[list[int]]) -> dict[str, Any]:
-    specs = engines.models(engines.DS2_SKEW if skew else engines.DS2)
+    specs = model_engines.models(model_engines.DS2_SKEW if skew else model_engines.DS2)
     tokens = [[i, i + 1, i + 2] for i in range(8)]
     speeds = {"none": (600.0, 20.0), "row": (row_b1, 100.0), "uva": (30.0, 200.0)}
     out = {}
@@ -264,34 +272,36 @@ def test_a_cache_engines_b1_token_is_read_against_the_link() -> None:
         "prefill misses included; no target)"
     )
     # A UVA engine the probe did not count: whether it offloaded is not known, no line.
-    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    found = steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET)
     assert found == [want]
     for label, kept in (("uva1959.full", 7), ("uva1341.full", 13)):
         results[f"models.ds2lite.{label}"]["probe"] = {"expert_gpu_bytes": kept * 64 * 17_301_504}
-    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    found = steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET)
     assert sorted(found) == sorted([want, *uva, versus])
     assert found[-1] == versus
     assert want in steps_report.report(results) and versus in steps_report.report(results)
     # A UVA engine that kept every expert on the GPU read none over the link: no line of it.
     uva_record = results["models.ds2lite.uva1959.full"]
     uva_record["probe"] = {"expert_gpu_bytes": 26 * 64 * 17_301_504}
-    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    found = steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET)
     assert sorted(found) == sorted([want, uva[1]])
     uva_record["probe"] = {"expert_gpu_bytes": 8 * 64 * 17_301_504}  # one layer not offloaded
-    assert uva[0] not in steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    assert uva[0] not in steps_report.link_lines(
+        results, "models.ds2lite", model_engines.DS2_BUDGET
+    )
     uva_record["probe"] = {"expert_gpu_bytes": 7 * 64 * 17_301_504}  # the 7 layers it keeps
-    assert versus in steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    assert versus in steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET)
     # No misses: no rate, nor a comparison of bytes; a reference from another run, or a
     # partial record: no line of the cache engine.
     record["steps"]["decode"]["1"]["cache"] = {"misses": 0}
-    found = steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET)
+    found = steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET)
     [line] = [line for line in found if "row16dev" in line]
     assert "= 0.000 GB" in line and "GB/s" not in line
     workload = record["spec"].pop("workload")
-    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == uva
+    assert steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET) == uva
     record["spec"]["workload"] = workload
     results["models.ds2lite.none.full"]["run_id"] = "another"
-    assert steps_report.link_lines(results, "models.ds2lite", engines.DS2_BUDGET) == []
+    assert steps_report.link_lines(results, "models.ds2lite", model_engines.DS2_BUDGET) == []
 
 
 def test_gpt_oss_uva_is_read_on_marlin_against_marlin() -> None:
@@ -301,18 +311,18 @@ def test_gpt_oss_uva_is_read_on_marlin_against_marlin() -> None:
     tokens = [[i, i + 1, i + 2] for i in range(8)]
     speeds = {"none": 300.0, "row": 40.0, "uva": 30.0}
     results = {}
-    for spec in engines.models(engines.GPT_OSS):
+    for spec in model_engines.models(model_engines.GPT_OSS):
         kind = "row" if spec.knob else "uva" if spec.offload else "none"
         results[spec.name] = _record(spec, speeds[kind], 100.0, tokens)
     prefix = "models.gptoss20b"
-    budget = engines.GPT_OSS_BUDGET
-    host = 24 * 32 * engines.GPT_OSS_EXPERT_BYTES
+    budget = model_engines.GPT_OSS_BUDGET
+    host = 24 * 32 * model_engines.GPT_OSS_EXPERT_BYTES
     for label, misses in (("row8dev.full", 52), ("row16dev.full", 30), ("row8devlfu.full", 40)):
         record = results[f"{prefix}.{label}"]
         record["cache"] = {"layers": 24}
         record["probe"] = {"cached_layers": 24, "expert_host_bytes": host}
         record["steps"]["decode"]["1"].update(batch=1, cache={"misses": 3 * 64 * misses})
-    marlin_layer = 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    marlin_layer = 32 * model_engines.GPT_OSS_MARLIN_EXPERT_BYTES
     for label, kept in (("uva774marlin.full", 6), ("uva516marlin.full", 12)):
         results[f"{prefix}.{label}"]["probe"] = {"expert_gpu_bytes": kept * marlin_layer}
     found = steps_report.link_lines(results, prefix, budget)
@@ -337,17 +347,19 @@ def test_gpt_oss_uva_is_read_on_marlin_against_marlin() -> None:
 def test_uva_reads_its_backends_experts_of_its_offloaded_layers() -> None:
     """gpt-oss's UVA runs on Marlin, whose experts are padded: its layers and bytes are
     Marlin's, its reference Marlin without offload."""
-    budget = engines.GPT_OSS_BUDGET
-    assert budget.uva_offloaded_layers(budget.uva_offloaded_gib(engines.QUARTER), "marlin") == 18
-    assert budget.uva_offloaded_layers(budget.uva_offloaded_gib(engines.HALF), "marlin") == 12
-    assert budget.expert_bytes("marlin") == engines.GPT_OSS_MARLIN_EXPERT_BYTES
-    assert budget.expert_bytes("triton_unfused") == engines.GPT_OSS_EXPERT_BYTES
-    assert engines.DS3_BUDGET.expert_bytes() == engines.FP8_EXPERT_BYTES
+    budget = model_engines.GPT_OSS_BUDGET
+    assert (
+        budget.uva_offloaded_layers(budget.uva_offloaded_gib(model_engines.QUARTER), "marlin") == 18
+    )
+    assert budget.uva_offloaded_layers(budget.uva_offloaded_gib(model_engines.HALF), "marlin") == 12
+    assert budget.expert_bytes("marlin") == model_engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    assert budget.expert_bytes("triton_unfused") == model_engines.GPT_OSS_EXPERT_BYTES
+    assert model_engines.DS3_BUDGET.expert_bytes() == engines.FP8_EXPERT_BYTES
 
 
-@pytest.mark.parametrize("checkpoint", sorted(engines.MODEL_BUDGETS, key=str))
+@pytest.mark.parametrize("checkpoint", sorted(model_engines.MODEL_BUDGETS, key=str))
 def test_a_budgets_experts_and_top_k_are_its_checkpoints(checkpoint: Any) -> None:
-    budget = engines.MODEL_BUDGETS[checkpoint]
+    budget = model_engines.MODEL_BUDGETS[checkpoint]
     if checkpoint.arch == "qwen3":
         config = mk.fp8_config(True, checkpoint.layers)
     else:
@@ -369,7 +381,9 @@ def test_phase_about_names_the_model(phase: str) -> None:
 
 
 def test_every_models_engine_runs_on_the_v1_model_runner() -> None:
-    for spec in engines.models(engines.DS2) + engines.models(engines.DS2_SKEW):
+    for spec in model_engines.models(model_engines.DS2) + model_engines.models(
+        model_engines.DS2_SKEW
+    ):
         assert spec.model_runner_v1
         assert spec.env()["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in engines.steps()[0].env()
@@ -380,14 +394,14 @@ def test_an_offload_engine_that_offloads_nothing_stops() -> None:
     with its NoopOffloader, and it decoded as fast as no offload."""
     from tools.vllm.harness import child
 
-    uva = next(s for s in engines.models(engines.DS2) if s.offload is not None)
+    uva = next(s for s in model_engines.models(model_engines.DS2) if s.offload is not None)
     with pytest.raises(RuntimeError, match="offloader is NoopOffloader: nothing was offloaded"):
         child.check_offloader(uva, {"offloader": "NoopOffloader"})
     child.check_offloader(uva, {"offloader": "UVAOffloader"})
     child.check_offloader(uva, {"offloader": "UVAOffloader", "cpu_offload_bytes": 7 << 30})
     with pytest.raises(RuntimeError, match="it offloaded 0 bytes"):
         child.check_offloader(uva, {"offloader": "UVAOffloader", "cpu_offload_bytes": 0})
-    none = engines.models(engines.DS2)[0]
+    none = model_engines.models(model_engines.DS2)[0]
     child.check_offloader(none, {"offloader": "NoopOffloader"})  # no offload asked: fine
 
 
@@ -395,10 +409,10 @@ def test_reduced_deepseek_v3_phases() -> None:
     config = dl.config("deepseek_v3", None)
     plan = mk.sharded_plan("deepseek_v3", config)
     experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".experts." in n)
-    budget = engines.DS3_BUDGET
+    budget = model_engines.DS3_BUDGET
     assert budget.expert_gib * 2**30 == experts
     assert (budget.experts, budget.moe_layers) == (256, len(dl.moe_layers(config)))
-    names = [s.name for s in engines.models(engines.DS3)]
+    names = [s.name for s in model_engines.models(model_engines.DS3)]
     assert names == [
         "models.ds3.none.full",
         "models.ds3.row64dev.full",
@@ -410,11 +424,13 @@ def test_reduced_deepseek_v3_phases() -> None:
         "models.ds3.none.eager",  # on demand
         "models.ds3.row128dev.eager",
     ]
-    for spec in engines.models(engines.DS3) + engines.models(engines.DS3_SKEW):
+    for spec in model_engines.models(model_engines.DS3) + model_engines.models(
+        model_engines.DS3_SKEW
+    ):
         assert spec.quantized  # the run checks for vLLM's quantization packages first
         assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
-    assert not engines.models(engines.DS2)[0].quantized
-    assert engines.DS3_SKEW.experts_from == engines.DS3.directory
+    assert not model_engines.models(model_engines.DS2)[0].quantized
+    assert model_engines.DS3_SKEW.experts_from == model_engines.DS3.directory
     [phase] = phases.select(["deepseek_v3"])
     assert [c.directory for c in phase.checkpoints()] == ["deepseek-v3-reduced"]
 
@@ -423,10 +439,10 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
     config = mk.fp8_config(True, 48)
     plan = mk.sharded_plan("qwen3", config)
     experts = sum(shards.nbytes(*v) for n, v in plan.items() if ".mlp.experts." in n)
-    budget = engines.QWEN48_FP8_BUDGET
+    budget = model_engines.QWEN48_FP8_BUDGET
     assert budget.expert_gib * 2**30 == experts
     assert (budget.experts, budget.moe_layers) == (128, 48)
-    names = [s.name for s in engines.models(engines.QWEN48_FP8)]
+    names = [s.name for s in model_engines.models(model_engines.QWEN48_FP8)]
     assert names == [
         "models.qwen48fp8.none.full",
         "models.qwen48fp8.row32dev.full",
@@ -438,7 +454,9 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
         "models.qwen48fp8.none.eager",  # on demand
         "models.qwen48fp8.row64dev.eager",
     ]
-    for spec in engines.models(engines.QWEN48_FP8) + engines.models(engines.QWEN48_FP8_SKEW):
+    for spec in model_engines.models(model_engines.QWEN48_FP8) + model_engines.models(
+        model_engines.QWEN48_FP8_SKEW
+    ):
         assert spec.quantized and spec.model_runner_v1
         # DeepGEMM's start-up warm-up of every FP8 GEMM shape to 2,048 tokens skipped.
         assert spec.env()["VLLM_DEEP_GEMM_WARMUP"] == "skip"
@@ -446,7 +464,7 @@ def test_full_depth_qwen3_fp8_phases(tmp_path: Path) -> None:
         assert spec.max_position_embeddings is not None
         assert spec.max_position_embeddings >= spec.max_model_len > 2048
         assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
-    assert checkpoints.command(tmp_path, engines.QWEN48_FP8_SKEW)[2:] == [
+    assert checkpoints.command(tmp_path, model_engines.QWEN48_FP8_SKEW)[2:] == [
         str(tmp_path / "qwen3-30b-a3b-fp8-full-skew"),
         "--qwen3-30b-a3b",
         "--fp8-block",
@@ -479,14 +497,14 @@ def test_gpt_oss_phases() -> None:
     no-offload engine; the experts' bytes as the cache holds them after the swizzle."""
     from tools.vllm.harness import child
 
-    budget = engines.GPT_OSS_BUDGET
+    budget = model_engines.GPT_OSS_BUDGET
     swizzled = 8_294_400 + 4_147_200 + 529_920 + 276_480  # tests/test_gpt_oss_swizzle.py
-    assert swizzled + 4 * (5760 + 2880) == engines.GPT_OSS_EXPERT_BYTES  # float32 biases
+    assert swizzled + 4 * (5760 + 2880) == model_engines.GPT_OSS_EXPERT_BYTES  # float32 biases
     assert (budget.experts, budget.moe_layers) == (32, 24)
     # Marlin rounds hidden 2,880 up to 3,072 and intermediate 2,880 up to 2,944.
-    assert engines.GPT_OSS_MARLIN_EXPERT_BYTES == 14_431_744
+    assert model_engines.GPT_OSS_MARLIN_EXPERT_BYTES == 14_431_744
     assert budget.baseline is not None and budget.baseline.backend == "marlin"
-    specs = engines.models(engines.GPT_OSS)
+    specs = model_engines.models(model_engines.GPT_OSS)
     names = [s.name.split(".", 2)[2] for s in specs]
     assert names == [
         "none.full",
@@ -506,11 +524,11 @@ def test_gpt_oss_phases() -> None:
     # (harness/scale_guard.py); vLLM as it comes is the on-demand diagnostic.
     guarded = [s.name.split(".", 2)[2] for s in specs if s.guard_scale_tails]
     assert guarded == ["none.full", "none2.full", "none.eager"]
-    assert "nonebare.full" in engines.BUDGETED_LABELS
-    assert not any(s.guard_scale_tails for s in engines.models(engines.DS2))
-    for spec in specs + engines.models(engines.GPT_OSS_SKEW):
+    assert "nonebare.full" in phases.BUDGETED_LABELS
+    assert not any(s.guard_scale_tails for s in model_engines.models(model_engines.DS2))
+    for spec in specs + model_engines.models(model_engines.GPT_OSS_SKEW):
         assert spec.quantized and spec.model_runner_v1
-        prefix = engines.MODELS_PREFIX[spec.checkpoint]
+        prefix = model_engines.MODELS_PREFIX[spec.checkpoint]
         marlin = spec.offload is not None or ".nonemarlin" in spec.name
         want = "marlin" if marlin else "triton_unfused"
         assert child.engine_kwargs(spec, "/w/g")["moe_backend"] == want
@@ -523,11 +541,11 @@ def test_gpt_oss_phases() -> None:
         assert budget.gpu_gib(spec) >= budget.expert_gib * 0.25 - 1e-9
     uva = next(s for s in specs if s.offload is not None)
     assert uva.offload is not None
-    assert uva.offload.cpu_offload_gb * 2**30 == 18 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
-    assert budget.gpu_gib(uva) * 2**30 == 6 * 32 * engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    assert uva.offload.cpu_offload_gb * 2**30 == 18 * 32 * model_engines.GPT_OSS_MARLIN_EXPERT_BYTES
+    assert budget.gpu_gib(uva) * 2**30 == 6 * 32 * model_engines.GPT_OSS_MARLIN_EXPERT_BYTES
     # Its engines' time estimates come from its own run (the budget decides what starts).
     assert [s.time_once_s for s in specs[:5]] == [100, 100, 150, 150, 100]
-    skew = [s.name.split(".", 2)[2] for s in engines.models(engines.GPT_OSS_SKEW)]
+    skew = [s.name.split(".", 2)[2] for s in model_engines.models(model_engines.GPT_OSS_SKEW)]
     assert skew[:5] == [
         "row8dev.full",
         "uva774marlin.full",
@@ -535,10 +553,10 @@ def test_gpt_oss_phases() -> None:
         "nonemarlin.full",
         "none2.full",
     ]
-    for spec in engines.models(engines.DS2):
+    for spec in model_engines.models(model_engines.DS2):
         assert "moe_backend" not in child.engine_kwargs(spec, "/w/d")
     for label in ("nonemarlin.full", "nonemarlin2.full", "uva774marlin.full"):
-        assert label in engines.BUDGETED_LABELS
+        assert label in phases.BUDGETED_LABELS
     for phase in phases.select(["gpt_oss", "gpt_oss_skew"]):
         assert phase.budgeted and phase.one_at_a_time and "gpt-oss-20b" in phase.about
 
@@ -547,7 +565,7 @@ def test_the_scale_guard_and_vllm_as_it_comes_are_reported() -> None:
     """gpt-oss's guarded no offload says so; vLLM as it comes (``nonebare.full``, on demand)
     has its tokens judged against it, and every reference's scale tails are reported (the
     no-offload engines' too, which a label without its mode once missed)."""
-    specs = {s.name: s for s in engines.models(engines.GPT_OSS)}
+    specs = {s.name: s for s in model_engines.models(model_engines.GPT_OSS)}
     tokens = [[i, i + 1, i + 2] for i in range(8)]
     prefix = "models.gptoss20b"
     results: dict[str, Any] = {
@@ -581,14 +599,14 @@ def test_a_uva_engine_that_kept_its_experts_on_the_gpu_is_named() -> None:
     """The H200 run of 2026-12-04: gpt-oss's UVA engine on triton_unfused asked for 7.13 GiB
     offloaded and kept all 8.90 GiB of experts on the GPU; the summary says so beside its
     ratios. An engine within its budget gets no such line."""
-    specs = {s.name: s for s in engines.models(engines.GPT_OSS)}
+    specs = {s.name: s for s in model_engines.models(model_engines.GPT_OSS)}
     tokens = [[i, i + 1, i + 2] for i in range(8)]
     results: dict[str, Any] = {}
     for name, spec in specs.items():
         results[name] = _record(spec, 40.0, 100.0, tokens)
         results[name]["slots"] = None
     uva = "models.gptoss20b.uva774marlin.full"
-    kept_within = (32 * 24 * engines.GPT_OSS_MARLIN_EXPERT_BYTES) - int(
+    kept_within = (32 * 24 * model_engines.GPT_OSS_MARLIN_EXPERT_BYTES) - int(
         specs[uva].offload.cpu_offload_gb * 2**30  # type: ignore[union-attr]
     )
     results[uva]["probe"] = {"expert_gpu_bytes": kept_within}
@@ -630,10 +648,10 @@ def test_a_skewed_phase_alone_builds_its_plain_source_first() -> None:
     its phase must build the plain one before it. Every twin's source is built by a phase."""
     known = [c for phase in phases.PHASES for c in phase.checkpoints()]
     for name, plain in (
-        ("qwen3_full_skew", engines.QWEN48_FP8),
-        ("deepseek_v3_skew", engines.DS3),
-        ("deepseek_skew", engines.DS2),
-        ("gpt_oss_skew", engines.GPT_OSS),
+        ("qwen3_full_skew", model_engines.QWEN48_FP8),
+        ("deepseek_v3_skew", model_engines.DS3),
+        ("deepseek_skew", model_engines.DS2),
+        ("gpt_oss_skew", model_engines.GPT_OSS),
     ):
         [phase] = phases.select([name])
         needed = checkpoints.with_sources(phase.checkpoints(), known)
@@ -641,5 +659,5 @@ def test_a_skewed_phase_alone_builds_its_plain_source_first() -> None:
     orphan = engines.Checkpoint("x-skew", arch="deepseek_v3", router_skew=1.0, experts_from="x")
     with pytest.raises(ValueError, match="x-skew takes its experts from x, which no phase"):
         checkpoints.with_sources([orphan], known)
-    for spec in engines.models(engines.DS2):  # bf16: DeepGEMM is not its path
+    for spec in model_engines.models(model_engines.DS2):  # bf16: DeepGEMM is not its path
         assert "VLLM_DEEP_GEMM_WARMUP" not in spec.env()

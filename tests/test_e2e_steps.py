@@ -25,6 +25,7 @@ from tools.vllm.harness import (
     child,
     engines,
     measure,
+    model_engines,
     orchestrate,
     phases,
     probe_lines,
@@ -1253,7 +1254,9 @@ def test_the_in_process_diagnostics_refuse_a_multiprocess_engine(
     installed: list[str] = []
     for name, hook in (("shadow", shadow), ("trace", trace), ("slot_watch", slot_watch)):
         monkeypatch.setattr(hook, "install", lambda name=name: installed.append(name))
-    spec = next(s for s in engines.models(engines.GPT_OSS) if s.caches)  # no scale guard
+    spec = next(
+        s for s in model_engines.models(model_engines.GPT_OSS) if s.caches
+    )  # no scale guard
     job = Job(spec, "/m", str(tmp_path), 30.0, **{option: True})
     child.install_hooks(job, multiprocess=False)
     # The trace brings the slot watch (both read over the first generation).
@@ -1274,7 +1277,7 @@ def test_the_scale_guard_is_installed_where_the_spec_asks(
     job's options; refused where the engine core runs in another process."""
     installed: list[str] = []
     monkeypatch.setattr(scale_guard, "install", lambda: installed.append("guard"))
-    by = {s.name.split(".", 2)[2]: s for s in engines.models(engines.GPT_OSS)}
+    by = {s.name.split(".", 2)[2]: s for s in model_engines.models(model_engines.GPT_OSS)}
     child.install_hooks(Job(by["nonebare.full"], "/m", str(tmp_path), 30.0), multiprocess=False)
     assert installed == []
     job = Job(by["none.full"], "/m", str(tmp_path), 30.0)
@@ -1309,7 +1312,7 @@ def test_run_diagnostics_reach_their_engines_jobs(
     assert asked[option] is flag
     runner = orchestrate.Run(tmp_path, tmp_path, time.time() + 60, False, lambda: True)
     setattr(runner, option, flag)
-    models = engines.models(engines.GPT_OSS)
+    models = model_engines.models(model_engines.GPT_OSS)
     assert any(not s.caches for s in models) and any(s.caches for s in models)
     for spec in models:
         wanted = flag and (spec.caches or option == "trace")

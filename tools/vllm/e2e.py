@@ -19,8 +19,8 @@ and ``export`` line, see docs/RUNNING.md), each under its own deadline and writi
 and, here, one summary of both: ``python3 tools/vllm/e2e.py merge --out merged
 A/results.json B/results.json`` (``merge`` needs no GPU and no vLLM).
 
-Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/engines.py`` and
-``harness/reruns.py`` their engines):
+Phases (``--help`` lists them; ``harness/phases.py`` defines them, ``harness/engines.py``,
+``harness/model_engines.py`` and ``harness/reruns.py`` their engines):
 
 * ``tiny``: a 2-layer, 16-expert, top-4 Qwen3-MoE with random weights; 4 token-id prompts x 32
   greedy tokens; eager and piecewise-graph modes; no cache, ``cached`` and ``row`` with the
@@ -159,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default="",
-        help="budgeted phases (steps, curve, fp8 and their _skew): these engines only, by "
-        "label (" + ", ".join(engines.BUDGETED_LABELS) + ")",
+        help="budgeted phases (steps, curve, fp8, the models and their _skew): these engines "
+        "only, by label (" + ", ".join(phases.BUDGETED_LABELS) + ")",
     )
     ap.add_argument(
         "--resume",
         action="store_true",
-        help="budgeted phases (steps, curve, fp8 and their _skew): skip the engines whose "
-        "complete records an earlier call on this machine left in WORK/records.jsonl (and "
-        "include them)",
+        help="budgeted phases (steps, curve, fp8, the models and their _skew): skip the "
+        "engines whose complete records an earlier call on this machine left in "
+        "WORK/records.jsonl (and include them)",
     )
     ap.add_argument(
         "--no-zygote",
@@ -205,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("merge needs one or more results.json or records.jsonl files")
         return orchestrate.merge(ns.inputs, ns.out)
     only = tuple(label for label in ns.only.split(",") if label)
-    unknown = sorted(set(only) - set(engines.BUDGETED_LABELS))
+    unknown = sorted(set(only) - set(phases.BUDGETED_LABELS))
     if unknown:
-        known = ", ".join(engines.BUDGETED_LABELS)
+        known = ", ".join(phases.BUDGETED_LABELS)
         ap.error(f"--only: unknown engines {unknown}; known: {known}")
     if ns.repeats is not None and ns.repeats < 1:
         ap.error(f"--repeats: must be at least 1, got {ns.repeats}")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, reruns
+from tools.vllm.harness import engines, model_engines, reruns
 from tools.vllm.harness.specs import Checkpoint, EngineSpec
 
 Results = dict[str, dict[str, Any]]
@@ -134,7 +134,7 @@ PHASES = (
         "DeepSeek-V2-Lite at full depth (27 layers, bf16), b1/b8 decode and 2,048-token TTFT: "
         "no offload (twice: the control), row (device planner) and UVA at about a quarter and a "
         "half of the routed experts on the GPU (full graphs)",
-        lambda _results: engines.models(engines.DS2),
+        lambda _results: model_engines.models(model_engines.DS2),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -142,7 +142,7 @@ PHASES = (
         "deepseek_skew",
         "the same on the skewed DeepSeek-V2-Lite (--router-skew 1.0; its expert shards "
         "hard-linked from the plain checkpoint's)",
-        lambda _results: engines.models(engines.DS2_SKEW),
+        lambda _results: model_engines.models(model_engines.DS2_SKEW),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -150,14 +150,14 @@ PHASES = (
         "deepseek_v3",
         "the DeepSeek-V3 architecture at reduced width and depth (12 layers, 256 experts in 8 "
         "groups, FP8 blocks), the engines of deepseek",
-        lambda _results: engines.models(engines.DS3),
+        lambda _results: model_engines.models(model_engines.DS3),
         one_at_a_time=True,
         budgeted=True,
     ),
     Phase(
         "deepseek_v3_skew",
         "the same on the skewed reduced DeepSeek-V3 (--router-skew 1.0)",
-        lambda _results: engines.models(engines.DS3_SKEW),
+        lambda _results: model_engines.models(model_engines.DS3_SKEW),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -165,7 +165,7 @@ PHASES = (
         "qwen3_full",
         "Qwen3-30B-A3B at full depth (48 layers) in block FP8, 27 GiB of experts: the engines "
         "of deepseek (row at 32 and 64 slots, UVA keeping 12 and 24 layers)",
-        lambda _results: engines.models(engines.QWEN48_FP8),
+        lambda _results: model_engines.models(model_engines.QWEN48_FP8),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -173,7 +173,7 @@ PHASES = (
         "qwen3_full_skew",
         "the same on the skewed full-depth Qwen3-30B-A3B (--router-skew 1.0; its expert shards "
         "hard-linked from the plain checkpoint's)",
-        lambda _results: engines.models(engines.QWEN48_FP8_SKEW),
+        lambda _results: model_engines.models(model_engines.QWEN48_FP8_SKEW),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -182,7 +182,7 @@ PHASES = (
         "gpt-oss-20b at full depth (24 layers, 32 MXFP4 experts, top-4), every engine on "
         "vLLM's triton_unfused MXFP4 backend: the engines of deepseek (row at 8 and 16 "
         "slots, UVA keeping 6 and 12 layers)",
-        lambda _results: engines.models(engines.GPT_OSS),
+        lambda _results: model_engines.models(model_engines.GPT_OSS),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -190,7 +190,7 @@ PHASES = (
         "gpt_oss_skew",
         "the same on the skewed gpt-oss-20b (--router-skew 1.0; its expert shards hard-linked "
         "from the plain checkpoint's)",
-        lambda _results: engines.models(engines.GPT_OSS_SKEW),
+        lambda _results: model_engines.models(model_engines.GPT_OSS_SKEW),
         one_at_a_time=True,
         budgeted=True,
     ),
@@ -218,3 +218,14 @@ def select(names: list[str]) -> list[Phase]:
     if unknown:
         raise SystemExit(f"unknown phases {unknown}; known: {', '.join(sorted(known))}")
     return [phase for phase in PHASES if phase.name in names]
+
+
+BUDGETED_LABELS = tuple(
+    dict.fromkeys(
+        engines.STEPS_LABELS
+        + engines.curve_labels()
+        + engines.FP8_LABELS
+        + model_engines.models_labels_all()
+    )
+)
+"""Every label ``run --only`` takes (the budgeted phases' engines after their prefix)."""

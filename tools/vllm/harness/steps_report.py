@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.vllm.harness import engines, kernel_profile, probe_lines
+from tools.vllm.harness import engines, kernel_profile, model_engines, probe_lines
 from tools.vllm.harness.phases import Results
 
 Sequences = list[list[int]]
@@ -521,9 +521,9 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     first token <= 0.8 x UVA's; the half budget's ratios beside them (no target); tokens of
     every engine identical to no offload at b1, b8 and on the prompts; every cache engine's
     slots exact."""
-    checkpoint = next(c for c, p in engines.MODELS_PREFIX.items() if p == prefix)
-    budget = engines.MODEL_BUDGETS[checkpoint]
-    row_q, uva_q, row_h, uva_h = engines.model_roles(budget)
+    checkpoint = next(c for c, p in model_engines.MODELS_PREFIX.items() if p == prefix)
+    budget = model_engines.MODEL_BUDGETS[checkpoint]
+    row_q, uva_q, row_h, uva_h = model_engines.model_roles(budget)
     factor = 3.0 if checkpoint.router_skew else 1.3
     wanted = [
         ("b1", uva_q, factor, True, row_q),
@@ -547,7 +547,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             f"  (UVA on vLLM's {baseline.backend} MoE backend, where it offloads this "
             "model's experts; the cache and its reference on the backend it serves)",
         )
-    quarter = budget.slots(engines.QUARTER)
+    quarter = budget.slots(model_engines.QUARTER)
     lfu, raw = engines.lfu_label(quarter), engines.lfu_raw_label(quarter)
     if budget.planes:
         versus = [("b1", lfu, 1.0, True, raw), ("b1", uva_q, 1.0, True, raw)]
@@ -559,14 +559,14 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             lines += found
     lines += offloaded_lines(results, prefix, budget)
     lines += link_lines(results, prefix, budget)
-    eager = engines.eager_label(budget.slots(engines.HALF))  # on demand only
+    eager = model_engines.eager_label(budget.slots(model_engines.HALF))  # on demand only
     cached = (row_q, row_h, lfu, *((raw,) if budget.planes else ()), eager)
-    controls = engines.controls(budget)
+    controls = model_engines.controls(budget)
     checked = control_check(results, prefix, controls)
     for label in controls:
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"))
         lines += [line] if line is not None else []
-    bare = (engines.BARE_REFERENCE,) if budget.scale_guard else ()  # on demand only
+    bare = (model_engines.BARE_REFERENCE,) if budget.scale_guard else ()  # on demand only
     for label in (uva_q, uva_h, *cached, *bare):
         line = _tokens(results, prefix, label, ("b1", "b8", "ttft"), checked)
         lines += [line] if line is not None else []
@@ -590,7 +590,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
             probe_lines.slot_watch_line,
             probe_lines.expert_bytes_line,
         )
-    references = ("none.full", *bare, *controls, engines.EAGER_REFERENCE)
+    references = ("none.full", *bare, *controls, model_engines.EAGER_REFERENCE)
     for label in (*references, *cached):
         lines += probe_lines.of_record(
             results.get(f"{prefix}.{label}"),
@@ -601,7 +601,7 @@ def models_targets(results: Results, prefix: str) -> list[str]:
     return [f"targets ({prefix}, issue 34):", *lines] if lines else []
 
 
-def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
+def link_lines(results: Results, prefix: str, budget: model_engines.ModelBudget) -> list[str]:
     """Where each engine's b1 token goes over the link (no target), measured against its
     no-offload reference of the same run: a cache engine's misses a token (the decode prompt's
     prefill included) times the host bytes of one expert (the probe's expert host bytes over its
@@ -619,8 +619,8 @@ def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> li
         if found is not None:
             moved[name[len(prefix) + 1 :]], line = found
             lines.append(line)
-    row_q, uva_q, row_h, uva_h = engines.model_roles(budget)
-    quarter = budget.slots(engines.QUARTER)
+    row_q, uva_q, row_h, uva_h = model_engines.model_roles(budget)
+    quarter = budget.slots(model_engines.QUARTER)
     pairs = [(row_q, uva_q), (row_h, uva_h), (engines.lfu_label(quarter), uva_q)]
     pairs += [(engines.lfu_raw_label(quarter), uva_q)] if budget.planes else []
     for cache, uva in pairs:
@@ -633,7 +633,11 @@ def link_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> li
 
 
 def _b1_link(
-    results: Results, prefix: str, name: str, record: dict[str, Any], budget: engines.ModelBudget
+    results: Results,
+    prefix: str,
+    name: str,
+    record: dict[str, Any],
+    budget: model_engines.ModelBudget,
 ) -> tuple[float, str] | None:
     """The bytes an engine's b1 decode token moves over the link and its line
     (:func:`link_lines`); None for an engine that moves none, or without the figures, or whose
@@ -682,7 +686,7 @@ def _b1_link(
     return moved, line + " (no target)"
 
 
-def _kept_beyond_offload(record: dict[str, Any], budget: engines.ModelBudget) -> bool | None:
+def _kept_beyond_offload(record: dict[str, Any], budget: model_engines.ModelBudget) -> bool | None:
     """For a UVA engine whose experts the probe counted: whether it kept more of them on the
     GPU than its ``cpu_offload_gb`` leaves (vLLM offloaded less than asked); None for any other
     engine, or one not probed."""
@@ -696,7 +700,7 @@ def _kept_beyond_offload(record: dict[str, Any], budget: engines.ModelBudget) ->
     return bool(kept > allowed * 1.01)
 
 
-def offloaded_lines(results: Results, prefix: str, budget: engines.ModelBudget) -> list[str]:
+def offloaded_lines(results: Results, prefix: str, budget: model_engines.ModelBudget) -> list[str]:
     """A line for every UVA engine of ``prefix`` that kept more of the experts on the GPU than
     its ``cpu_offload_gb`` leaves (vLLM offloaded less than asked, or nothing: on gpt-oss's
     triton_unfused backend the swizzled experts are new GPU tensors that nothing offloads
