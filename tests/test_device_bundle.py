@@ -8,7 +8,6 @@ import io
 import lzma
 import math
 import os
-import re
 import subprocess
 import sys
 import tarfile
@@ -19,10 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_bundle.sh"
-_COUNT = re.search(r"COUNT=\$\{BUNDLE_PIECES:-(\d+)\}", SCRIPT.read_text())
-assert _COUNT is not None
-PIECES = int(_COUNT.group(1))
-"""How many pieces ``split`` cuts by default (the script's own number)."""
+PIECES = 5
+"""How many pieces the tests ask ``split`` for (``BUNDLE_PIECES``), outside a git checkout."""
 PARTS = ("core.tar.xz.partaa", "core.tar.xz.partab", "core.tar.xz.partac")
 
 CALL_LIMIT = 64 << 20
@@ -32,6 +29,8 @@ BUNDLE_BYTES = 127_402_888
 SMALL_PATHS = 3 << 20
 """What the last piece's call carries beside it: the rowcache wheel, the manifest and the two
 FP8 wheels (0.5 MiB), or `vllm serve`'s seven wheels (1.0 MiB), with room to spare."""
+MARGIN = 1 << 20
+"""The script's margin for records committed after the pieces are cut (``BUNDLE_MARGIN``)."""
 
 
 def _bundle(gpu: Path, payload: bytes, packed: bool = True, vllm: bool = True) -> None:
@@ -60,6 +59,7 @@ def _run(cmd: str, tmp: Path, *args: str, **env: str) -> subprocess.CompletedPro
         "BUNDLE_GPU": str(tmp / ".gpu"),
         "BUNDLE_VP": str(tmp / "vp"),
         "BUNDLE_SITE": str(tmp / "site"),
+        "BUNDLE_PIECES": str(PIECES),
         **env,
     }
     return subprocess.run(
@@ -79,9 +79,9 @@ def bundle(tmp_path: Path) -> tuple[Path, bytes]:
     return tmp_path, payload
 
 
-def _largest_piece(size: int) -> int:
+def _largest_piece(size: int, pieces: int = PIECES) -> int:
     """``split -n`` cuts ``size // N`` bytes a piece and gives the remainder to the last."""
-    return size // PIECES + size % PIECES
+    return size // pieces + size % pieces
 
 
 def _arrive(tmp: Path, skip: str = "") -> list[Path]:
@@ -213,8 +213,9 @@ def test_split_without_a_bundle_says_how_to_build_one(tmp_path: Path) -> None:
 
 
 def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
-    """The tracked files (the raw outputs under docs/ grow with every record) plus the largest
-    piece and the small paths of the last call stay within one call's 64 MiB."""
+    """The checkout that travels (the raw outputs under docs/ grow with every record) plus the
+    largest of at most nine pieces, the small paths of the last call and the script's margin
+    stay within one call's 64 MiB: ``split`` can cut the real bundle."""
     listed = subprocess.run(  # what a call carries: tracked, and untracked but not ignored
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -222,13 +223,74 @@ def test_a_piece_fits_one_device_call_beside_the_checkout() -> None:
         check=True,
     ).stdout.split(b"\0")
     paths = [ROOT / os.fsdecode(name) for name in listed if name]
-    tracked = sum(path.stat().st_size for path in paths if path.exists())
-    piece = _largest_piece(BUNDLE_BYTES)
-    assert tracked + piece + SMALL_PATHS <= CALL_LIMIT, (
-        f"tracked files {tracked:,} B + a piece {piece:,} B + {SMALL_PATHS:,} B exceed one "
-        f"device call's {CALL_LIMIT:,} B: cut the bundle into more pieces (BUNDLE_PIECES) or "
-        "pack the raw outputs"
+    checkout = sum(path.stat().st_size for path in paths if path.exists())
+    piece = _largest_piece(BUNDLE_BYTES, 9)
+    assert checkout + piece + SMALL_PATHS + MARGIN <= CALL_LIMIT, (
+        f"the checkout {checkout:,} B + the largest of nine pieces {piece:,} B + {SMALL_PATHS:,} B "
+        f"+ {MARGIN:,} B exceed one device call's {CALL_LIMIT:,} B: pack the raw outputs"
     )
+
+
+def _checkout(tmp: Path, tracked: int, untracked: int = 0) -> None:
+    """A git checkout in ``tmp`` that ignores the bundle's folders: ``tracked`` bytes staged,
+    ``untracked`` bytes in a file git neither tracks nor ignores."""
+    (tmp / ".gitignore").write_text("/.gpu/\n/vp/\n/site/\n")
+    (tmp / "data.bin").write_bytes(b"d" * (tracked - len("/.gpu/\n/vp/\n/site/\n")))
+    subprocess.run(["git", "init", "-q"], cwd=tmp, check=True)
+    subprocess.run(["git", "add", ".gitignore", "data.bin"], cwd=tmp, check=True)
+    if untracked:
+        (tmp / "notes.txt").write_bytes(b"n" * untracked)
+
+
+def _fewest(tmp: Path, limit: int) -> subprocess.CompletedProcess[str]:
+    return _run("split", tmp, BUNDLE_PIECES="", BUNDLE_CALL_LIMIT=str(limit))
+
+
+@pytest.mark.parametrize("untracked", [0, 5_000])
+def test_split_cuts_the_fewest_pieces_that_fit_beside_the_checkout(
+    bundle: tuple[Path, bytes], untracked: int
+) -> None:
+    """Unset ``BUNDLE_PIECES``: the fewest pieces whose largest fits the call's limit beside
+    what travels (tracked and untracked-not-ignored files), the last call's small paths and
+    the margin; the limit met exactly still fits, a byte less takes one piece more."""
+    tmp, _ = bundle
+    _checkout(tmp, 40_000, untracked)
+    whole = sum((tmp / ".gpu" / "parts" / n).stat().st_size for n in PARTS)
+    small = sum(f.stat().st_size for f in (tmp / ".gpu" / "tools").iterdir())
+    travels = 40_000 + untracked
+    exact = travels + _largest_piece(whole, 3) + small + MARGIN
+    out = _fewest(tmp, exact)
+    assert out.returncode == 0, out.stderr
+    assert len(list((tmp / ".gpu" / "pieces").iterdir())) == 3
+    assert f"3 pieces: the checkout {travels} B" in out.stderr
+    (tmp / ".gpu" / "tools" / "PIECES").unlink()  # the small paths as they were for `exact`
+    out = _fewest(tmp, exact - 1)
+    assert out.returncode == 0, out.stderr
+    pieces = _arrive(tmp)
+    assert [p.name for p in pieces] == [f"core.tar.xz.piece{i}" for i in range(4)]
+    assert len((tmp / ".gpu" / "tools" / "PIECES").read_text().splitlines()) == 4
+    assert _run("join", tmp).returncode == 0
+
+
+def test_split_says_when_no_count_fits_and_leaves_the_pieces(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    _checkout(tmp, 40_000)
+    assert _run("split", tmp, BUNDLE_PIECES="2").returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp / ".gpu" / "pieces").iterdir()}
+    out = _fewest(tmp, 40_000 + MARGIN)  # no room beside the checkout for any piece
+    assert out.returncode == 2
+    assert "even 9 pieces do not fit" in out.stderr and f"<= {40_000 + MARGIN}" not in out.stderr
+    assert "the checkout 40000 B" in out.stderr
+    assert {p.name: p.read_bytes() for p in (tmp / ".gpu" / "pieces").iterdir()} == before
+    assert not (tmp / ".gpu" / "pieces.new").exists()
+
+
+def test_split_outside_a_checkout_asks_for_a_count(bundle: tuple[Path, bytes]) -> None:
+    tmp, _ = bundle
+    out = _fewest(tmp, CALL_LIMIT)
+    assert out.returncode == 2
+    assert "not in a git checkout" in out.stderr and "BUNDLE_PIECES" in out.stderr
+    assert not (tmp / ".gpu" / "pieces").exists() and not (tmp / ".gpu" / "pieces.new").exists()
 
 
 def test_setup_stops_where_pip_fails(bundle: tuple[Path, bytes]) -> None:
