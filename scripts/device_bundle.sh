@@ -51,8 +51,10 @@ checkout_bytes() {
   git rev-parse --is-inside-work-tree > /dev/null 2>&1 \
     || die "not in a git checkout, so what a call carries cannot be measured: run split in the checkout, or set BUNDLE_PIECES"
   local total=0 size
+  # From the top: `git ls-files` lists only the folder it runs in.
   while read -r size; do total=$((total + size)); done < <(
-    git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s -- 2> /dev/null || true)
+    cd "$(git rev-parse --show-toplevel)" \
+      && { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s -- 2> /dev/null || true; })
   echo "$total"
 }
 
