@@ -1,7 +1,8 @@
 """The parts of ``tools/vllm/e2e.py``, one job each.
 
 * ``specs``: what an engine is (typed: mode, plugin knob, checkpoint, workload, memory).
-* ``engines``, ``reruns``: the engines of each phase; ``phases``: the phases, in run order.
+* ``engines``, ``model_engines`` (the models phases), ``reruns``: the engines of each phase;
+  ``phases``: the phases, in run order, and the labels ``run --only`` takes.
 * ``checkpoints``: building the random-weight checkpoints.
 * ``orchestrate``: ``run`` (engines as child processes, phase by phase) and ``merge``.
 * ``child``: what runs inside one engine's process; ``probes``: what it runs where the model is;
