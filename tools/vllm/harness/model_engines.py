@@ -1,6 +1,8 @@
-"""The engines of the models phases (``ds2lite``, ``ds3``, ``qwen48fp8``, ``gpt_oss`` and their
-``_skew``): full-depth models people offload, each at two budgets against vLLM's UVA offload
-at the same expert memory, and their checkpoints (issue 34)."""
+"""The engines of the models phases (``deepseek``, ``deepseek_v3``, ``qwen3_full``, ``gpt_oss``
+and their ``_skew``) and their checkpoints: the models people offload (DeepSeek-V2-Lite, the
+DeepSeek-V3 architecture at reduced depth, Qwen3-30B-A3B's shapes at full depth in block FP8,
+gpt-oss-20b), each at two budgets against vLLM's UVA offload at the same expert memory
+(issue 34)."""
 
 from __future__ import annotations
 
