@@ -94,3 +94,28 @@ def test_a_run_that_fails_is_a_finding_written_with_its_reason(
     assert (
         "--experts must be 2 or more (tokens route to the last two): 1" in capsys.readouterr().err
     )
+
+
+def test_the_scales_are_placed_before_the_bytes_the_cases_set() -> None:
+    # vLLM 0.25.0's Hopper swizzle at gpt-oss's w13 shape: the .mT of a contiguous tensor.
+    storage = torch.randint(0, 256, (2, 184, 2880), dtype=torch.uint8).mT
+    placed, tail = scale_overread.place_before_tail(storage)
+    assert torch.equal(placed, storage)
+    assert placed.stride() == storage.stride() == (529920, 1, 2880)
+    assert tail.numel() == scale_overread.GUARD_BYTES and not tail.any()
+    # The tail starts at the storage's last byte + 1, where the kernel's last step reads.
+    assert tail.data_ptr() == placed.data_ptr() + storage.numel()
+
+
+@pytest.mark.parametrize(
+    ("storage", "words"),
+    [
+        (torch.zeros(2, 2880, 184, dtype=torch.uint8), "not the .mT of a contiguous tensor"),
+        (torch.zeros(2, 184, 2880, dtype=torch.float32).mT, "torch.float32 of 3 dimensions"),
+        (torch.zeros(64, dtype=torch.uint8), "torch.uint8 of 1 dimensions"),
+    ],
+)
+def test_another_scale_layout_is_named(storage: torch.Tensor, words: str) -> None:
+    with pytest.raises(RuntimeError, match="another vLLM layout") as raised:
+        scale_overread.place_before_tail(storage)
+    assert words in str(raised.value)

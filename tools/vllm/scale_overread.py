@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CASES", "GUARD_BYTES", "main", "nan_cells", "verdict"]
+__all__ = ["CASES", "GUARD_BYTES", "main", "nan_cells", "place_before_tail", "verdict"]
 
 GUARD_BYTES = 4096
 """Bytes after the scale storage that the cases set."""
@@ -56,6 +56,32 @@ CASES = ("zeros", "finite", "ff", "ff_first_32", "ff_last_32", "ff_past_guard")
 
 SAME_AS_ZEROS = ("finite", "ff_past_guard")
 """The cases whose outputs the reading says are ``zeros``'s bits."""
+
+
+def place_before_tail(storage: Any) -> tuple[Any, Any]:
+    """A copy of the swizzled scale storage at the start of a zeroed buffer of
+    ``GUARD_BYTES`` more, with the same shape and strides, and those bytes after it.
+
+    The storage must be dense uint8 laid out as the ``.mT`` of a contiguous tensor (vLLM
+    0.25.0's Hopper swizzle); any other layout is named, since the bytes "past the end" would
+    then not be the ones the kernel's last step reads."""
+    import torch
+
+    if storage.dtype != torch.uint8 or storage.dim() < 2:
+        raise RuntimeError(
+            f"the swizzled scales are {storage.dtype} of {storage.dim()} dimensions, not uint8 "
+            f"of 2 or more: another vLLM layout"
+        )
+    size = storage.numel()
+    backing = torch.zeros(size + GUARD_BYTES, dtype=torch.uint8, device=storage.device)
+    placed = backing[:size].view(storage.mT.shape).mT
+    if placed.stride() != storage.stride():
+        raise RuntimeError(
+            f"the swizzled scales are not the .mT of a contiguous tensor (shape "
+            f"{tuple(storage.shape)}, strides {storage.stride()}): another vLLM layout"
+        )
+    placed.copy_(storage)
+    return placed, backing[size:]
 
 
 def nan_cells(output: Any) -> list[tuple[int, int]]:
@@ -128,17 +154,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     logits = torch.randn(tokens, experts, generator=gen)
     w, flex, w_scale = _swizzle_mxfp4(values.to(device), scales.to(device), num_warps=8)
     storage = w_scale.storage.data
-    size = storage.numel()  # uint8, dense: the .mT of a contiguous tensor
-    backing = torch.zeros(size + GUARD_BYTES, dtype=torch.uint8, device=device)
-    placed = backing[:size].view(storage.mT.shape).mT
-    if placed.stride() != storage.stride():
-        raise RuntimeError(
-            f"the swizzled scales are not the .mT of a contiguous tensor (shape "
-            f"{tuple(storage.shape)}, strides {storage.stride()}): another vLLM layout"
-        )
-    placed.copy_(storage)
+    size = storage.numel()
+    placed, tail = place_before_tail(storage)
     w_scale.storage.data = placed
-    tail = backing[size:]
     ids = torch.arange(experts - top_k, experts, dtype=torch.int32)[None, :].repeat(tokens, 1)
     routing, gather, _ = routing_torch(logits.to(device), top_k, expt_indx=ids.to(device))
     precision = PrecisionConfig(weight_scale=w_scale, flex_ctx=FlexCtx(rhs_data=flex))
