@@ -544,6 +544,31 @@ def test_a_resumed_call_s_records_keep_earlier_engines_it_does_not_run(
     assert records[1]["partial"] and records[2].get("ok")
 
 
+def test_a_resumed_call_judges_its_engines_against_earlier_calls_references(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A call that runs only the control and a cache engine (``--only``) after an earlier call
+    ran their reference: its results hold the reference's record, so its summary judges the
+    tokens (gpt-oss, 2026-12-07: call 5's summary said "not measured" for identical tokens)."""
+    out, work, _clock, given = _fake_budget(tmp_path, monkeypatch)
+    phase = next(p for p in phases.PHASES if p.name == "steps")
+    specs = phase.engines({})
+    none = next(s for s in specs if s.name.endswith(".none.full"))
+    done = {none.name: _fake_result(none, [[1, 2]] * 32)}
+    only = ("none2.full", "row32dev.full")
+    run = orchestrate.Run(out, work, 900.0, False, lambda: True, only=only, done=done)
+    results = run.phase(phase, specs)
+    assert [n for n, _ in given] == ["steps.plain.none2.full", "steps.plain.row32dev.full"]
+    assert list(results) == [none.name, *(n for n, _ in given)]
+    assert results[none.name] is done[none.name]
+    lines = steps_report.targets(results, "steps.plain")
+    assert lines[1:] == [
+        "  tokens none2.full identical to no offload (the control: a second no-offload "
+        "engine): met",
+        "  tokens row32dev.full identical to no offload: met",
+    ]
+
+
 def test_the_first_engine_that_starts_gets_the_first_engines_time(
     tmp_path: Path, monkeypatch: Any
 ) -> None:

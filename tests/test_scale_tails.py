@@ -65,3 +65,45 @@ def test_the_end_follows_the_strides() -> None:
     assert scale_tails.storage_end(plain) == 30
     assert scale_tails.storage_end(plain.mT) == 30  # the same bytes, other strides
     assert scale_tails.storage_end(base[4:].as_strided((2, 3), (6, 1), 4)) == 4 + 6 + 3
+
+
+def _kernel_module(monkeypatch: Any, interpret: bool) -> Any:
+    """``scale_tails_kernel`` decorated afresh, for the GPU's compiler or Triton's interpreter
+    (``triton.jit`` chooses when it decorates)."""
+    import importlib
+
+    from tools.vllm.harness import scale_tails_kernel
+
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return importlib.reload(scale_tails_kernel)
+
+
+def test_the_reading_kernel_compiles_for_hopper(monkeypatch: Any) -> None:
+    """Compiled for SM90 here, without a GPU: the whole of Triton's front end, where an
+    annotation it cannot resolve stops the kernel (as it stopped on the GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    kernel = _kernel_module(monkeypatch, interpret=False).peek_kernel
+    source = ASTSource(
+        fn=kernel,
+        signature={"src": "*u8", "out": "*u8", "start": "i32", "n": "constexpr"},
+        constexprs={"n": scale_tails.TAIL_BYTES},
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "ld.global" in compiled.asm["ptx"]
+
+
+def test_the_reading_kernel_reads_past_the_tensor(monkeypatch: Any) -> None:
+    """Under Triton's interpreter: the bytes from ``start`` on, past the tensor's end into the
+    storage behind it, as the launcher reads them."""
+    _kernel_module(monkeypatch, interpret=True)
+    try:
+        raw = torch.arange(200, dtype=torch.uint8)[:100]
+        assert scale_tails._read_on_cuda(raw, 90, 64) == list(range(90, 154))
+    finally:
+        _kernel_module(monkeypatch, interpret=False)

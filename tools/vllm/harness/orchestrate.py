@@ -417,12 +417,16 @@ class Run:
 
     def budgeted(self, specs: list[EngineSpec]) -> Results:
         """One engine at a time, each by its :func:`engine_deadline`; every record appended to
-        WORK/records.jsonl and OUT/records.jsonl, and the logs packed, as soon as it ends."""
-        results: Results = {}
+        WORK/records.jsonl and OUT/records.jsonl, and the logs packed, as soon as it ends.
+
+        The results hold, besides the engines ``--only`` names, every engine of the phase an
+        earlier call completed (``--resume``): the summary judges this call's engines against
+        their references and controls wherever those ran."""
+        # Earlier calls' engines first, in the phase's order, as one call would have run them.
+        results: Results = {s.name: self.done[s.name] for s in specs if s.name in self.done}
         specs = self.picked(specs)
         for i, spec in enumerate(specs):
             if spec.name in self.done:
-                results[spec.name] = self.done[spec.name]
                 continue
             later = [s.time_once_s for s in specs[i + 1 :] if s.name not in self.done]
             extra = 0.0

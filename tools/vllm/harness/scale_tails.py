@@ -50,16 +50,11 @@ def _read_on_cuda(raw: Any, start: int, count: int) -> list[int]:
     """``count`` bytes of ``raw``'s memory from byte ``start`` on, past its end if need be
     (``raw``: a uint8 tensor over a whole storage), loaded as the matmul loads them."""
     import torch
-    import triton
-    import triton.language as tl
 
-    @triton.jit  # type: ignore[untyped-decorator, unused-ignore]
-    def peek(src: Any, out: Any, start: Any, n: tl.constexpr) -> None:
-        offsets = tl.arange(0, n)
-        tl.store(out + offsets, tl.load(src + start + offsets))
+    from tools.vllm.harness.scale_tails_kernel import peek_kernel
 
     out = torch.empty(count, dtype=torch.uint8, device=raw.device)
-    peek[(1,)](raw, out, start, n=count)
+    peek_kernel[(1,)](raw, out, start, n=count)
     return [int(v) for v in out.tolist()]
 
 
