@@ -70,7 +70,10 @@ def jit_kernel(module: str, name: str) -> JITFunction[Any]:
 
 def compile_sm90(kernel: JITFunction[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``kernel`` compiled for SM90 for one launch's arguments (tensors by their dtype, other
-    runtime values by their type, constexprs by value, defaults where the launch gives none)."""
+    runtime values by their type, constexprs by value, defaults where the launch gives none).
+    A launch on the GPU also specializes integers equal to 1 or divisible by 16, and pointers'
+    alignment, where the kernel allows it; this compiles the general kernel, through the same
+    front end."""
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in LAUNCH_OPTIONS if key in kwargs}
     bound = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
