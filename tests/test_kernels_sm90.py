@@ -1,9 +1,9 @@
-"""Every Triton kernel of rowcache compiled for Hopper (SM90) here, for the arguments its
-launcher passes (``sm90_compile``): what Triton's interpreter, which the other kernel tests run
-under, never checks. The launchers run on CPU tensors with the kernel replaced by a recorder;
-the kernel is then compiled for each launch kept. A kernel the front end cannot compile is
-shown to fail here (an annotation it cannot resolve, as the scale-tails reader's once did on
-the GPU)."""
+"""Every Triton kernel of rowcache and of its vLLM harness compiled for Hopper (SM90) here,
+for the arguments its launcher passes (``sm90_compile``): what Triton's interpreter, which the
+other kernel tests run under, never checks. The launchers run on CPU tensors with the kernel
+replaced by a recorder; the kernel is then compiled for each launch kept. A kernel the front
+end cannot compile is shown to fail here (an annotation it cannot resolve, as the scale-tails
+reader's once did on the GPU)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from rowcache.compress import encode, triton_decode
 from rowcache.device_plan import kernels
 from rowcache.device_plan import triton_kernels as plan_module
 from rowcache.device_plan.state import new_state
+from tools.vllm.harness import scale_tails, scale_tails_kernel
 
 CPU = torch.device("cpu")
 
@@ -102,6 +103,17 @@ def test_the_link_bench_read_compiles(cache: str) -> None:
     (launch,) = recorder.launches
     ptx = _compiled("rowcache.bench.link_kernel", "read_kernel", launch)
     assert f"ld.global{cache}" in ptx
+
+
+def test_the_scale_tails_reader_compiles() -> None:
+    """The harness's reader of the bytes past gpt-oss's weight scales, for the launch its
+    launcher makes (annotated, it once stopped on the GPU: the test below)."""
+    raw = torch.zeros(100, dtype=torch.uint8)
+    with recording(scale_tails_kernel, "peek_kernel") as recorder:
+        scale_tails._read_on_cuda(raw, 90, scale_tails.TAIL_BYTES)
+    (launch,) = recorder.launches
+    ptx = _compiled("tools.vllm.harness.scale_tails_kernel", "peek_kernel", launch)
+    assert "ld.global" in ptx
 
 
 def test_a_kernel_the_front_end_cannot_compile_fails_here(tmp_path: Any, monkeypatch: Any) -> None:

@@ -81,27 +81,6 @@ def _kernel_module(monkeypatch: Any, interpret: bool) -> Any:
     return importlib.reload(scale_tails_kernel)
 
 
-def test_the_reading_kernel_compiles_for_hopper(monkeypatch: Any) -> None:
-    """Compiled for SM90 here, without a GPU, for the launch its launcher makes: the whole of
-    Triton's front end, where an annotation it cannot resolve stopped it on the GPU
-    (tests/sm90_compile.py)."""
-    from sm90_compile import compile_sm90, jit_kernel, recording
-
-    from tools.vllm.harness import scale_tails_kernel
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    # A load and a store: no arithmetic for floating-point fusion to change (Triton 3.9 warns
-    # while it is unset).
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    raw = torch.zeros(100, dtype=torch.uint8)
-    with recording(scale_tails_kernel, "peek_kernel") as recorder:
-        scale_tails._read_on_cuda(raw, 90, scale_tails.TAIL_BYTES)
-    (launch,) = recorder.launches
-    kernel = jit_kernel("tools.vllm.harness.scale_tails_kernel", "peek_kernel")
-    compiled = compile_sm90(kernel, *launch)
-    assert "ld.global" in compiled.asm["ptx"]
-
-
 def test_the_reading_kernel_reads_past_the_tensor(monkeypatch: Any) -> None:
     """Under Triton's interpreter: the bytes from ``start`` on, past the tensor's end into the
     storage behind it, as the launcher reads them."""
